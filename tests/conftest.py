@@ -1,0 +1,48 @@
+"""One local Ray on loopback for the whole test session, plus a data-plane service.
+
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 must be set before Ray starts so it binds
+127.0.0.1 instead of the machine's external address.
+"""
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+RAY_NUM_CPUS = 8  # logical: actors need slots even when idle; the machine has 2 cores
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=RAY_NUM_CPUS,
+            include_dashboard=False,
+            namespace="dataplane-tests",
+            log_to_driver=False,
+            object_store_memory=2 * (1 << 30),
+        )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def service(ray_session):
+    """A data-plane service shared by the test session (tests use their own partitions)."""
+    from dataplane_client.config import DataPlaneConfig
+    from dataplane_server import start
+
+    handle = start(DataPlaneConfig(name="dp-tests", num_storage_units=2))
+    yield handle
+    handle.shutdown()
+
+
+@pytest.fixture(scope="session")
+def client(service):
+    return service.client()
