@@ -1,0 +1,108 @@
+"""Start a data-plane service in the current Ray cluster and hand back a handle.
+
+``start()`` with no Ray running brings up the embedded default: a local Ray on
+loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps it off external addresses).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from dataplane_client.client import DataPlaneClient, connect
+from dataplane_client.config import DataPlaneConfig
+from dataplane_server.controller import Controller
+from dataplane_server.storage_unit import StorageUnit
+
+# Fixed mmap threshold: large arenas come from mmap and go back to the OS when
+# cleared (glibc's sliding threshold would otherwise keep freed arenas on the heap).
+_UNIT_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576"}
+
+
+def ensure_local_ray(num_cpus: int | None = None) -> None:
+    """The embedded default: a local single-node Ray bound to 127.0.0.1."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(num_cpus=num_cpus or max(8, os.cpu_count() or 1), include_dashboard=False,
+             log_to_driver=False)
+
+
+def _unit_nodes(count: int) -> list[str | None]:
+    """Spread units over alive nodes round-robin (None = let Ray pick)."""
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    return [nodes[i % len(nodes)] for i in range(count)] if nodes else [None] * count
+
+
+@dataclass
+class ServiceHandle:
+    config: DataPlaneConfig
+    controller: Any
+    units: list
+    admin: Any = None
+    admin_address: str | None = None
+    metrics_address: str | None = None
+    _clients: list = field(default_factory=list)
+
+    def client(self) -> DataPlaneClient:
+        c = connect(self.config.name, self.config.namespace)
+        self._clients.append(c)
+        return c
+
+    def drain(self) -> None:
+        """Stop taking new work: health goes NOT_SERVING; in-flight calls finish."""
+        ray.get(self.controller.set_draining.remote(True))
+        if self.admin is not None:
+            ray.get(self.admin.drain.remote())
+
+    def shutdown(self) -> None:
+        if self.admin is not None:
+            try:
+                ray.get(self.admin.stop.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - best effort: the actor is killed next anyway
+                pass
+        for actor in [self.admin, self.controller, *self.units]:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        self.admin = None
+        self.units = []
+
+
+def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
+    """Start controller, storage units (and the admin endpoint) in the current cluster."""
+    if config is None or isinstance(config, dict):
+        config = DataPlaneConfig.from_dict(config)
+    ensure_local_ray()
+    units = []
+    for i, node in enumerate(_unit_nodes(config.num_storage_units)):
+        strategy = NodeAffinitySchedulingStrategy(node, soft=True) if node else "DEFAULT"
+        units.append(StorageUnit.options(
+            name=f"{config.name}-unit-{i}", namespace=config.namespace, num_cpus=config.unit_num_cpus,
+            scheduling_strategy=strategy, runtime_env={"env_vars": _UNIT_ENV}, max_concurrency=1000,
+        ).remote(i, config.unit_capacity_bytes, config.put_wait_timeout_s))
+    controller = Controller.options(
+        name=config.name, namespace=config.namespace, num_cpus=config.controller_num_cpus,
+        max_concurrency=10_000,
+    ).remote(config.to_dict())
+    ray.get(controller.attach_units.remote(units))
+    handle = ServiceHandle(config=config, controller=controller, units=units)
+    if config.admin_enabled:
+        _start_admin(handle)
+    return handle
+
+
+def _start_admin(handle: ServiceHandle) -> None:
+    try:
+        from dataplane_server.admin.actor import AdminActor
+    except ImportError:  # the admin package is optional at import time only while it is being built
+        return
+    admin = AdminActor.options(num_cpus=0, namespace=handle.config.namespace,
+                               name=f"{handle.config.name}-admin").remote(handle.config.to_dict())
+    addresses = ray.get(admin.start.remote())
+    handle.admin = admin
+    handle.admin_address = addresses.get("admin_address")
+    handle.metrics_address = addresses.get("metrics_address")

@@ -1,0 +1,379 @@
+"""StorageUnit: a Ray actor that holds the bytes, in columnar jagged arenas.
+
+Layout, per partition:
+
+- ``slot_of``: sample_id -> slot (a unit-local row number);
+- per field one :class:`_Column`: for every slot, which chunk holds its bytes,
+  at what offset, how many bytes (and, jagged, its first-dim length);
+- chunks: one flat ``uint8`` buffer per (write, field). A write of K samples is
+  one copy into one chunk; a read of K samples is a handful of range copies
+  (adjacent rows are merged), never K x fields small messages.
+
+Writes are two-phase: ``stage`` copies bytes in under a write id (invisible),
+the controller's commit calls ``publish`` to make them the slots' bytes, or the
+client calls ``discard``. A chunk is freed when no slot points at it any more,
+so clearing returns its memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+import ray
+
+from dataplane_client.codec import DTYPES, JAGGED, OBJECT, EncodedField, gather_bytes
+from dataplane_client.errors import (
+    CapacityExceeded,
+    DataPlaneError,
+    FieldNotProduced,
+    SamplesNotFound,
+    SchemaConflict,
+)
+from dataplane_server.stats import Stats
+
+_GROW = 1.5
+STAGE_TTL_S = 600.0  # staged bytes of a writer that never committed are dropped after this
+
+
+def _grow(arr: np.ndarray, n: int, fill) -> np.ndarray:
+    if len(arr) >= n:
+        return arr
+    new = np.full(max(n, int(len(arr) * _GROW) + 16), fill, dtype=arr.dtype)
+    new[: len(arr)] = arr
+    return new
+
+
+@dataclass
+class _Column:
+    schema: tuple
+    chunk: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    offset: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    nbytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    length: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    objects: dict = field(default_factory=dict)  # slot -> value, object fields only
+
+    def ensure(self, n: int) -> None:
+        self.chunk = _grow(self.chunk, n, -1)
+        self.offset = _grow(self.offset, n, 0)
+        self.nbytes = _grow(self.nbytes, n, 0)
+        self.length = _grow(self.length, n, 0)
+
+
+@dataclass
+class _Chunk:
+    buffer: np.ndarray
+    live_rows: int
+
+
+@dataclass
+class _Partition:
+    slot_of: dict = field(default_factory=dict)
+    free_slots: list = field(default_factory=list)
+    next_slot: int = 0
+    columns: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Staged:
+    partition_id: str
+    sample_ids: list
+    fields: dict  # name -> (schema, chunk_id | None, row offsets, row nbytes, lengths, objects)
+    nbytes: int
+    created: float
+
+
+@ray.remote
+class StorageUnit:
+    def __init__(self, index: int, capacity_bytes: int, put_wait_timeout_s: float = 0.0):
+        self.index = index
+        self.capacity_bytes = int(capacity_bytes)
+        self.put_wait_timeout_s = float(put_wait_timeout_s)
+        self.partitions: dict[str, _Partition] = {}
+        self.chunks: dict[int, _Chunk] = {}
+        self.staged: dict[str, _Staged] = {}
+        self.next_chunk = 0
+        self.used_bytes = 0
+        self.stats = Stats()
+        self._space = asyncio.Condition()
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
+
+    # ---- identity / health ------------------------------------------------------
+    def ping(self) -> dict:
+        return {"index": self.index, "node_id": self.node_id, "node_ip": self.node_ip, "pid": os.getpid()}
+
+    # ---- write path ---------------------------------------------------------------
+    async def stage(self, partition_id: str, write_id: str, sample_ids: list[str],
+                    encoded: dict[str, EncodedField]) -> int:
+        """Copy a write's bytes in, invisible until publish. Returns bytes staged."""
+        t0 = time.perf_counter()
+        try:
+            for name, enc in encoded.items():
+                enc.validate(name)
+                if enc.num_rows != len(sample_ids):
+                    raise SchemaConflict(f"{enc.num_rows} rows for {len(sample_ids)} ids", fields=[name])
+            self._check_schema(partition_id, encoded)
+            # Object fields are small Python values kept beside the arenas; capacity
+            # counts the bulk bytes.
+            need = sum(enc.nbytes for enc in encoded.values() if enc.kind != OBJECT)
+            await self._reserve(need, sample_ids)
+            fields = {}
+            for name, enc in encoded.items():
+                if enc.kind == OBJECT:
+                    values = msgpack.unpackb(enc.objects, raw=False) if enc.num_rows else []
+                    fields[name] = (enc.schema, None, None, None, None, values)
+                    continue
+                chunk_id = self.next_chunk
+                self.next_chunk += 1
+                buf = np.empty(enc.values.nbytes, dtype=np.uint8)
+                buf[:] = enc.values  # the one copy: out of the object store into our arena
+                self.chunks[chunk_id] = _Chunk(buf, 0)
+                nbytes = enc.row_nbytes()
+                offs = np.zeros(len(nbytes), dtype=np.int64)
+                if len(nbytes) > 1:
+                    np.cumsum(nbytes[:-1], out=offs[1:])
+                lengths = enc.lengths if enc.kind == JAGGED else None
+                fields[name] = (enc.schema, chunk_id, offs, nbytes, lengths, None)
+            self.staged[write_id] = _Staged(partition_id, list(sample_ids), fields, need, time.time())
+            self.stats.inc("put_bytes_total", need)
+            self.stats.inc("put_requests_total")
+            self.stats.observe("put_latency_seconds", time.perf_counter() - t0)
+            self._expire_stale_stages()
+            return need
+        except DataPlaneError as e:
+            self.stats.error(e)
+            raise
+
+    def _check_schema(self, partition_id: str, encoded: dict[str, EncodedField]) -> None:
+        part = self.partitions.get(partition_id)
+        if part is None:
+            return
+        for name, enc in encoded.items():
+            col = part.columns.get(name)
+            if col is not None and col.schema != enc.schema:
+                raise SchemaConflict(
+                    f"field stored as {col.schema}, this write has {enc.schema}",
+                    fields=[name], partition_id=partition_id,
+                )
+
+    async def _reserve(self, need: int, sample_ids: list[str]) -> None:
+        if self.used_bytes + need <= self.capacity_bytes:
+            self.used_bytes += need
+            return
+        if need > self.capacity_bytes or self.put_wait_timeout_s <= 0:
+            raise CapacityExceeded(
+                f"unit {self.index}: write of {need} bytes does not fit "
+                f"({self.used_bytes} of {self.capacity_bytes} used)", ids=sample_ids,
+            )
+        async with self._space:
+            try:
+                await asyncio.wait_for(
+                    self._space.wait_for(lambda: self.used_bytes + need <= self.capacity_bytes),
+                    timeout=self.put_wait_timeout_s,
+                )
+            except asyncio.TimeoutError:
+                raise CapacityExceeded(
+                    f"unit {self.index}: no room for {need} bytes after waiting "
+                    f"{self.put_wait_timeout_s}s ({self.used_bytes} of {self.capacity_bytes} used)",
+                    ids=sample_ids,
+                ) from None
+            self.used_bytes += need
+
+    def publish(self, write_id: str) -> None:
+        """Make a staged write the bytes of its slots (called by the controller's commit)."""
+        st = self.staged.pop(write_id, None)
+        if st is None:
+            raise SamplesNotFound(f"unit {self.index}: no staged write {write_id}")
+        part = self.partitions.setdefault(st.partition_id, _Partition())
+        slots = self._slots_for(part, st.sample_ids)
+        freed = []
+        for name, (schema, chunk_id, offs, nbytes, lengths, objects) in st.fields.items():
+            col = part.columns.get(name)
+            if col is None:
+                col = part.columns[name] = _Column(schema)
+            col.ensure(part.next_slot)
+            if objects is not None:
+                col.objects.update(zip(slots.tolist(), objects))
+                col.chunk[slots] = -2  # present, held in col.objects
+                continue
+            freed.extend(self._release(col.chunk[slots]))
+            col.chunk[slots] = chunk_id
+            col.offset[slots] = offs
+            col.nbytes[slots] = nbytes
+            if lengths is not None:
+                col.length[slots] = lengths
+            self.chunks[chunk_id].live_rows += len(slots)
+        self._free_chunks(freed)
+
+    def discard(self, write_id: str) -> None:
+        st = self.staged.pop(write_id, None)
+        if st is not None:
+            self._drop_staged(st)
+
+    def _drop_staged(self, st: _Staged) -> None:
+        self._free_chunks([c for (_, c, *_rest) in st.fields.values() if c is not None])
+
+    def _expire_stale_stages(self) -> None:
+        cutoff = time.time() - STAGE_TTL_S
+        for wid in [w for w, st in self.staged.items() if st.created < cutoff]:
+            self._drop_staged(self.staged.pop(wid))
+
+    def _slots_for(self, part: _Partition, sample_ids: list[str]) -> np.ndarray:
+        slots = np.empty(len(sample_ids), dtype=np.int64)
+        for i, sid in enumerate(sample_ids):
+            s = part.slot_of.get(sid)
+            if s is None:
+                s = part.free_slots.pop() if part.free_slots else part.next_slot
+                if s == part.next_slot:
+                    part.next_slot += 1
+                part.slot_of[sid] = s
+            slots[i] = s
+        return slots
+
+    def _release(self, chunk_ids: np.ndarray) -> list[int]:
+        """Drop one row reference from each chunk id (>= 0); return chunks now unreferenced."""
+        ids, counts = np.unique(chunk_ids[chunk_ids >= 0], return_counts=True)
+        dead = []
+        for c, n in zip(ids.tolist(), counts.tolist()):
+            ch = self.chunks[c]
+            ch.live_rows -= n
+            if ch.live_rows <= 0:
+                dead.append(c)
+        return dead
+
+    def _free_chunks(self, chunk_ids: list[int]) -> None:
+        for c in chunk_ids:
+            ch = self.chunks.pop(c, None)
+            if ch is not None:
+                self.used_bytes -= ch.buffer.nbytes
+        if chunk_ids:
+            asyncio.get_event_loop().create_task(self._notify_space())
+
+    async def _notify_space(self) -> None:
+        async with self._space:
+            self._space.notify_all()
+
+    # ---- read path ----------------------------------------------------------------
+    def read(self, partition_id: str, sample_ids: list[str], fields: list[str]) -> dict[str, EncodedField]:
+        t0 = time.perf_counter()
+        part = self.partitions.get(partition_id)
+        slot_of = part.slot_of if part else {}
+        missing = [s for s in sample_ids if s not in slot_of]
+        if missing:
+            raise SamplesNotFound(f"unit {self.index} holds no bytes for these samples",
+                                  ids=missing, partition_id=partition_id)
+        slots = np.fromiter((slot_of[s] for s in sample_ids), dtype=np.int64, count=len(sample_ids))
+        out: dict[str, EncodedField] = {}
+        total = 0
+        for name in fields:
+            col = part.columns.get(name)
+            present = col.chunk[slots] if col is not None and len(col.chunk) else None
+            if present is None or (present == -1).any():
+                bad = sample_ids if present is None else [sample_ids[i] for i in np.nonzero(present == -1)[0]]
+                raise FieldNotProduced("field has no bytes for these samples", ids=bad,
+                                       fields=[name], partition_id=partition_id)
+            kind, dtype, shape = col.schema
+            if kind == OBJECT:
+                values = [col.objects[s] for s in slots.tolist()]
+                enc = EncodedField(kind=OBJECT, objects=msgpack.packb(values, use_bin_type=True),
+                                   num_rows=len(values))
+            else:
+                starts = col.offset[slots]
+                ends = starts + col.nbytes[slots]
+                chunk_ids = col.chunk[slots]
+                uniq, which = np.unique(chunk_ids, return_inverse=True)
+                buffers = [self.chunks[c].buffer for c in uniq.tolist()]
+                enc = EncodedField(kind=kind, dtype=dtype, shape=tuple(shape), num_rows=len(slots),
+                                   values=gather_bytes(buffers, which, starts, ends),
+                                   lengths=col.length[slots].copy() if kind == JAGGED else None)
+            total += enc.nbytes
+            out[name] = enc
+        self.stats.inc("get_bytes_total", total)
+        self.stats.inc("get_requests_total")
+        self.stats.observe("get_latency_seconds", time.perf_counter() - t0)
+        return out
+
+    # ---- clearing -----------------------------------------------------------------
+    def clear(self, partition_id: str, sample_ids: list[str] | None) -> int:
+        """Forget samples (None = the whole partition); returns bytes freed."""
+        before = self.used_bytes
+        part = self.partitions.get(partition_id)
+        if part is None:
+            return 0
+        if sample_ids is None:
+            del self.partitions[partition_id]
+            freed: list[int] = []
+            for col in part.columns.values():
+                freed.extend(self._release(col.chunk[: part.next_slot]))
+            self._free_chunks(freed)
+        else:
+            slots = np.array([part.slot_of.pop(s) for s in sample_ids if s in part.slot_of], dtype=np.int64)
+            freed = []
+            for col in part.columns.values():
+                col.ensure(part.next_slot)
+                freed.extend(self._release(col.chunk[slots]))
+                col.chunk[slots] = -1
+                if col.schema[0] == OBJECT:
+                    for s in slots.tolist():
+                        col.objects.pop(s, None)
+            part.free_slots.extend(slots.tolist())
+            self._free_chunks(freed)
+        return before - self.used_bytes
+
+    # ---- inspection ---------------------------------------------------------------
+    def preview(self, partition_id: str, sample_id: str, fields: list[str] | None, max_elems: int) -> dict:
+        part = self.partitions.get(partition_id)
+        if part is None or sample_id not in part.slot_of:
+            raise SamplesNotFound("no bytes for this sample", ids=[sample_id], partition_id=partition_id)
+        slot = part.slot_of[sample_id]
+        out = {}
+        for name in fields or sorted(part.columns):
+            col = part.columns.get(name)
+            if col is None or slot >= len(col.chunk) or col.chunk[slot] == -1:
+                continue
+            kind, dtype, shape = col.schema
+            if kind == OBJECT:
+                v = col.objects[slot]
+                out[name] = {"dtype": "object", "layout": kind, "shape": [],
+                             "values": [v if isinstance(v, (int, float, str, bool)) else repr(v)][:max_elems]}
+                continue
+            buf = self.chunks[int(col.chunk[slot])].buffer
+            start = int(col.offset[slot])
+            raw = buf[start : start + int(col.nbytes[slot])]
+            import torch
+
+            t = torch.from_numpy(raw.copy()).view(DTYPES[dtype])
+            rows = int(col.length[slot]) if kind == JAGGED else None
+            row_shape = ([rows] if rows is not None else []) + list(shape)
+            out[name] = {"dtype": dtype, "layout": kind, "shape": row_shape,
+                         "values": t.reshape(-1)[:max_elems].float().tolist()
+                         if t.dtype.is_floating_point else t.reshape(-1)[:max_elems].tolist()}
+        return out
+
+    def partition_bytes(self) -> dict[str, int]:
+        """Live bytes held per partition (chunks counted by their referenced rows)."""
+        out = {}
+        for pid, part in self.partitions.items():
+            total = 0
+            for col in part.columns.values():
+                live = col.chunk[: part.next_slot] >= 0
+                total += int(col.nbytes[: part.next_slot][live].sum())
+            out[pid] = total
+        return out
+
+    def metrics_snapshot(self) -> dict:
+        return {
+            "index": self.index,
+            "node_id": self.node_id,
+            "node_ip": self.node_ip,
+            "bytes": self.used_bytes,
+            "samples": sum(len(p.slot_of) for p in self.partitions.values()),
+            "capacity_bytes": self.capacity_bytes,
+            "partition_bytes": self.partition_bytes(),
+            "stats": self.stats.snapshot(),
+        }
