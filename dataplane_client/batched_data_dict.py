@@ -122,7 +122,9 @@ def _batch_size_of(data: Mapping[str, Any]) -> int:
 def _as_int_list(value: Any, key: str) -> list[int]:
     if isinstance(value, torch.Tensor):
         if value.dim() != 1:
-            raise InvalidBatch(f"lengths field must be 1-D, got shape {tuple(value.shape)}", fields=[key])
+            raise InvalidBatch(
+                f"lengths field must be 1-D, got shape {tuple(value.shape)}", fields=[key]
+            )
         return [int(x) for x in value.tolist()]
     if isinstance(value, list):
         return [int(x) for x in value]
@@ -253,7 +255,9 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             if any(kind == "unsupported" for kind, _ in kinds):
                 problems.append(f"{k!r} is not a dense tensor or a list on some rank")
             elif len(kinds) > 1:
-                problems.append(f"{k!r} differs in kind/dtype across ranks: {sorted(map(str, kinds))}")
+                problems.append(
+                    f"{k!r} differs in kind/dtype across ranks: {sorted(map(str, kinds))}"
+                )
             elif kinds and next(iter(kinds))[0] == "tensor":
                 if len({len(d[k][2]) for d in descs}) > 1:
                     problems.append(f"{k!r} has different tensor ranks across ranks")
@@ -280,7 +284,9 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             recv = [torch.empty_like(padded) for _ in range(world)]
             dist.all_gather(recv, padded.contiguous(), group=group)
             trailing = tuple(slice(None) for _ in full[1:])
-            gathered = torch.cat([t[(slice(0, s[0]), *trailing)] for t, s in zip(recv, shapes)])
+            gathered = torch.cat(
+                [t[(slice(0, s[0]), *trailing)] for t, s in zip(recv, shapes, strict=True)]
+            )
             out[k] = gathered.to(v.dtype)
         return out
 
@@ -403,7 +409,11 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             )
         n = _batch_size_of(self.data)
         args = dynamic_batching_args if dynamic_batching_args is not None else sequence_packing_args
-        what = "dynamic_batching_args" if dynamic_batching_args is not None else "sequence_packing_args"
+        what = (
+            "dynamic_batching_args"
+            if dynamic_batching_args is not None
+            else "sequence_packing_args"
+        )
         lengths = None
         cap = None
         if args is not None:
@@ -520,14 +530,19 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 f"{what} needs micro_batch_indices/lengths for exactly one global batch "
                 "(shard with dynamic batching or sequence packing, then get_batch)"
             )
-        return self.micro_batch_indices[0], self.micro_batch_lengths[0]
+        indices, lengths = self.micro_batch_indices[0], self.micro_batch_lengths[0]
+        if len(indices) != len(lengths):
+            raise InvalidBatch(
+                f"{len(indices)} micro_batch_indices but {len(lengths)} micro_batch_lengths"
+            )
+        return indices, lengths
 
     def make_microbatch_iterator_with_dynamic_shapes(
         self, sequence_dim: int = 1
     ) -> Iterator[SlicedDataDict]:
         """Yield the dynamic-batching microbatches, each truncated to its sequence length."""
         indices, lengths = self._single_chunk_plan("make_microbatch_iterator_with_dynamic_shapes")
-        for seqlen, (start, end) in zip(lengths, indices):
+        for seqlen, (start, end) in zip(lengths, indices, strict=True):
             mb = self.slice(start, end)
             mb.truncate_tensors(dim=sequence_dim, truncated_len=seqlen)
             yield mb

@@ -63,7 +63,9 @@ def _pad(values: torch.Tensor, offsets: torch.Tensor, pad_value: Any, min_len: i
     )
     total = values.size(0)
     if total:
-        row = torch.repeat_interleave(torch.arange(n, device=values.device), lengths, output_size=total)
+        row = torch.repeat_interleave(
+            torch.arange(n, device=values.device), lengths, output_size=total
+        )
         col = torch.arange(total, device=values.device) - offsets[:-1][row]
         out[row, col] = values
     return out

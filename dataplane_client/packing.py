@@ -113,7 +113,7 @@ def _split_in_two(items: list[int], lengths: Sequence[int]) -> tuple[list[int], 
     b: list[int] = []
     ta = tb = 0
     for i in sorted(items, key=lambda i: (-lengths[i], i)):
-        if ta <= tb:
+        if (ta, len(a)) <= (tb, len(b)):  # item count breaks ties (zero-length items)
             a.append(i)
             ta += lengths[i]
         else:
@@ -168,7 +168,9 @@ def first_fit_decreasing(
     del seed  # deterministic
     lens = _validate(lengths, capacity, min_bin_count, bin_count_multiple)
     order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-    return _fit_bin_count(_first_fit(order, lens, capacity), lens, min_bin_count, bin_count_multiple)
+    return _fit_bin_count(
+        _first_fit(order, lens, capacity), lens, min_bin_count, bin_count_multiple
+    )
 
 
 def first_fit_shuffle(
@@ -183,7 +185,9 @@ def first_fit_shuffle(
     lens = _validate(lengths, capacity, min_bin_count, bin_count_multiple)
     order = list(range(len(lens)))
     random.Random(seed).shuffle(order)
-    return _fit_bin_count(_first_fit(order, lens, capacity), lens, min_bin_count, bin_count_multiple)
+    return _fit_bin_count(
+        _first_fit(order, lens, capacity), lens, min_bin_count, bin_count_multiple
+    )
 
 
 def concatenative(

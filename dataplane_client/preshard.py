@@ -173,7 +173,9 @@ def plan_dp_shards(
 
     if dynamic_batching_args is not None:
         lens = _check_lengths(lengths, num_rows, "dynamic batching")
-        return _plan_dynamic(lens, shards, batch_size, num_chunks, dynamic_batching_args, seq_len_cap)
+        return _plan_dynamic(
+            lens, shards, batch_size, num_chunks, dynamic_batching_args, seq_len_cap
+        )
     if packing:
         lens = _check_lengths(lengths, num_rows, "sequence packing")
         return _plan_packing(lens, shards, batch_size, num_chunks, sequence_packing_args)
