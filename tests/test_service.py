@@ -1,0 +1,400 @@
+"""The service end to end on a real local Ray: every client verb and every typed error."""
+
+import asyncio
+import uuid
+
+import numpy as np
+import psutil
+import pytest
+import ray
+import torch
+
+from dataplane_client import DataPlaneConfig, KVBatchMeta, connect
+from dataplane_client.errors import (
+    CapacityExceeded,
+    ClaimTimeout,
+    FieldAlreadyProduced,
+    FieldNotProduced,
+    InvalidBatch,
+    PartitionExists,
+    SamplesNotFound,
+    SchemaConflict,
+    ServiceUnavailable,
+    UnknownPartition,
+)
+from dataplane_server import start
+
+
+def _pid() -> str:
+    return f"p-{uuid.uuid4().hex[:8]}"
+
+
+def _jagged(lengths, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g).to(dtype) if dtype.is_floating_point
+            else torch.randint(0, 1000, (n,), generator=g).to(dtype) for n in lengths]
+
+
+def _grpo_fields(n, seed=0):
+    lengths = [5 + (i * 7) % 23 for i in range(n)]
+    return lengths, {
+        "input_ids": _jagged(lengths, torch.int64, seed),
+        "input_lengths": torch.tensor(lengths, dtype=torch.int64),
+        "token_mask": [torch.rand(n_) > 0.3 for n_ in lengths],
+        "sample_mask": torch.ones(n, dtype=torch.float32),
+        "generation_logprobs": _jagged(lengths, torch.float32, seed + 1),
+        "prompt": [f"prompt {i}" for i in range(n)],
+    }
+
+
+def test_round_trip_every_dtype_dense_and_jagged(client):
+    pid = _pid()
+    client.register_partition(pid, fields=[])
+    ids = [f"s{i}" for i in range(7)]
+    lengths = [3, 0, 1, 9, 4, 4, 2]
+    fields = {}
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool):
+        name = str(dt).split(".")[1]
+        dense = torch.randn(7, 2, 3).to(dt) if dt.is_floating_point else torch.randint(0, 2, (7, 2, 3)).to(dt)
+        fields[f"dense_{name}"] = dense
+        fields[f"jag_{name}"] = torch.nested.nested_tensor(
+            [torch.randn(n, 2).to(dt) if dt.is_floating_point else torch.randint(0, 5, (n, 2)).to(dt)
+             for n in lengths], layout=torch.jagged)
+    fields["obj"] = [{"k": i, "s": "x" * i} for i in range(7)]
+    client.put_samples(ids, pid, fields)
+    order = [3, 0, 6, 1, 5, 2, 4]
+    out = client.get_samples([ids[i] for i in order], pid, list(fields))
+    for name, value in fields.items():
+        got = out[name]
+        if name.startswith("dense"):
+            assert not got.is_nested and got.dtype == value.dtype
+            assert torch.equal(got, value[order])
+        elif name.startswith("jag"):
+            assert got.is_nested and got.layout == torch.jagged and got.dtype == value.dtype
+            want = value.unbind()
+            for j, i in enumerate(order):
+                assert torch.equal(got.unbind()[j], want[i])
+        else:
+            assert got == [value[i] for i in order]
+
+
+def test_put_returns_meta_and_sequence_lengths(client):
+    pid = _pid()
+    client.register_partition(pid, fields=["input_ids"])
+    lengths, fields = _grpo_fields(10)
+    meta = client.put_samples([f"a{i}" for i in range(10)], pid, fields, tags=[{"i": i} for i in range(10)])
+    assert isinstance(meta, KVBatchMeta)
+    assert meta.sequence_lengths == lengths
+    assert meta.tags[3] == {"i": 3}
+    back = client.get_data(meta)
+    assert back["prompt"] == fields["prompt"]
+    for got, want in zip(back["token_mask"].unbind(), fields["token_mask"]):
+        assert got.dtype == torch.bool and torch.equal(got, want)
+
+
+def test_write_back_new_field_and_overwrite(client):
+    pid = _pid()
+    client.register_partition(pid, fields=["input_ids"])
+    lengths, fields = _grpo_fields(6)
+    ids = [f"w{i}" for i in range(6)]
+    client.put_samples(ids, pid, fields)
+    lp = [torch.full((n,), float(i)) for i, n in enumerate(lengths)]
+    client.put_samples(ids[:3], pid, {"prev_logprobs": lp[:3]})
+    with pytest.raises(FieldAlreadyProduced) as e:
+        client.put_samples(ids[1:4], pid, {"prev_logprobs": lp[1:4]})
+    assert e.value.ids == ids[1:3] and e.value.fields == ["prev_logprobs"]
+    # The rejected write changed nothing: w3 still has no prev_logprobs, w1 keeps its value.
+    with pytest.raises(FieldNotProduced) as e2:
+        client.get_samples(ids[3:4], pid, ["prev_logprobs"])
+    assert e2.value.ids == ["w3"]
+    client.put_samples(ids[1:2], pid, {"prev_logprobs": [torch.zeros(lengths[1])]}, overwrite=True)
+    got = client.get_samples(ids[:3], pid, ["prev_logprobs"])["prev_logprobs"].unbind()
+    assert torch.equal(got[0], lp[0]) and torch.equal(got[1], torch.zeros(lengths[1]))
+
+
+def test_a_fresh_client_routes_write_backs_to_the_recorded_unit(service):
+    pid = _pid()
+    a, b = service.client(), service.client()
+    a.register_partition(pid, fields=[])
+    ids = [f"r{i}" for i in range(40)]
+    a.put_samples(ids, pid, {"x": torch.arange(40.0)[:, None]})
+    # b never saw these ids: its first guess may be wrong, the controller reroutes.
+    b.put_samples(ids[::-1], pid, {"y": torch.arange(40.0).flip(0)[:, None]})
+    out = a.get_samples(ids, pid, ["x", "y"])
+    assert torch.equal(out["x"], out["y"])
+
+
+def test_unknown_partition_and_unknown_samples(client):
+    with pytest.raises(UnknownPartition) as e:
+        client.put_samples(["a"], "never-registered", {"x": torch.zeros(1, 2)})
+    assert e.value.partition_id == "never-registered"
+    with pytest.raises(UnknownPartition):
+        client.claim_meta("never-registered", "t", ["x"], 1, blocking=False)
+    pid = _pid()
+    client.register_partition(pid, fields=[])
+    client.put_samples(["a", "b"], pid, {"x": torch.zeros(2, 2)})
+    with pytest.raises(SamplesNotFound) as e:
+        client.get_samples(["a", "zz", "b", "yy"], pid, ["x"])
+    assert e.value.ids == ["zz", "yy"]
+
+
+def test_bad_batches_are_rejected_with_what_was_wrong(client):
+    pid = _pid()
+    client.register_partition(pid, fields=[])
+    with pytest.raises(InvalidBatch, match="duplicate") as e:
+        client.put_samples(["a", "b", "a"], pid, {"x": torch.zeros(3)})
+    assert e.value.ids == ["a"]
+    with pytest.raises(InvalidBatch) as e:
+        client.put_samples(["a", "b"], pid, {"x": torch.zeros(3)})
+    assert e.value.fields == ["x"]
+    with pytest.raises(InvalidBatch, match="tags"):
+        client.put_samples(["a", "b"], pid, {"x": torch.zeros(2)}, tags=[{}])
+    with pytest.raises(InvalidBatch, match="unsupported"):
+        client.put_samples(["a"], pid, {"x": object()})
+    with pytest.raises(InvalidBatch, match="msgpack"):
+        client.put_samples(["a"], pid, {"x": [object()]})
+    with pytest.raises(InvalidBatch):
+        client.put_samples([], pid, {"x": torch.zeros(0)})
+    # Nothing of the rejected puts is visible.
+    with pytest.raises(SamplesNotFound):
+        client.get_samples(["a"], pid, ["x"])
+
+
+def test_schema_conflict_on_dtype_shape_or_layout(client):
+    pid = _pid()
+    client.register_partition(pid, fields=[])
+    client.put_samples(["a"], pid, {"x": torch.zeros(1, 4), "j": [torch.zeros(3)]})
+    with pytest.raises(SchemaConflict) as e:
+        client.put_samples(["b"], pid, {"x": torch.zeros(1, 4, dtype=torch.int64)})
+    assert e.value.fields == ["x"]
+    with pytest.raises(SchemaConflict):
+        client.put_samples(["b"], pid, {"x": torch.zeros(1, 5)})
+    with pytest.raises(SchemaConflict):
+        client.put_samples(["b"], pid, {"j": torch.zeros(1, 3)})
+    with pytest.raises(SchemaConflict):
+        client.put_samples(["b", "c"], pid, {"j": [torch.zeros(3), torch.zeros(3, dtype=torch.int32)]})
+
+
+def test_register_is_idempotent_but_rejects_a_different_declaration(client):
+    pid = _pid()
+    client.register_partition(pid, fields=["a"], num_samples=4)
+    client.register_partition(pid, fields=["a"], num_samples=4, consumer_tasks=["t"])
+    with pytest.raises(PartitionExists):
+        client.register_partition(pid, fields=["b"], num_samples=4)
+
+
+def test_claims_consume_per_task_and_need_required_fields(client):
+    pid = _pid()
+    client.register_partition(pid, fields=["x"], consumer_tasks=["lp", "ref"])
+    ids = [f"c{i}" for i in range(8)]
+    client.put_samples(ids, pid, {"x": torch.arange(8.0)[:, None]})
+    client.put_samples(ids[:4], pid, {"y": torch.ones(4, 1)})
+    m1 = client.claim_meta(pid, "lp", ["x"], 5, blocking=False)
+    assert m1.sample_ids == ids[:5] and m1.task_name == "lp"
+    m2 = client.claim_meta(pid, "lp", ["x"], 5, blocking=False)
+    assert m2.sample_ids == ids[5:]  # non-blocking returns what is ready
+    assert client.claim_meta(pid, "lp", ["x"], 5, blocking=False) is None
+    # Another task sees everything again; a required field narrows the set.
+    m3 = client.claim_meta(pid, "ref", ["x", "y"], 8, blocking=False)
+    assert m3.sample_ids == ids[:4]
+    status = client.check_consumption_status(pid, ["lp", "ref"])
+    assert status["lp"]["consumed"] == 8 and status["lp"]["done"]
+    assert status["ref"]["consumed"] == 4 and not status["ref"]["done"]
+
+
+def test_blocking_claim_times_out_with_a_typed_error(client):
+    pid = _pid()
+    client.register_partition(pid, fields=["x"])
+    client.put_samples(["a"], pid, {"x": torch.zeros(1)})
+    with pytest.raises(ClaimTimeout, match="only 1 of 2"):
+        client.claim_meta(pid, "t", ["x"], 2, timeout_s=0.3)
+
+
+def test_blocking_claim_wakes_on_commit_and_never_stalls_other_callers(service, client):
+    pid = _pid()
+    client.register_partition(pid, fields=["x"])
+
+    @ray.remote
+    def claimer(name, namespace, pid):
+        c = connect(name, namespace)
+        return c.claim_meta(pid, "t", ["x"], 4, timeout_s=60).sample_ids
+
+    ref = claimer.remote(service.config.name, service.config.namespace, pid)
+    ray.wait([ref], timeout=0.5)  # give it time to block; correctness does not depend on it
+    # While that claim waits, the controller keeps serving: puts, gets and other claims go through.
+    client.put_samples(["a", "b"], pid, {"x": torch.zeros(2)})
+    assert client.get_samples(["a"], pid, ["x"])["x"].shape == (1,)
+    assert client.claim_meta(pid, "other", ["x"], 2, blocking=False).sample_ids == ["a", "b"]
+    ready, _ = ray.wait([ref], timeout=0)
+    assert not ready
+    client.put_samples(["c", "d"], pid, {"x": torch.zeros(2)})
+    assert ray.get(ref, timeout=30) == ["a", "b", "c", "d"]
+
+
+def test_known_size_partition_releases_its_tail(client):
+    pid = _pid()
+    client.register_partition(pid, fields=["x"], num_samples=5)
+    client.put_samples([f"k{i}" for i in range(5)], pid, {"x": torch.zeros(5)})
+    assert len(client.claim_meta(pid, "t", ["x"], 4).sample_ids) == 4
+    assert client.claim_meta(pid, "t", ["x"], 4, timeout_s=5).sample_ids == ["k4"]
+
+
+def test_group_claims_release_only_complete_groups(client):
+    pid = _pid()
+    client.register_partition(pid, fields=["x"], group_size=3)
+    with pytest.raises(InvalidBatch, match="group_id"):
+        client.put_samples(["z"], pid, {"x": torch.zeros(1)})
+    # group g0 complete, g1 has 2 of 3, g2 complete
+    ids = ["g0a", "g0b", "g1a", "g0c", "g1b", "g2a", "g2b", "g2c"]
+    gids = ["g0", "g0", "g1", "g0", "g1", "g2", "g2", "g2"]
+    client.put_samples(ids, pid, {"x": torch.zeros(8)}, tags=[{"group_id": g} for g in gids])
+    with pytest.raises(InvalidBatch, match="multiple of group_size"):
+        client.claim_meta(pid, "t", ["x"], 4)
+    m = client.claim_meta(pid, "t", ["x"], 6, blocking=False)
+    assert sorted(m.sample_ids) == sorted(["g0a", "g0b", "g0c", "g2a", "g2b", "g2c"])
+    assert {t["group_id"] for t in m.tags} == {"g0", "g2"}
+    assert client.claim_meta(pid, "t", ["x"], 3, blocking=False) is None  # g1 incomplete
+    client.put_samples(["g1c"], pid, {"x": torch.zeros(1)}, tags=[{"group_id": "g1"}])
+    assert sorted(client.claim_meta(pid, "t", ["x"], 3).sample_ids) == ["g1a", "g1b", "g1c"]
+
+
+def test_clear_samples_and_partition(client):
+    pid = _pid()
+    client.register_partition(pid, fields=["x"])
+    ids = [f"d{i}" for i in range(6)]
+    client.put_samples(ids, pid, {"x": torch.arange(6.0)})
+    client.clear_samples(ids[:2], pid)
+    with pytest.raises(SamplesNotFound) as e:
+        client.get_samples(ids[:3], pid, ["x"])
+    assert e.value.ids == ids[:2]
+    assert torch.equal(client.get_samples(ids[2:], pid, ["x"])["x"], torch.arange(2.0, 6.0))
+    with pytest.raises(SamplesNotFound):
+        client.clear_samples(["nope"], pid)
+    client.clear_samples(None, pid)
+    with pytest.raises(SamplesNotFound):
+        client.get_samples(ids[2:], pid, ["x"])
+    # The partition stays registered and usable, ids can be reused.
+    client.put_samples(ids[:1], pid, {"x": torch.ones(1)})
+    assert client.get_samples(ids[:1], pid, ["x"])["x"].item() == 1.0
+
+
+def test_a_writer_that_never_commits_leaves_nothing_visible(service, client):
+    pid = _pid()
+    client.register_partition(pid, fields=["x"])
+    from dataplane_client.codec import encode_fields
+
+    unit = service.units[0]
+    ray.get(unit.stage.remote(pid, "dead-writer", ["ghost"], encode_fields({"x": torch.ones(1, 4)})))
+    with pytest.raises(SamplesNotFound):
+        client.get_samples(["ghost"], pid, ["x"])
+    assert client.claim_meta(pid, "t", ["x"], 1, blocking=False) is None
+    # A real write of the same sample afterwards goes through and reads back its own bytes.
+    client.put_samples(["ghost"], pid, {"x": torch.zeros(1, 4)})
+    assert torch.equal(client.get_samples(["ghost"], pid, ["x"])["x"], torch.zeros(1, 4))
+
+
+def test_async_twins(service):
+    pid = _pid()
+
+    @ray.remote
+    class Rollout:
+        def __init__(self, name, namespace):
+            self.c = connect(name, namespace)
+
+        async def run(self, pid):
+            await self.c.register_partition_async(pid, fields=["x"])
+            ids = [f"{pid}-{i}" for i in range(4)]
+            await asyncio.gather(*[self.c.put_samples_async([s], pid, {"x": torch.full((1, 2), float(i))})
+                                   for i, s in enumerate(ids)])
+            meta = await self.c.claim_meta_async(pid, "t", ["x"], 4)
+            data = await self.c.get_data_async(meta)
+            status = await self.c.check_consumption_status_async(pid, ["t"])
+            await self.c.clear_samples_async(None, pid)
+            return sorted(meta.sample_ids) == ids, data["x"].sum().item(), status["t"]["consumed"]
+
+    actor = Rollout.remote(service.config.name, service.config.namespace)
+    assert ray.get(actor.run.remote(pid), timeout=60) == (True, 12.0, 4)
+    ray.kill(actor)
+
+
+def test_connect_to_a_missing_service_is_a_typed_error(ray_session):
+    with pytest.raises(ServiceUnavailable, match="no-such"):
+        connect("no-such-service", "nowhere")
+
+
+def _unit_rss(handle, index=0) -> int:
+    """Private memory of the unit process (USS): the object store's shared pages excluded."""
+    return psutil.Process(ray.get(handle.units[index].ping.remote())["pid"]).memory_full_info().uss
+
+
+def test_capacity_exceeded_and_bounded_wait(ray_session):
+    handle = start(DataPlaneConfig(name="dp-cap", num_storage_units=1, unit_capacity_bytes=4096,
+                                   admin_enabled=False, put_wait_timeout_s=0.2))
+    try:
+        c = handle.client()
+        c.register_partition("p", fields=["x"])
+        c.put_samples(["a"], "p", {"x": torch.zeros(1, 768)})  # 3072 bytes
+        with pytest.raises(CapacityExceeded) as e:
+            c.put_samples(["b"], "p", {"x": torch.zeros(1, 768)})
+        assert e.value.ids == ["b"]
+        with pytest.raises(SamplesNotFound):
+            c.get_samples(["b"], "p", ["x"])
+        c.clear_samples(["a"], "p")
+        c.put_samples(["b"], "p", {"x": torch.zeros(1, 768)})  # room again
+    finally:
+        handle.shutdown()
+
+
+def test_a_waiting_put_proceeds_when_room_is_freed(ray_session):
+    handle = start(DataPlaneConfig(name="dp-wait", num_storage_units=1, unit_capacity_bytes=4096,
+                                   admin_enabled=False, put_wait_timeout_s=30))
+    try:
+        c = handle.client()
+        c.register_partition("p", fields=["x"])
+        c.put_samples(["a"], "p", {"x": torch.zeros(1, 768)})
+
+        @ray.remote
+        def writer():
+            return connect("dp-wait", "dataplane").put_samples(["b"], "p", {"x": torch.ones(1, 768)}).sample_ids
+
+        ref = writer.remote()
+        assert not ray.wait([ref], timeout=0.3)[0]  # blocked on capacity
+        c.clear_samples(["a"], "p")
+        assert ray.get(ref, timeout=30) == ["b"]
+        assert c.get_samples(["b"], "p", ["x"])["x"].sum().item() == 768
+    finally:
+        handle.shutdown()
+
+
+def test_clearing_one_gigabyte_returns_unit_memory(ray_session):
+    handle = start(DataPlaneConfig(name="dp-mem", num_storage_units=1, admin_enabled=False))
+    try:
+        c = handle.client()
+        c.register_partition("p", fields=["x"])
+        baseline = _unit_rss(handle)
+        chunk = torch.ones(128, 256 * 1024, dtype=torch.float32)  # 128 MiB
+        for k in range(8):
+            c.put_samples([f"m{k}-{i}" for i in range(128)], "p", {"x": chunk})
+        full = _unit_rss(handle)
+        assert full - baseline > 900 * 2**20
+        c.clear_samples(None, "p")
+        after = _unit_rss(handle)
+        print(f"unit USS MiB: baseline {baseline / 2**20:.0f}, holding 1 GiB {full / 2**20:.0f}, "
+              f"after clear {after / 2**20:.0f}")
+        assert after - baseline < 100 * 2**20
+    finally:
+        handle.shutdown()
+
+
+def test_a_large_put_splits_over_units_and_reads_back_exactly(client):
+    pid = _pid()
+    client.register_partition(pid, fields=["x"])
+    n = 64
+    lengths = np.random.default_rng(0).integers(1, 2000, n).tolist()
+    rows = _jagged(lengths, torch.bfloat16, seed=3)
+    ids = [f"L{i}" for i in range(n)]
+    client.put_samples(ids, pid, {"x": rows})
+    units = ray.get(client._controller.lookup_units.remote(pid, ids))
+    assert len(set(units)) == 2  # both units hold part of the batch
+    got = client.get_samples(ids, pid, ["x"])["x"].unbind()
+    assert all(torch.equal(a, b) for a, b in zip(got, rows))
