@@ -84,9 +84,12 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
             name=f"{config.name}-unit-{i}", namespace=config.namespace, num_cpus=config.unit_num_cpus,
             scheduling_strategy=strategy, runtime_env={"env_vars": _UNIT_ENV}, max_concurrency=1000,
         ).remote(i, config.unit_capacity_bytes, config.put_wait_timeout_s))
+    # The controller sits beside whoever started the service, so losing a worker node
+    # never takes the key space with it.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     controller = Controller.options(
         name=config.name, namespace=config.namespace, num_cpus=config.controller_num_cpus,
-        max_concurrency=10_000,
+        max_concurrency=10_000, scheduling_strategy=here,
     ).remote(config.to_dict())
     ray.get(controller.attach_units.remote(units))
     handle = ServiceHandle(config=config, controller=controller, units=units)
