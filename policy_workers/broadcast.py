@@ -1,0 +1,122 @@
+"""Two-phase broadcast of a BatchedDataDict inside a replica group.
+
+Phase 1 ships a small descriptor with ``broadcast_object_list``: for every key
+its kind and, for tensors, dtype and shape (python lists ride in the
+descriptor itself; they are small per-sample values). Phase 2 ships each
+tensor's bytes with ``dist.broadcast`` on the communication device (CPU for
+gloo, the current GPU for NCCL). Tensor payloads are never pickled.
+
+Every tensor travels as its raw bytes (a flat ``uint8`` view), so any dtype
+(bf16, bool, int64, ...) arrives bit-identical on every backend without
+per-dtype special cases. Jagged (``torch.nested``) tensors travel as their
+values and offsets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dataplane_client.batched_data_dict import BatchedDataDict
+
+# BatchedDataDict attributes that travel with the data (small python values).
+_ATTRS = ("micro_batch_indices", "micro_batch_lengths", "elem_counts_per_gb")
+
+
+def comm_device(group: Any) -> torch.device:
+    """The device ``dist.broadcast`` needs for ``group``'s backend."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _send_or_recv_bytes(
+    tensor: torch.Tensor | None,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    *,
+    src: int,
+    group: Any,
+    device: torch.device,
+) -> torch.Tensor:
+    """Broadcast one dense tensor's bytes; the leader passes it, the others pass None."""
+    if tensor is None:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+    else:
+        tensor = tensor.to(device).contiguous()
+    if tensor.numel() > 0:
+        dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=src, group=group)
+    return tensor
+
+
+def _describe(data: BatchedDataDict) -> dict[str, Any]:
+    entries = []
+    for key, value in data.items():
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            values, offsets = value.values(), value.offsets()
+            entries.append(
+                (
+                    key,
+                    "nested",
+                    (values.dtype, tuple(values.shape)),
+                    (offsets.dtype, tuple(offsets.shape)),
+                )
+            )
+        elif isinstance(value, torch.Tensor):
+            entries.append((key, "tensor", value.dtype, tuple(value.shape)))
+        elif isinstance(value, list):
+            entries.append((key, "list", value))
+        else:
+            raise TypeError(
+                f"cannot broadcast field {key!r} of type {type(value).__name__}; "
+                "expected a tensor, a jagged nested tensor or a list"
+            )
+    attrs = {a: getattr(data, a, None) for a in _ATTRS}
+    return {"entries": entries, "attrs": attrs}
+
+
+def broadcast_batched_data_dict(
+    data: BatchedDataDict | None, *, is_leader: bool, src: int, group: Any
+) -> BatchedDataDict:
+    """Broadcast ``data`` from global rank ``src`` to every rank of ``group``.
+
+    The leader passes its BatchedDataDict; the others pass ``None``. Every rank
+    (leader included) returns a BatchedDataDict whose tensors live on the
+    communication device and are byte-identical across the group.
+    """
+    if is_leader and data is None:
+        raise ValueError("the leader must pass the data to broadcast")
+    if not is_leader and data is not None:
+        raise ValueError("non-leaders must pass data=None (they receive it)")
+    holder = [_describe(data) if is_leader else None]
+    dist.broadcast_object_list(holder, src=src, group=group)
+    descriptor = holder[0]
+    device = comm_device(group)
+
+    out = BatchedDataDict()
+    for entry in descriptor["entries"]:
+        key, kind = entry[0], entry[1]
+        if kind == "list":
+            out[key] = data[key] if is_leader else list(entry[2])
+        elif kind == "tensor":
+            mine = data[key] if is_leader else None
+            out[key] = _send_or_recv_bytes(
+                mine, entry[2], entry[3], src=src, group=group, device=device
+            )
+        else:  # nested
+            (v_dtype, v_shape), (o_dtype, o_shape) = entry[2], entry[3]
+            mine_v = data[key].values() if is_leader else None
+            mine_o = data[key].offsets() if is_leader else None
+            values = _send_or_recv_bytes(
+                mine_v, v_dtype, v_shape, src=src, group=group, device=device
+            )
+            offsets = _send_or_recv_bytes(
+                mine_o, o_dtype, o_shape, src=src, group=group, device=device
+            )
+            out[key] = torch.nested.nested_tensor_from_jagged(values, offsets)
+    for name, value in descriptor["attrs"].items():
+        if value is not None:
+            setattr(out, name, value)
+    return out

@@ -1,0 +1,410 @@
+"""TQWorkerMixin: per-rank data-plane fetch and write-back for a policy worker.
+
+The driver ships each DP rank a :class:`KVBatchMeta` (keys only). Inside a DP
+rank, the replica leader (axis-zero of TP x CP x PP) fetches the rank's slice
+from the store and broadcasts it to its siblings in two phases (descriptor,
+then tensors); every rank then runs the unchanged per-rank method body
+(``get_logprobs`` / ``get_reference_policy_logprobs`` / ``train`` of the host
+class) and the leader alone writes the result back as a new field.
+
+The host class provides:
+
+- ``cfg``: a :class:`policy_workers.config.PolicyConfig`;
+- ``_local_coords()`` and ``_get_replica_group()`` (abstract here, no default);
+- ``get_logprobs(data, micro_batch_size=None)``,
+  ``get_reference_policy_logprobs(data, micro_batch_size=None)``,
+  ``train(data, loss_fn=None, eval_mode=False, gbs=None, mbs=None)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from dataplane_client.batched_data_dict import BatchedDataDict
+from dataplane_client.config import DataPlaneConfig
+from dataplane_client.meta import KVBatchMeta
+from dataplane_client.preshard import (
+    ELEM_COUNTS_PER_GB,
+    GLOBAL_FORWARD_PAD_SEQLEN,
+    MICRO_BATCH_INDICES,
+    MICRO_BATCH_LENGTHS,
+)
+from policy_workers.broadcast import broadcast_batched_data_dict
+from policy_workers.sharding import REPLICA_AXES, NamedSharding
+
+FetchPolicy = Literal["auto", "independent", "leader_broadcast"]
+FETCH_POLICIES = ("auto", "independent", "leader_broadcast")
+Layout = Literal["padded", "jagged"]
+
+PREV_LOGPROBS = "prev_logprobs"
+REFERENCE_POLICY_LOGPROBS = "reference_policy_logprobs"
+
+
+class NotReplicaLeader(RuntimeError):
+    """A write-back was attempted from a rank that is not its DP rank's replica leader."""
+
+
+def batch_digest(data: Mapping[str, Any]) -> str:
+    """sha256 over every field's name, dtype, shape and bytes (plus microbatch metadata)."""
+    h = hashlib.sha256()
+    for key in sorted(data):
+        value = data[key]
+        h.update(key.encode())
+        if isinstance(value, torch.Tensor):
+            if value.is_nested:
+                parts = [value.values(), value.offsets()]
+            else:
+                parts = [value]
+            for t in parts:
+                t = t.detach().cpu().contiguous()
+                h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(value).encode())
+    for attr in ("micro_batch_indices", "micro_batch_lengths", "elem_counts_per_gb"):
+        h.update(repr(getattr(data, attr, None)).encode())
+    return h.hexdigest()
+
+
+def _to_cpu(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+
+class TQWorkerMixin:
+    """Adds data-plane per-rank entry points to a policy worker (see the module docstring)."""
+
+    _dp_client: Any = None
+    _dp_cfg: DataPlaneConfig | None = None
+    # Test/debug bookkeeping: one entry per _fetch / _write_back on this rank.
+    _record_io: bool = False
+    _io_log: list[dict[str, Any]] | None = None
+
+    # ---- connection -------------------------------------------------------------
+    def setup_data_plane(self, cfg: DataPlaneConfig) -> None:
+        """Connect this worker process to the running service. Idempotent."""
+        if self._dp_client is not None and self._dp_cfg is not None:
+            if (self._dp_cfg.name, self._dp_cfg.namespace) == (cfg.name, cfg.namespace):
+                return
+            self._dp_client.close()
+        from dataplane_client.client import connect
+
+        self._dp_client = connect(cfg.name, cfg.namespace)
+        self._dp_cfg = cfg
+
+    def _require_dp_client(self) -> Any:
+        if self._dp_client is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: no data-plane client; call setup_data_plane(cfg) first"
+            )
+        return self._dp_client
+
+    # ---- topology (the host class answers) -----------------------------------------
+    def _get_replica_group(self) -> Any:
+        """Process group of the TP x CP x PP siblings of this DP rank; None when there are none."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _get_replica_group()")
+
+    def _local_coords(self) -> dict[str, int]:
+        """This worker's axis -> index mapping.
+
+        No default on purpose: a guessed default would make every rank a leader,
+        i.e. a writer, and every write-back would be duplicated.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement _local_coords()")
+
+    def _is_replica_leader(self) -> bool:
+        """True iff this rank does its DP rank's unique side effects (fetch, write-back)."""
+        return NamedSharding.is_axis_zero(self._local_coords(), REPLICA_AXES)
+
+    def _replica_leader_rank(self) -> int:
+        """Global rank of the replica leader (the broadcast source)."""
+        group = self._get_replica_group()
+        if group is None:
+            return dist.get_rank() if dist.is_initialized() else 0
+        return min(dist.get_process_group_ranks(group))
+
+    # ---- fetch -----------------------------------------------------------------------
+    def _pad_value_dict(self) -> dict[str, Any]:
+        """Pad value per field when jagged rows become a padded rectangle."""
+        return {"input_ids": int(self.cfg.pad_token_id)}
+
+    def _forward_pad_seqlen(self, meta: KVBatchMeta) -> int:
+        """The driver's cross-DP pad length (0 = pad to the local longest row)."""
+        return int(meta.extra_info.get(GLOBAL_FORWARD_PAD_SEQLEN, 0) or 0)
+
+    def _fetch_local(
+        self, meta: KVBatchMeta, layout: Layout, dp_aligned_seq_len: bool
+    ) -> BatchedDataDict:
+        from dataplane_client.batched_data_dict import jagged_values_offsets
+        from dataplane_client.materialize import materialize
+
+        raw = self._require_dp_client().get_data(meta)
+        if "input_lengths" not in raw:
+            ids = raw.get("input_ids")
+            if isinstance(ids, torch.Tensor) and ids.is_nested:
+                _, offsets = jagged_values_offsets(ids)
+                raw["input_lengths"] = (offsets[1:] - offsets[:-1]).to(torch.long)
+            elif meta.sequence_lengths is not None:
+                raw["input_lengths"] = torch.tensor(meta.sequence_lengths, dtype=torch.long)
+        pad_to = self._forward_pad_seqlen(meta) if dp_aligned_seq_len else 0
+        return materialize(
+            raw, layout=layout, pad_value_dict=self._pad_value_dict(), pad_to_seqlen=pad_to
+        )
+
+    def _fetch(
+        self,
+        meta: KVBatchMeta,
+        *,
+        layout: Layout = "padded",
+        fetch_policy: FetchPolicy = "auto",
+        preprocess: Callable[[Any, BatchedDataDict], BatchedDataDict] | None = None,
+        dp_aligned_seq_len: bool = True,
+    ) -> BatchedDataDict:
+        """This rank's slice of ``meta`` as a BatchedDataDict.
+
+        ``auto``: leader fetch + broadcast when a replica group exists, else every
+        rank fetches. ``independent``: every sibling fetches itself.
+        ``leader_broadcast``: forced broadcast path (a replica group must exist).
+        ``dp_aligned_seq_len``: pad to the driver's global forward pad length.
+        """
+        if fetch_policy not in FETCH_POLICIES:
+            raise ValueError(
+                f"unknown fetch_policy {fetch_policy!r}; choose one of {list(FETCH_POLICIES)}"
+            )
+        group = self._get_replica_group()
+        if fetch_policy == "auto":
+            fetch_policy = "leader_broadcast" if group is not None else "independent"
+        if fetch_policy == "leader_broadcast":
+            if group is None:
+                raise RuntimeError(
+                    "fetch_policy='leader_broadcast' needs a replica group, but this rank has no "
+                    "TP/CP/PP siblings (use 'auto' or 'independent')"
+                )
+            leader = self._is_replica_leader()
+            mine = self._fetch_local(meta, layout, dp_aligned_seq_len) if leader else None
+            data = broadcast_batched_data_dict(
+                mine, is_leader=leader, src=self._replica_leader_rank(), group=group
+            )
+        else:
+            data = self._fetch_local(meta, layout, dp_aligned_seq_len)
+        if preprocess is not None:
+            data = preprocess(self, data)
+        self._log_io(
+            "fetch",
+            meta,
+            fields=sorted(data.keys()),
+            digest=batch_digest(data),
+            policy=fetch_policy,
+        )
+        return data
+
+    # ---- packing metadata --------------------------------------------------------------
+    def _pass_args(self, kind: Literal["train", "logprob"]) -> tuple[dict | None, dict | None]:
+        return self.cfg.dynamic_batching_args(kind), self.cfg.sequence_packing_args(kind)
+
+    def _apply_packing_prep(
+        self,
+        data: BatchedDataDict,
+        *,
+        kind: Literal["train", "logprob"],
+        batch_size: int | None = None,
+    ) -> tuple[BatchedDataDict, list[int] | None]:
+        """Re-derive microbatch metadata on the local slice: ``shard_by_batch_size(shards=1)``.
+
+        Returns ``(data, order)``: dynamic batching sorts rows by length, so the
+        repacked rows are the original rows ``order`` (None = unchanged order).
+        """
+        dyn, pack = self._pass_args(kind)
+        if dyn is None and pack is None:
+            return data, None
+        shards, order = data.shard_by_batch_size(
+            1, batch_size=batch_size, dynamic_batching_args=dyn, sequence_packing_args=pack
+        )
+        if order is not None and list(order) == list(range(len(order))):
+            order = None
+        return shards[0], order
+
+    def _attach_or_repack_pack_metadata(
+        self,
+        data: BatchedDataDict,
+        meta: KVBatchMeta,
+        *,
+        kind: Literal["train", "logprob"] = "logprob",
+        batch_size: int | None = None,
+    ) -> tuple[BatchedDataDict, KVBatchMeta]:
+        """Trust the driver's packing metadata in ``meta.extra_info``; else re-derive locally.
+
+        The driver plans microbatches jointly over DP ranks (equal microbatch
+        counts everywhere); a local re-pack would not. Returns the data and a meta
+        whose ``sample_ids`` follow the data's row order (a local re-pack may sort).
+        """
+        dyn, pack = self._pass_args(kind)
+        if dyn is None and pack is None:
+            return data, meta
+        info = meta.extra_info
+        if MICRO_BATCH_INDICES in info and MICRO_BATCH_LENGTHS in info:
+            data.micro_batch_indices = info[MICRO_BATCH_INDICES]
+            data.micro_batch_lengths = info[MICRO_BATCH_LENGTHS]
+            data.elem_counts_per_gb = info.get(ELEM_COUNTS_PER_GB)
+            return data, meta
+        data, order = self._apply_packing_prep(data, kind=kind, batch_size=batch_size)
+        return data, (meta if order is None else meta.subset(order))
+
+    # ---- write-back ------------------------------------------------------------------
+    def _write_back(
+        self,
+        meta: KVBatchMeta,
+        fields: Mapping[str, torch.Tensor],
+        *,
+        lengths: list[int] | None = None,
+        overwrite: bool = False,
+    ) -> KVBatchMeta:
+        """Leader-only ``put_samples(meta.sample_ids, fields)``.
+
+        Per-token fields (``[N, S, ...]``) are cut to each row's sequence length
+        and written jagged, so they come back with the same row lengths as the
+        jagged ``input_ids``. ``lengths`` defaults to ``meta.sequence_lengths``.
+        """
+        if not self._is_replica_leader():
+            raise NotReplicaLeader(
+                f"rank with coords {self._local_coords()} is not its replica leader; only leaders "
+                f"write back (fields {sorted(fields)}, partition {meta.partition_id!r})"
+            )
+        lengths = list(meta.sequence_lengths) if lengths is None else [int(x) for x in lengths]
+        out: dict[str, Any] = {}
+        for name, value in fields.items():
+            value = _to_cpu(value)
+            if isinstance(value, torch.Tensor) and not value.is_nested and value.dim() >= 2:
+                if len(lengths) != value.shape[0]:
+                    raise ValueError(
+                        f"{len(lengths)} lengths for {value.shape[0]} rows of {name!r}"
+                    )
+                out[name] = [value[i, : lengths[i]].contiguous() for i in range(value.shape[0])]
+            else:
+                out[name] = value
+        result = self._require_dp_client().put_samples(
+            meta.sample_ids, meta.partition_id, out, overwrite=overwrite
+        )
+        self._log_io("write", meta, fields=sorted(fields))
+        return result
+
+    def _write_back_result_field(
+        self,
+        meta: KVBatchMeta,
+        result: Any,
+        *,
+        result_key: str,
+        tq_field: str,
+        lengths: list[int] | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        """The one place ``*_presharded`` methods write back: leader writes, others skip."""
+        if not isinstance(result, Mapping) or result_key not in result:
+            raise KeyError(
+                f"worker result has no {result_key!r} (keys: {list(getattr(result, 'keys', list)())})"
+            )
+        if self._is_replica_leader():
+            self._write_back(
+                meta, {tq_field: result[result_key]}, lengths=lengths, overwrite=overwrite
+            )
+
+    # ---- per-rank entry points ---------------------------------------------------------
+    @staticmethod
+    def _with_fields(meta: KVBatchMeta, wanted: list[str]) -> KVBatchMeta:
+        """``meta`` reading ``wanted``; ``input_lengths`` only when the meta says it is stored
+        (otherwise it is derived from the jagged ``input_ids``)."""
+        fields = list(dict.fromkeys(f for f in wanted if f != "input_lengths"))
+        if meta.fields is not None and "input_lengths" in meta.fields:
+            fields.append("input_lengths")
+        return meta.with_fields(fields)
+
+    def _dp_world_size(self) -> int:
+        sharding = getattr(self, "sharding", None)
+        return sharding.get_axis_size("data_parallel") if sharding is not None else 1
+
+    def _logprob_pass(
+        self,
+        meta: KVBatchMeta,
+        method: str,
+        tq_field: str,
+        micro_batch_size: int | None,
+        overwrite: bool,
+    ) -> None:
+        data = self._fetch(self._with_fields(meta, ["input_ids"]))
+        data, meta = self._attach_or_repack_pack_metadata(data, meta, kind="logprob")
+        result = getattr(self, method)(data, micro_batch_size=micro_batch_size)
+        self._write_back_result_field(
+            meta,
+            result,
+            result_key="logprobs",
+            tq_field=tq_field,
+            lengths=[int(x) for x in data["input_lengths"].tolist()],
+            overwrite=overwrite,
+        )
+        del result, data
+
+    def get_logprobs_presharded(
+        self, meta: KVBatchMeta, micro_batch_size: int | None = None, overwrite: bool = False
+    ) -> None:
+        """Fetch -> packing prep -> ``get_logprobs`` -> leader writes field ``prev_logprobs``."""
+        self._logprob_pass(meta, "get_logprobs", PREV_LOGPROBS, micro_batch_size, overwrite)
+
+    def get_reference_policy_logprobs_presharded(
+        self, meta: KVBatchMeta, micro_batch_size: int | None = None, overwrite: bool = False
+    ) -> None:
+        """Same as :meth:`get_logprobs_presharded` for the reference policy (``reference_policy_logprobs``)."""
+        self._logprob_pass(
+            meta,
+            "get_reference_policy_logprobs",
+            REFERENCE_POLICY_LOGPROBS,
+            micro_batch_size,
+            overwrite,
+        )
+
+    def train_presharded(
+        self,
+        meta: KVBatchMeta,
+        loss_fn: Any = None,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+    ) -> dict[str, Any]:
+        """Fetch -> packing prep -> ``train``. Returns the (small) metrics dict of ``train``."""
+        gbs = gbs or self.cfg.train_global_batch_size
+        if loss_fn is None:
+            from policy_workers.loss import ClippedPGLoss
+
+            loss_fn = ClippedPGLoss(self.cfg.loss)
+        wanted = list(getattr(loss_fn, "required_fields", lambda: ["input_ids"])())
+        data = self._fetch(self._with_fields(meta, ["input_ids", *wanted]))
+        data, meta = self._attach_or_repack_pack_metadata(
+            data, meta, kind="train", batch_size=max(1, gbs // self._dp_world_size())
+        )
+        return self.train(data, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
+
+    # ---- bookkeeping (tests) -------------------------------------------------------------
+    def _log_io(self, what: str, meta: KVBatchMeta, **info: Any) -> None:
+        if not self._record_io:
+            return
+        if self._io_log is None:
+            self._io_log = []
+        self._io_log.append(
+            {
+                "op": what,
+                "partition_id": meta.partition_id,
+                "sample_ids": list(meta.sample_ids),
+                **info,
+            }
+        )
+
+    def set_io_recording(self, enabled: bool = True) -> None:
+        """Record every fetch (with a digest of the fetched batch) and write-back on this rank."""
+        self._record_io = bool(enabled)
+        self._io_log = []
+
+    def get_io_log(self) -> list[dict[str, Any]]:
+        return list(self._io_log or [])

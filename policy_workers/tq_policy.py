@@ -1,0 +1,317 @@
+"""TQPolicy: the driver side of a policy; it plans and dispatches, data stays off its path.
+
+Data-plane path (``*_from_meta``): the driver holds only a :class:`KVBatchMeta`.
+It splits the keys over DP ranks with ``shard_meta_for_dp`` (balanced packing /
+dynamic batching metadata rides in each rank's ``extra_info``), stamps the
+global forward pad length into every per-rank meta, and dispatches the metas to
+the workers' ``*_presharded`` methods. Workers fetch their own rows from the
+store and write results back as fields; the driver gets ``None`` (logprobs) or
+a small dict of floats (train) back, never a tensor. Every object the driver
+deserializes from a data-plane dispatch is kept in ``received`` (tests assert
+on it).
+
+Classic path (``get_logprobs`` / ``get_reference_policy_logprobs`` /
+``train``): the driver holds the BatchedDataDict, shards it with
+``shard_by_batch_size`` and ships tensors through the Ray object store, as
+NeMo-RL's ``lm_policy.Policy`` does. Same workers, same per-rank code; kept for
+equivalence tests and side-by-side benchmarks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+import torch
+
+from dataplane_client.batched_data_dict import BatchedDataDict
+from dataplane_client.meta import KVBatchMeta
+from dataplane_client.preshard import (
+    GLOBAL_FORWARD_PAD_SEQLEN,
+    global_forward_pad_seqlen,
+    shard_meta_for_dp,
+)
+from policy_workers.config import PolicyConfig
+from policy_workers.sharding import DATA_PARALLEL, REPLICA_AXES, NamedSharding
+from policy_workers.tq_mixin import PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS
+from policy_workers.worker import PolicyWorker
+from policy_workers.worker_group import RayWorkerGroup, WorkerFutures
+
+
+def contains_tensor(obj: Any) -> bool:
+    """True if ``obj`` is, or (recursively) holds, a torch tensor."""
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, Mapping):
+        return any(contains_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple, set)):
+        return any(contains_tensor(v) for v in obj)
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return any(contains_tensor(v) for v in vars(obj).values())
+    return False
+
+
+class TQPolicy:
+    """A policy of ``cfg.pp * cfg.dp * cfg.cp * cfg.tp`` Ray workers."""
+
+    def __init__(
+        self,
+        cfg: PolicyConfig,
+        *,
+        worker_cls: type = PolicyWorker,
+        name_prefix: str | None = None,
+    ):
+        self.cfg = cfg
+        self.sharding = NamedSharding.for_policy(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
+        self.worker_group = RayWorkerGroup(
+            worker_cls,
+            self.sharding,
+            worker_kwargs={"cfg": cfg},
+            num_cpus_per_worker=cfg.num_cpus_per_worker,
+            num_gpus_per_worker=cfg.num_gpus_per_worker,
+            collective_timeout_s=cfg.collective_timeout_s,
+            name_prefix=name_prefix,
+        )
+        try:
+            ray.get(self.worker_group.run_all_workers_single_data("setup"))
+            if cfg.data_plane is not None:
+                ray.get(
+                    self.worker_group.run_all_workers_single_data(
+                        "setup_data_plane", cfg.data_plane
+                    )
+                )
+        except Exception:
+            self.worker_group.shutdown()
+            raise
+        self._client = None
+        # What the driver deserialized from data-plane dispatches, one entry per dispatch.
+        self.received: list[list[Any]] = []
+        # What it shipped to workers on the data-plane path (per-rank metas).
+        self.shipped: list[list[KVBatchMeta]] = []
+
+    @property
+    def dp_size(self) -> int:
+        return self.sharding.get_axis_size(DATA_PARALLEL)
+
+    # ---- data-plane path --------------------------------------------------------------
+    def _client_or_connect(self) -> Any:
+        if self._client is None:
+            if self.cfg.data_plane is None:
+                raise RuntimeError(
+                    "this policy has no data plane configured (cfg.data_plane is None)"
+                )
+            from dataplane_client.client import connect
+
+            self._client = connect(self.cfg.data_plane.name, self.cfg.data_plane.namespace)
+        return self._client
+
+    def _shard_meta(
+        self, meta: KVBatchMeta, *, kind: str, batch_size: int | None
+    ) -> list[KVBatchMeta]:
+        metas, _ = shard_meta_for_dp(
+            meta,
+            dp_world=self.dp_size,
+            batch_size=batch_size,
+            sequence_packing_args=self.cfg.sequence_packing_args(kind),
+            dynamic_batching_args=self.cfg.dynamic_batching_args(kind),
+        )
+        return self._stamp_pad_seqlen(metas)
+
+    def _stamp_pad_seqlen(self, metas: list[KVBatchMeta]) -> list[KVBatchMeta]:
+        """Every rank pads its forward batch to the same length (the longest over all ranks)."""
+        if any(m.sequence_lengths is None for m in metas):
+            return metas
+        pad = global_forward_pad_seqlen(metas, multiple=self.cfg.forward_pad_multiple)
+        for m in metas:
+            m.extra_info[GLOBAL_FORWARD_PAD_SEQLEN] = pad
+        return metas
+
+    def _dispatch_metas(
+        self, method: str, metas: list[KVBatchMeta], **common_kwargs: Any
+    ) -> list[Any]:
+        for m in metas:
+            if contains_tensor(m):
+                raise AssertionError("a per-rank meta holds a tensor; metas must be keys only")
+        self.shipped.append(metas)
+        futures: WorkerFutures = self.worker_group.run_all_workers_sharded_data(
+            method,
+            data=metas,
+            in_sharded_axes=[DATA_PARALLEL],
+            replicate_on_axes=REPLICA_AXES,
+            output_is_replicated=REPLICA_AXES,
+            common_kwargs=common_kwargs,
+            data_arg="meta",
+        )
+        results = self.worker_group.get_all_worker_results(futures)
+        self.received.append(results)
+        return results
+
+    def get_logprobs_from_meta(
+        self, meta: KVBatchMeta, micro_batch_size: int | None = None, overwrite: bool = False
+    ) -> KVBatchMeta:
+        """Policy logprobs of ``meta``'s samples, written to the store as ``prev_logprobs``.
+
+        Returns ``meta`` with ``prev_logprobs`` added to its fields.
+        """
+        metas = self._shard_meta(meta, kind="logprob", batch_size=None)
+        self._dispatch_metas(
+            "get_logprobs_presharded", metas, micro_batch_size=micro_batch_size, overwrite=overwrite
+        )
+        return _with_field(meta, PREV_LOGPROBS)
+
+    def get_reference_policy_logprobs_from_meta(
+        self, meta: KVBatchMeta, micro_batch_size: int | None = None, overwrite: bool = False
+    ) -> KVBatchMeta:
+        """Reference-policy logprobs, written to the store as ``reference_policy_logprobs``."""
+        metas = self._shard_meta(meta, kind="logprob", batch_size=None)
+        self._dispatch_metas(
+            "get_reference_policy_logprobs_presharded",
+            metas,
+            micro_batch_size=micro_batch_size,
+            overwrite=overwrite,
+        )
+        return _with_field(meta, REFERENCE_POLICY_LOGPROBS)
+
+    def train_from_meta(
+        self,
+        meta: KVBatchMeta,
+        loss_fn: Any = None,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+    ) -> dict[str, Any]:
+        """Train on ``meta``'s samples (fields read by the workers). Returns loss, grad_norm, ..."""
+        gbs = gbs or self.cfg.train_global_batch_size
+        mbs = mbs or self.cfg.train_micro_batch_size
+        metas = self._shard_meta(meta, kind="train", batch_size=gbs)
+        results = self._dispatch_metas(
+            "train_presharded", metas, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
+        )
+        return _aggregate_train_results(results)
+
+    def read_from_dataplane(
+        self, meta: KVBatchMeta, fields: list[str], *, layout: str = "padded"
+    ) -> BatchedDataDict:
+        """Read ``fields`` of ``meta``'s samples (in ``meta.sample_ids`` order) from the store.
+
+        A user-level read (inspection, metrics), not part of the worker data path.
+        """
+        from dataplane_client.materialize import materialize
+
+        raw = self._client_or_connect().get_data(meta, list(fields))
+        return materialize(raw, layout=layout)
+
+    def write_to_dataplane(
+        self, meta: KVBatchMeta, fields: Mapping[str, Any], *, overwrite: bool = False
+    ) -> KVBatchMeta:
+        """Write ``fields`` for ``meta``'s samples; returns the meta with those fields added."""
+        self._client_or_connect().put_samples(
+            meta.sample_ids, meta.partition_id, dict(fields), overwrite=overwrite
+        )
+        out = meta
+        for name in fields:
+            out = _with_field(out, name)
+        return out
+
+    # ---- classic path (tensors through the driver) -------------------------------------------
+    def _shard_data(
+        self, data: BatchedDataDict, *, kind: str, batch_size: int | None
+    ) -> tuple[list[BatchedDataDict], list[int] | None]:
+        dyn = self.cfg.dynamic_batching_args(kind)
+        pack = self.cfg.sequence_packing_args(kind)
+        if dyn is None and pack is None:
+            return data.shard_by_batch_size(self.dp_size, batch_size=batch_size), None
+        return data.shard_by_batch_size(
+            self.dp_size,
+            batch_size=batch_size,
+            dynamic_batching_args=dyn,
+            sequence_packing_args=pack,
+        )
+
+    def _dispatch_data(
+        self, method: str, shards: list[BatchedDataDict], **common_kwargs: Any
+    ) -> list[Any]:
+        futures = self.worker_group.run_all_workers_sharded_data(
+            method,
+            data=shards,
+            in_sharded_axes=[DATA_PARALLEL],
+            replicate_on_axes=REPLICA_AXES,
+            output_is_replicated=REPLICA_AXES,
+            common_kwargs=common_kwargs,
+        )
+        return self.worker_group.get_all_worker_results(futures)
+
+    def _classic_logprobs(
+        self, method: str, data: BatchedDataDict, micro_batch_size: int | None
+    ) -> BatchedDataDict:
+        shards, unsorted = self._shard_data(data, kind="logprob", batch_size=None)
+        results = self._dispatch_data(method, shards, micro_batch_size=micro_batch_size)
+        out = BatchedDataDict.from_batches(results)
+        if unsorted is not None:
+            out.reorder_data(unsorted)
+        return out
+
+    def get_logprobs(
+        self, data: BatchedDataDict, micro_batch_size: int | None = None
+    ) -> BatchedDataDict:
+        """``{"logprobs": [B, S]}`` in ``data``'s row order (classic path)."""
+        return self._classic_logprobs("get_logprobs", data, micro_batch_size)
+
+    def get_reference_policy_logprobs(
+        self, data: BatchedDataDict, micro_batch_size: int | None = None
+    ) -> BatchedDataDict:
+        """``{"logprobs": [B, S]}`` of the reference policy (classic path)."""
+        return self._classic_logprobs("get_reference_policy_logprobs", data, micro_batch_size)
+
+    def train(
+        self,
+        data: BatchedDataDict,
+        loss_fn: Any = None,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+    ) -> dict[str, Any]:
+        """Train on a driver-held batch (classic path)."""
+        gbs = gbs or self.cfg.train_global_batch_size
+        mbs = mbs or self.cfg.train_micro_batch_size
+        shards, _ = self._shard_data(data, kind="train", batch_size=gbs)
+        results = self._dispatch_data(
+            "train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
+        )
+        return _aggregate_train_results(results)
+
+    # ---- lifecycle / inspection ----------------------------------------------------------------
+    def run_on_all_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``ray.get`` of ``method`` called on every worker (rank order)."""
+        return ray.get(self.worker_group.run_all_workers_single_data(method, *args, **kwargs))
+
+    def shutdown(self) -> bool:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        return self.worker_group.shutdown()
+
+
+def _with_field(meta: KVBatchMeta, name: str) -> KVBatchMeta:
+    fields = list(meta.fields or [])
+    if name not in fields:
+        fields.append(name)
+    return meta.with_fields(fields)
+
+
+def _aggregate_train_results(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every DP leader reports the same global loss and grad norm; metrics are concatenated."""
+    first = results[0]
+    merged: dict[str, list[float]] = {}
+    for r in results:
+        for k, v in r["all_mb_metrics"].items():
+            merged.setdefault(k, []).extend(v)
+    return {
+        "loss": first["loss"],
+        "grad_norm": first["grad_norm"],
+        "losses": first["losses"],
+        "grad_norms": first["grad_norms"],
+        "num_steps": first["num_steps"],
+        "all_mb_metrics": merged,
+    }
