@@ -236,8 +236,11 @@ def decode_field(enc: EncodedField, *, writable: bool = True) -> Any:
     buf = enc.values
     if writable and not buf.flags.writeable:
         buf = buf.copy()
-    flat = torch.from_numpy(buf)
-    flat = flat.view(dtype) if dtype != torch.uint8 else flat
+    if buf.nbytes == 0:
+        flat = torch.empty(0, dtype=dtype)  # a 0-byte array has no stride to reinterpret
+    else:
+        flat = torch.from_numpy(buf)
+        flat = flat.view(dtype) if dtype != torch.uint8 else flat
     if enc.kind == DENSE:
         return flat.reshape(enc.num_rows, *enc.shape)
     lengths = torch.from_numpy(enc.lengths.astype(np.int64))
