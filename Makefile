@@ -1,0 +1,50 @@
+# Everyday targets. `make demo` and `make test` work from a fresh clone: both set up first.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# CPU machines get the small CPU build of torch (it lies on this workplace's disk);
+# on a machine with an NVIDIA driver pip's default CUDA build is kept instead.
+CPU_TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+BENCH_ARGS ?=
+
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+
+.PHONY: setup test demo bench lint format proto clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "NVIDIA driver found: keeping pip's CUDA torch"; \
+	else \
+		$(BIN)/pip install -q "$(CPU_TORCH)"; \
+	fi
+	$(BIN)/pip install -q -e '.[dev]'
+	@touch $@
+
+test: setup
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+demo: setup
+	$(BIN)/dataplane demo $(DEMO_ARGS)
+
+bench: setup
+	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+proto: setup
+	$(BIN)/python -m dataplane_server.admin.gen_proto
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
