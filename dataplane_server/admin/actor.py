@@ -1,0 +1,58 @@
+"""AdminActor: runs the gRPC admin endpoint and the metrics endpoint inside the cluster.
+
+The service launcher creates one next to the controller:
+
+    admin = AdminActor.remote(config.to_dict())
+    addresses = ray.get(admin.start.remote())  # {"admin_address", "metrics_address"}
+    ...
+    ray.get(admin.drain.remote())  # health -> NOT_SERVING
+    ray.get(admin.stop.remote())   # in-flight RPCs finish (drain_timeout_s), then close
+
+It finds the controller by name, like any client, so it can be restarted on its own.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from dataplane_client.config import DataPlaneConfig
+
+
+@ray.remote(num_cpus=0)
+class AdminActor:
+    def __init__(self, config_dict: dict):
+        self.config = DataPlaneConfig.from_dict(config_dict)
+        self._admin = None
+        self._metrics = None
+
+    def start(self) -> dict:
+        from dataplane_server.admin.metrics import MetricsServer
+        from dataplane_server.admin.server import AdminServer
+        from dataplane_server.admin.sources import ActorSources
+
+        cfg = self.config
+        sources = ActorSources(cfg.name, cfg.namespace)
+        admin_address = metrics_address = None
+        if cfg.admin_enabled and self._admin is None:
+            self._admin = AdminServer(cfg, sources)
+            self._admin.start()
+        if cfg.metrics_enabled and self._metrics is None:
+            self._metrics = MetricsServer(sources, cfg.metrics_host, cfg.metrics_port)
+            self._metrics.start()
+        if self._admin is not None:
+            admin_address = self._admin.address
+        if self._metrics is not None:
+            metrics_address = self._metrics.address
+        return {"admin_address": admin_address, "metrics_address": metrics_address}
+
+    def drain(self) -> None:
+        if self._admin is not None:
+            self._admin.drain()
+
+    def stop(self) -> None:
+        if self._admin is not None:
+            self._admin.stop()
+            self._admin = None
+        if self._metrics is not None:
+            self._metrics.stop()
+            self._metrics = None

@@ -1,0 +1,206 @@
+"""The gRPC admin server: AdminService + standard health + reflection, behind auth.
+
+- Health (``grpc.health.v1``) answers SERVING, and NOT_SERVING once the
+  service drains, for the overall server ("") and for AdminService; it never
+  needs the token, so load balancers and k8s probes work unauthenticated.
+- Reflection lists AdminService and Health, so ``grpcurl`` works without the proto.
+- Auth: ``authorization: Bearer <admin_token>`` metadata, required for mutating
+  RPCs and, with ``admin_token_for_reads``, for every RPC (reflection included).
+  Missing or wrong -> UNAUTHENTICATED. Without a token, mutations are allowed
+  only while the server listens on a loopback address (the default); on any
+  other address they are refused with PERMISSION_DENIED until a token is set.
+- TLS when ``admin_tls_cert`` / ``admin_tls_key`` are set.
+- Requests above ``admin_max_request_bytes`` are refused by gRPC itself
+  (RESOURCE_EXHAUSTED) before any handler sees them.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from dataplane_client.config import DataPlaneConfig
+from dataplane_client.errors import InvalidBatch
+from dataplane_server.admin.servicer import MUTATING_METHODS, SERVICE_NAME, AdminServicer
+from dataplane_server.admin.sources import ActorSources
+from dataplane_server.admin_pb import admin_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_PREFIX = f"/{health.SERVICE_NAME}/"
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def join_host_port(host: str, port: int) -> str:
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def advertised_host(host: str) -> str:
+    """The host clients should dial: the node's IP when bound to every interface."""
+    if host not in _WILDCARD_HOSTS:
+        return host
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        import socket
+
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _deny(handler, code: grpc.StatusCode, message: str):
+    """A handler of the same shape as ``handler`` that ends the call with ``code``.
+
+    It does not deserialize the request: an unauthenticated caller's bytes are never parsed.
+    """
+    if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
+        return None
+
+    def abort(_request, context):
+        context.abort(code, message)
+
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(abort)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(abort)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(abort)
+    return grpc.stream_stream_rpc_method_handler(abort)
+
+
+class BearerTokenAuth(grpc.ServerInterceptor):
+    """Checks ``authorization: Bearer <token>`` on the methods that need it."""
+
+    def __init__(self, token: str | None, *, token_for_reads: bool, mutations_open: bool):
+        if token_for_reads and not token:
+            raise InvalidBatch("admin_token_for_reads is set but no admin_token is configured")
+        self._expected = f"Bearer {token}".encode() if token else None
+        self._token_for_reads = token_for_reads
+        self._mutations_open = mutations_open
+
+    def _authorized(self, metadata) -> bool:
+        for key, value in metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else bytes(value)
+                return hmac.compare_digest(got, self._expected)
+        return False
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if method.startswith(_HEALTH_PREFIX):
+            return continuation(handler_call_details)
+        mutating = method in MUTATING_METHODS
+        if not (mutating or self._token_for_reads):
+            return continuation(handler_call_details)
+        if self._expected is None:  # only mutations get here without a token configured
+            if self._mutations_open:
+                return continuation(handler_call_details)
+            return _deny(
+                continuation(handler_call_details),
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{method} is disabled: the admin endpoint listens on a non-loopback address "
+                "without admin_token; set admin_token (or DATAPLANE_ADMIN_TOKEN)",
+            )
+        if self._authorized(handler_call_details.invocation_metadata):
+            return continuation(handler_call_details)
+        return _deny(
+            continuation(handler_call_details),
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"{method} needs a valid bearer token ('authorization: Bearer <token>' metadata)",
+        )
+
+
+class AdminServer:
+    """One gRPC server for one data-plane service. start() -> "host:port"."""
+
+    def __init__(self, config: DataPlaneConfig, sources: ActorSources):
+        self.config = config
+        self.stopping = threading.Event()
+        self.servicer = AdminServicer(
+            sources, stopping=self.stopping, max_watches=max(1, config.admin_max_workers // 2)
+        )
+        self.health = health.HealthServicer()
+        self._auth = BearerTokenAuth(
+            config.admin_token,
+            token_for_reads=config.admin_token_for_reads,
+            mutations_open=is_loopback(config.admin_host),
+        )
+        self._server: grpc.Server | None = None
+        self.address: str | None = None
+
+    def start(self) -> str:
+        cfg = self.config
+        server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=cfg.admin_max_workers, thread_name_prefix="dataplane-admin"
+            ),
+            interceptors=[self._auth],
+            options=[
+                ("grpc.max_receive_message_length", cfg.admin_max_request_bytes),
+                # A fixed port already taken must fail loudly, not be shared silently.
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        bind = join_host_port(cfg.admin_host, cfg.admin_port)
+        try:
+            if cfg.admin_tls_cert:
+                with open(cfg.admin_tls_key, "rb") as f:
+                    key = f.read()
+                with open(cfg.admin_tls_cert, "rb") as f:
+                    cert = f.read()
+                port = server.add_secure_port(bind, grpc.ssl_server_credentials([(key, cert)]))
+            else:
+                port = server.add_insecure_port(bind)
+        except RuntimeError as exc:
+            raise RuntimeError(f"admin endpoint cannot bind {bind}: {exc}") from exc
+        if port == 0:
+            raise RuntimeError(f"admin endpoint cannot bind {bind}")
+        server.start()
+        self._server = server
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.address = join_host_port(advertised_host(cfg.admin_host), port)
+        if cfg.admin_token is None and not is_loopback(cfg.admin_host):
+            logger.warning(
+                "admin endpoint on %s has no admin_token: reads are open, mutations refused",
+                self.address,
+            )
+        return self.address
+
+    def drain(self) -> None:
+        """Report NOT_SERVING; RPCs keep being answered until stop()."""
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """End watches, refuse new RPCs, let in-flight ones finish within ``grace_s``."""
+        if self._server is None:
+            return
+        self.stopping.set()
+        self.health.enter_graceful_shutdown()
+        grace = self.config.drain_timeout_s if grace_s is None else grace_s
+        self._server.stop(grace).wait()
+        self._server = None

@@ -1,0 +1,397 @@
+"""The AdminService RPCs: ask the actors, answer in protobuf.
+
+Every RPC is a read of plain builtins from the controller or a unit, turned
+into a message field by field; nothing a caller sends is unpickled. Data-plane
+errors map onto gRPC status codes (unknown partition -> NOT_FOUND, bad
+argument -> INVALID_ARGUMENT, actor gone -> UNAVAILABLE, ...), with the typed
+error's message, which names the offending partition / ids / fields.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import threading
+from typing import Any
+
+import grpc
+from google.protobuf import struct_pb2
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from dataplane_client import errors
+from dataplane_server.admin.sources import DEFAULT_TIMEOUT_S, ActorSources, StatsPull, counter
+from dataplane_server.admin_pb import admin_pb2, admin_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
+MUTATING_METHODS = frozenset({f"/{SERVICE_NAME}/ClearPartition"})
+
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+DEFAULT_PREVIEW_ELEMS = 8
+MAX_PREVIEW_ELEMS = 256
+DEFAULT_WATCH_INTERVAL_S = 1.0
+MIN_WATCH_INTERVAL_S = 0.05
+
+LAYOUTS = {
+    "dense": admin_pb2.LAYOUT_DENSE,
+    "jagged": admin_pb2.LAYOUT_JAGGED,
+    "object": admin_pb2.LAYOUT_OBJECT,
+}
+STATUS_FILTERS = {
+    admin_pb2.SAMPLE_STATUS_UNSPECIFIED: None,
+    admin_pb2.SAMPLE_STATUS_READY: "ready",
+    admin_pb2.SAMPLE_STATUS_PENDING: "pending",
+    admin_pb2.SAMPLE_STATUS_CONSUMED: "consumed",
+    admin_pb2.SAMPLE_STATUS_LOST: "lost",
+}
+_NOT_FOUND = (errors.UnknownPartition, errors.SamplesNotFound, errors.FieldNotProduced)
+
+
+class RpcAbort(Exception):
+    """Raised inside an RPC body to end it with a status code and message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status a failure maps to, with a message safe to send to any caller."""
+    if isinstance(exc, RpcAbort):
+        return exc.code, exc.message
+    if isinstance(exc, _NOT_FOUND):
+        return grpc.StatusCode.NOT_FOUND, f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, errors.InvalidBatch):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, errors.ServiceUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, errors.DataPlaneError):
+        return grpc.StatusCode.FAILED_PRECONDITION, f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, GetTimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "the data-plane actors did not answer in time"
+    if isinstance(exc, RayActorError):
+        return (
+            grpc.StatusCode.UNAVAILABLE,
+            f"a data-plane actor is unavailable: {type(exc).__name__}",
+        )
+    if isinstance(exc, IndexError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+
+
+def _unary(fn):
+    """Run an RPC body; turn any failure into a gRPC status (logging the unexpected ones)."""
+
+    @functools.wraps(fn)
+    def wrapper(self, request, context):
+        try:
+            return fn(self, request, context)
+        except Exception as exc:
+            code, message = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                logger.exception("admin RPC %s failed", fn.__name__)
+            context.abort(code, message)
+
+    return wrapper
+
+
+def _int(d: dict, key: str) -> int:
+    value = d.get(key)
+    return int(value) if value is not None else 0
+
+
+def _float(d: dict, key: str) -> float:
+    value = d.get(key)
+    return float(value) if value is not None else 0.0
+
+
+def _require(value: str, what: str) -> str:
+    if not value:
+        raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} is required")
+    return value
+
+
+def _json_safe(value: Any) -> Any:
+    """Tags and preview values as JSON-able builtins (anything else becomes its str)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def _struct(mapping: dict | None) -> struct_pb2.Struct:
+    out = struct_pb2.Struct()
+    if mapping:
+        out.update({str(k): v for k, v in _json_safe(mapping).items()})
+    return out
+
+
+def sample_message(sample: dict) -> admin_pb2.SampleInfo:
+    return admin_pb2.SampleInfo(
+        sample_id=str(sample.get("sample_id", "")),
+        fields=[str(f) for f in sample.get("fields") or ()],
+        sequence_length=_int(sample, "sequence_length"),
+        unit=_int(sample, "unit"),
+        consumed_by=[str(t) for t in sample.get("consumed_by") or ()],
+        tags=_struct(sample.get("tags")),
+        lost=bool(sample.get("lost", False)),
+    )
+
+
+def preview_message(name: str, raw: dict) -> admin_pb2.FieldPreview:
+    shape = [int(x) for x in raw.get("shape") or ()]
+    values = _json_safe(list(raw.get("values") or ()))
+    held = math.prod(shape) if shape else len(values)
+    out = admin_pb2.FieldPreview(
+        name=name,
+        dtype=str(raw.get("dtype", "")),
+        layout=LAYOUTS.get(str(raw.get("layout", "")), admin_pb2.LAYOUT_UNSPECIFIED),
+        shape=shape,
+        truncated=held > len(values),
+    )
+    out.values.extend(values)
+    return out
+
+
+def stats_message(pull: StatsPull) -> admin_pb2.StatsSnapshot:
+    """One WatchStats message from a round of actor snapshots."""
+    ctrl = pull.controller or {}
+    partitions = pull.partitions()
+    errors_by_type: dict[str, int] = {}
+    for stats in [ctrl.get("stats")] + [(u or {}).get("stats") for u in pull.units]:
+        for kind, n in ((stats or {}).get("errors") or {}).items():
+            errors_by_type[kind] = errors_by_type.get(kind, 0) + int(n)
+    units = []
+    for position, snap in enumerate(pull.units):
+        if snap is None:
+            units.append(admin_pb2.UnitStats(index=position, alive=False))
+            continue
+        stats = snap.get("stats")
+        units.append(
+            admin_pb2.UnitStats(
+                index=int(snap.get("index", position)),
+                node_id=str(snap.get("node_id", "")),
+                alive=True,
+                bytes=_int(snap, "bytes"),
+                samples=_int(snap, "samples"),
+                capacity_bytes=_int(snap, "capacity_bytes"),
+                put_bytes_total=int(counter(stats, "put_bytes_total")),
+                get_bytes_total=int(counter(stats, "get_bytes_total")),
+                put_requests_total=int(counter(stats, "put_requests_total")),
+                get_requests_total=int(counter(stats, "get_requests_total")),
+            )
+        )
+    return admin_pb2.StatsSnapshot(
+        timestamp=pull.timestamp,
+        claims_waiting=_int(ctrl, "claims_waiting"),
+        num_samples=sum(_int(p, "num_samples") for p in partitions),
+        bytes=sum(_int(p, "bytes") for p in partitions),
+        put_bytes_total=sum(u.put_bytes_total for u in units),
+        get_bytes_total=sum(u.get_bytes_total for u in units),
+        put_requests_total=sum(u.put_requests_total for u in units),
+        get_requests_total=sum(u.get_requests_total for u in units),
+        errors=errors_by_type,
+        partitions=[
+            admin_pb2.PartitionStats(
+                partition_id=str(p.get("partition_id", "")),
+                num_samples=_int(p, "num_samples"),
+                bytes=_int(p, "bytes"),
+            )
+            for p in partitions
+        ],
+        units=units,
+    )
+
+
+class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
+    """AdminService over one data-plane service's actors."""
+
+    def __init__(
+        self,
+        sources: ActorSources,
+        *,
+        stopping: threading.Event | None = None,
+        max_watches: int = 4,
+        rpc_timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
+        self.sources = sources
+        self.rpc_timeout_s = rpc_timeout_s
+        # Set when the server stops: open WatchStats streams end instead of holding shutdown.
+        self.stopping = stopping or threading.Event()
+        # Each open watch holds a server thread; cap them so watches cannot starve other RPCs.
+        self._watch_slots = threading.BoundedSemaphore(max(1, max_watches))
+
+    def _timeout(self, context: grpc.ServicerContext) -> float:
+        remaining = context.time_remaining()
+        if remaining is None:
+            return self.rpc_timeout_s
+        return max(0.0, min(self.rpc_timeout_s, remaining))
+
+    @_unary
+    def GetServiceInfo(self, request, context):
+        info = self.sources.call("service_info", timeout_s=self._timeout(context))
+        return admin_pb2.ServiceInfo(
+            name=str(info.get("name", "")),
+            namespace=str(info.get("namespace", "")),
+            version=str(info.get("version", "")),
+            started_at=_float(info, "started_at"),
+            uptime_s=_float(info, "uptime_s"),
+            draining=bool(info.get("draining", False)),
+            num_partitions=_int(info, "num_partitions"),
+            num_samples=_int(info, "num_samples"),
+            bytes=_int(info, "bytes"),
+            capacity_bytes=_int(info, "capacity_bytes"),
+            units=[
+                admin_pb2.UnitInfo(
+                    index=_int(u, "index"),
+                    node_id=str(u.get("node_id") or ""),
+                    node_ip=str(u.get("node_ip") or ""),
+                    alive=bool(u.get("alive", False)),
+                    bytes=_int(u, "bytes"),
+                    samples=_int(u, "samples"),
+                    capacity_bytes=_int(u, "capacity_bytes"),
+                )
+                for u in info.get("units") or ()
+            ],
+        )
+
+    @_unary
+    def ListPartitions(self, request, context):
+        rows = self.sources.call("list_partitions", timeout_s=self._timeout(context))
+        return admin_pb2.ListPartitionsResponse(
+            partitions=[
+                admin_pb2.PartitionSummary(
+                    partition_id=str(p.get("partition_id", "")),
+                    num_samples=_int(p, "num_samples"),
+                    bytes=_int(p, "bytes"),
+                    fields=[str(f) for f in p.get("fields") or ()],
+                    consumer_tasks=[str(t) for t in p.get("consumer_tasks") or ()],
+                    created_at=_float(p, "created_at"),
+                )
+                for p in rows
+            ]
+        )
+
+    @_unary
+    def DescribePartition(self, request, context):
+        pid = _require(request.partition_id, "partition_id")
+        d = self.sources.call("describe_partition", pid, timeout_s=self._timeout(context))
+        out = admin_pb2.PartitionDescription(
+            partition_id=str(d.get("partition_id", pid)),
+            num_samples=_int(d, "num_samples"),
+            created_at=_float(d, "created_at"),
+            fields=[
+                admin_pb2.FieldInfo(
+                    name=str(f.get("name", "")),
+                    dtype=str(f.get("dtype") or ""),
+                    layout=LAYOUTS.get(str(f.get("layout")), admin_pb2.LAYOUT_UNSPECIFIED),
+                    trailing_shape=[int(x) for x in f.get("trailing_shape") or ()],
+                    produced=_int(f, "produced"),
+                )
+                for f in d.get("fields") or ()
+            ],
+            consumption=[
+                admin_pb2.TaskConsumption(task=str(c.get("task", "")), consumed=_int(c, "consumed"))
+                for c in d.get("consumption") or ()
+            ],
+            pending_claims=_int(d, "pending_claims"),
+            bytes_per_unit=[
+                admin_pb2.UnitBytes(unit=_int(b, "unit"), bytes=_int(b, "bytes"))
+                for b in d.get("bytes_per_unit") or ()
+            ],
+        )
+        if d.get("expected_samples") is not None:
+            out.expected_samples = int(d["expected_samples"])
+        if d.get("group_size") is not None:
+            out.group_size = int(d["group_size"])
+        return out
+
+    @_unary
+    def ListSamples(self, request, context):
+        pid = _require(request.partition_id, "partition_id")
+        if request.status not in STATUS_FILTERS:
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown status {request.status}")
+        if request.page_size < 0:
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "page_size must be >= 0")
+        limit = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        offset = 0
+        if request.page_token:
+            if not request.page_token.isdigit():
+                raise RpcAbort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"invalid page_token {request.page_token[:40]!r}: pass a next_page_token",
+                )
+            offset = int(request.page_token)
+        page = self.sources.call(
+            "list_samples",
+            pid,
+            STATUS_FILTERS[request.status],
+            offset,
+            limit,
+            timeout_s=self._timeout(context),
+        )
+        next_offset = page.get("next_offset")
+        return admin_pb2.ListSamplesResponse(
+            samples=[sample_message(s) for s in page.get("samples") or ()],
+            total=_int(page, "total"),
+            next_page_token=str(int(next_offset)) if next_offset is not None else "",
+        )
+
+    @_unary
+    def GetSample(self, request, context):
+        pid = _require(request.partition_id, "partition_id")
+        sid = _require(request.sample_id, "sample_id")
+        if request.max_elems < 0:
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "max_elems must be >= 0")
+        max_elems = min(request.max_elems or DEFAULT_PREVIEW_ELEMS, MAX_PREVIEW_ELEMS)
+        timeout = self._timeout(context)
+        sample = self.sources.call("sample_status", pid, sid, timeout_s=timeout)
+        out = admin_pb2.GetSampleResponse(partition_id=pid, sample=sample_message(sample))
+        if sample.get("lost"):
+            return out  # its bytes are gone with its unit: nothing to preview
+        fields = list(request.fields) or None
+        raw = self.sources.call_unit(
+            _int(sample, "unit"), "preview", pid, sid, fields, max_elems, timeout_s=timeout
+        )
+        for name in fields or list(raw):
+            if name in raw:
+                out.previews.append(preview_message(name, raw[name]))
+        return out
+
+    @_unary
+    def ClearPartition(self, request, context):
+        pid = _require(request.partition_id, "partition_id")
+        done = self.sources.client().clear_samples(None, pid) or {}
+        logger.warning("admin: cleared partition %r: %s", pid, done)
+        return admin_pb2.ClearPartitionResponse(
+            partition_id=pid,
+            cleared_samples=_int(done, "cleared"),
+            bytes_freed=_int(done, "bytes_freed"),
+        )
+
+    def WatchStats(self, request, context):
+        if request.interval_s < 0 or math.isnan(request.interval_s) or request.count < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "interval_s and count must be >= 0")
+        interval = max(request.interval_s or DEFAULT_WATCH_INTERVAL_S, MIN_WATCH_INTERVAL_S)
+        if not self._watch_slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many open WatchStats streams")
+        try:
+            sent = 0
+            while context.is_active() and not self.stopping.is_set():
+                failure = None
+                try:
+                    pull = self.sources.stats(timeout_s=self.rpc_timeout_s)
+                except Exception as exc:
+                    failure = status_for(exc)
+                if failure is not None:
+                    context.abort(*failure)
+                yield stats_message(pull)
+                sent += 1
+                if request.count and sent >= request.count:
+                    return
+                if self.stopping.wait(interval):
+                    return
+        finally:
+            self._watch_slots.release()

@@ -1,0 +1,160 @@
+"""The Prometheus endpoint, scraped over HTTP: names, labels and values follow the traffic.
+
+Counters are compared before/after this file's own puts and gets (other test
+files share the service, so absolute values are not ours to assert).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+import uuid
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from dataplane_client.errors import SamplesNotFound
+
+
+def scrape(service) -> dict[str, list]:
+    """{metric family name: [Sample(name, labels, value, ...)]} of one scrape."""
+    with urllib.request.urlopen(f"http://{service.metrics_address}/metrics", timeout=10) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def _values(families, sample_name: str, labels: dict) -> list[float]:
+    return [
+        s.value
+        for family in families.values()
+        for s in family
+        if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+
+
+def total(families, sample_name: str, **labels) -> float:
+    """Sum of every sample with that name and those labels (0 when there is none)."""
+    return sum(_values(families, sample_name, labels))
+
+
+def one(families, sample_name: str, **labels) -> float:
+    matches = _values(families, sample_name, labels)
+    assert len(matches) == 1, f"{sample_name}{labels}: {matches}"
+    return matches[0]
+
+
+@pytest.fixture(scope="module")
+def traffic(client, service):
+    """Puts and gets on a fresh partition, with scrapes taken before and after."""
+    pid = f"metrics-{uuid.uuid4().hex[:8]}"
+    before = scrape(service)
+    client.register_partition(pid, fields=["input_ids", "reward"])
+    ids = [f"m{i}" for i in range(8)]
+    client.put_samples(
+        ids,
+        pid,
+        {
+            "input_ids": [torch.arange(100 + i, dtype=torch.int64) for i in range(8)],
+            "reward": torch.ones(8, dtype=torch.float32),
+        },
+    )
+    got = client.get_samples(ids, pid, ["reward"])
+    assert torch.equal(got["reward"], torch.ones(8))
+    with pytest.raises(SamplesNotFound):
+        client.get_samples(["never-written"], pid, ["reward"])
+    after = scrape(service)
+    payload = sum(100 + i for i in range(8)) * 8 + 8 * 4
+    return {"pid": pid, "before": before, "after": after, "payload": payload}
+
+
+def test_service_is_up_with_every_unit(traffic):
+    after = traffic["after"]
+    assert one(after, "dataplane_up") == 1
+    units = {s.labels["unit"]: s.value for s in after["dataplane_unit_up"]}
+    assert units == {"0": 1.0, "1": 1.0}
+    assert all(s.labels["node_id"] for s in after["dataplane_unit_up"])
+    for s in after["dataplane_unit_capacity_bytes"]:
+        assert s.value == 4 * (1 << 30)
+
+
+def test_put_and_get_bytes_counters_grow_with_traffic(traffic):
+    before, after = traffic["before"], traffic["after"]
+    put = total(after, "dataplane_put_bytes_total") - total(before, "dataplane_put_bytes_total")
+    assert put >= traffic["payload"]
+    get = total(after, "dataplane_get_bytes_total") - total(before, "dataplane_get_bytes_total")
+    assert get >= 8 * 4
+    puts = total(after, "dataplane_put_requests_total") - total(
+        before, "dataplane_put_requests_total"
+    )
+    assert puts >= 1
+    gets = total(after, "dataplane_get_requests_total") - total(
+        before, "dataplane_get_requests_total"
+    )
+    assert gets >= 1
+    assert {s.labels["unit"] for s in after["dataplane_put_bytes"]} == {"0", "1"}
+
+
+@pytest.mark.parametrize("op", ["put", "get"])
+def test_latency_histograms(traffic, op):
+    name = f"dataplane_{op}_latency_seconds"
+    before, after = traffic["before"], traffic["after"]
+    grew = total(after, f"{name}_count") - total(before, f"{name}_count")
+    assert grew >= 1
+    for unit in {s.labels["unit"] for s in after[name]}:
+        buckets = [
+            s for s in after[name] if s.name == f"{name}_bucket" and s.labels["unit"] == unit
+        ]
+        counts = [s.value for s in buckets]
+        assert counts == sorted(counts), "buckets are cumulative"
+        assert buckets[-1].labels["le"] == "+Inf"
+        assert counts[-1] == one(after, f"{name}_count", unit=unit)
+        assert one(after, f"{name}_sum", unit=unit) >= 0
+
+
+def test_samples_and_bytes_per_partition_and_unit(traffic):
+    after, pid = traffic["after"], traffic["pid"]
+    assert one(after, "dataplane_partition_samples", partition=pid) == 8
+    assert one(after, "dataplane_partition_bytes", partition=pid) >= traffic["payload"]
+    assert total(after, "dataplane_unit_samples") >= 8
+    assert total(after, "dataplane_unit_bytes") >= traffic["payload"]
+
+
+def test_errors_are_counted_by_type(traffic):
+    before, after = traffic["before"], traffic["after"]
+    label = {"type": "SamplesNotFound", "actor": "controller"}
+    grew = total(after, "dataplane_errors_total", **label) - total(
+        before, "dataplane_errors_total", **label
+    )
+    assert grew >= 1
+
+
+def test_controller_events_are_exposed(traffic):
+    events = {s.labels["event"] for s in traffic["after"]["dataplane_controller_events"]}
+    assert "commits" in events
+
+
+def test_claims_waiting_counts_a_blocked_claim(service, client):
+    pid = f"metrics-claim-{uuid.uuid4().hex[:8]}"
+    client.register_partition(pid, fields=["x"], consumer_tasks=["train"])
+    claimer = service.client()
+    result = {}
+
+    def claim():
+        result["meta"] = claimer.claim_meta(pid, "train", ["x"], 2, blocking=True, timeout_s=30)
+
+    thread = threading.Thread(target=claim, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while one(scrape(service), "dataplane_claims_waiting") < 1:
+            assert time.monotonic() < deadline, "the blocked claim never showed up"
+            time.sleep(0.05)  # scrape interval while polling, not synchronisation
+    finally:
+        client.put_samples(["a", "b"], pid, {"x": torch.zeros(2, 3)})
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert result["meta"] is not None and sorted(result["meta"].sample_ids) == ["a", "b"]
