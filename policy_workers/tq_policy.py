@@ -19,6 +19,7 @@ equivalence tests and side-by-side benchmarks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,7 +33,7 @@ from dataplane_client.preshard import (
     global_forward_pad_seqlen,
     shard_meta_for_dp,
 )
-from policy_workers.config import PolicyConfig
+from policy_workers.config import DynamicBatchingConfig, PolicyConfig, SequencePackingConfig
 from policy_workers.sharding import DATA_PARALLEL, REPLICA_AXES, NamedSharding
 from policy_workers.tq_mixin import PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS
 from policy_workers.worker import PolicyWorker
@@ -280,6 +281,20 @@ class TQPolicy:
             "train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
         )
         return _aggregate_train_results(results)
+
+    # ---- reconfiguration -------------------------------------------------------------------------
+    def configure_batching(
+        self,
+        dynamic_batching: DynamicBatchingConfig | None = None,
+        sequence_packing: SequencePackingConfig | None = None,
+    ) -> None:
+        """Switch the microbatching mode on the driver and every worker (None = disabled)."""
+        dynamic_batching = dynamic_batching or DynamicBatchingConfig(enabled=False)
+        sequence_packing = sequence_packing or SequencePackingConfig(enabled=False)
+        self.cfg = dataclasses.replace(
+            self.cfg, dynamic_batching=dynamic_batching, sequence_packing=sequence_packing
+        )
+        self.run_on_all_workers("update_batching_config", dynamic_batching, sequence_packing)
 
     # ---- lifecycle / inspection ----------------------------------------------------------------
     def run_on_all_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:

@@ -22,6 +22,7 @@ schedule); they compute the same thing and never write back.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import math
 from collections import defaultdict
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from dataplane_client.batched_data_dict import BatchedDataDict
-from policy_workers.config import PolicyConfig
+from policy_workers.config import DynamicBatchingConfig, PolicyConfig, SequencePackingConfig
 from policy_workers.loss import ClippedPGLoss, valid_token_mask
 from policy_workers.model import VocabParallelCausalLM, build_hf_model, default_device
 from policy_workers.sharding import (
@@ -264,6 +265,28 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
             "num_steps": len(grad_norms),
             "all_mb_metrics": dict(mb_metrics),
         }
+
+    # ---- reconfiguration -------------------------------------------------------------------------
+    def update_batching_config(
+        self, dynamic_batching: DynamicBatchingConfig, sequence_packing: SequencePackingConfig
+    ) -> None:
+        """Switch microbatching mode (the driver does the same on its copy of the config)."""
+        self.cfg = dataclasses.replace(
+            self.cfg, dynamic_batching=dynamic_batching, sequence_packing=sequence_packing
+        )
+
+    def save_training_state(self) -> None:
+        """Keep an in-process copy of the weights and optimizer state (see restore_training_state)."""
+        self._saved_state = (
+            {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            copy.deepcopy(self.optimizer.state_dict()),
+        )
+
+    def restore_training_state(self) -> None:
+        """Return to the state of the last save_training_state (e.g. to replay a step)."""
+        weights, opt_state = self._saved_state
+        self.model.load_state_dict(weights)
+        self.optimizer.load_state_dict(copy.deepcopy(opt_state))
 
     # ---- inspection helpers (tests, debugging) -------------------------------------------------------
     def get_parameters(self, full_head: bool = False) -> dict[str, torch.Tensor]:
