@@ -91,10 +91,17 @@ def _one(results: list) -> Any:
     return r
 
 
-def _sequence_lengths(encoded: Mapping[str, EncodedField], fields: Mapping[str, Any]) -> list[int] | None:
+def _sequence_lengths(
+    encoded: Mapping[str, EncodedField], fields: Mapping[str, Any]
+) -> list[int] | None:
     """A sample's sequence length: ``input_lengths`` if given, else its first jagged field."""
     lengths = fields.get("input_lengths")
-    if lengths is not None and hasattr(lengths, "ndim") and lengths.ndim == 1 and not lengths.is_nested:
+    if (
+        lengths is not None
+        and hasattr(lengths, "ndim")
+        and lengths.ndim == 1
+        and not lengths.is_nested
+    ):
         return [int(x) for x in lengths.tolist()]
     for enc in encoded.values():
         if enc.kind == JAGGED:
@@ -111,7 +118,9 @@ class DataPlaneClient:
         routing = ray.get(controller.routing.remote())
         self._transport = RayTransport(routing["units"])
         self._alive = list(routing["alive"])
-        self._routes: dict[tuple[str, str], int] = {}  # (partition, sample) -> unit, learnt from puts/gets
+        self._routes: dict[
+            tuple[str, str], int
+        ] = {}  # (partition, sample) -> unit, learnt from puts/gets
 
     # ---- helpers ------------------------------------------------------------------
     @property
@@ -145,45 +154,82 @@ class DataPlaneClient:
 
     # ---- partitions ---------------------------------------------------------------
     def _register_flow(self, partition_id, fields, num_samples, consumer_tasks, group_size) -> Flow:
-        _one((yield [self._controller.register_partition.remote(
-            partition_id, list(fields), num_samples, list(consumer_tasks), group_size)]))
+        _one(
+            (
+                yield [
+                    self._controller.register_partition.remote(
+                        partition_id, list(fields), num_samples, list(consumer_tasks), group_size
+                    )
+                ]
+            )
+        )
 
-    def register_partition(self, partition_id: str, *, fields: Sequence[str] = (), num_samples: int | None = None,
-                           consumer_tasks: Sequence[str] = (), group_size: int | None = None) -> None:
+    def register_partition(
+        self,
+        partition_id: str,
+        *,
+        fields: Sequence[str] = (),
+        num_samples: int | None = None,
+        consumer_tasks: Sequence[str] = (),
+        group_size: int | None = None,
+    ) -> None:
         """Declare a partition (idempotent for the same declaration)."""
-        return _run_sync(self._register_flow(partition_id, fields, num_samples, consumer_tasks, group_size))
+        return _run_sync(
+            self._register_flow(partition_id, fields, num_samples, consumer_tasks, group_size)
+        )
 
-    async def register_partition_async(self, partition_id: str, *, fields: Sequence[str] = (),
-                                       num_samples: int | None = None, consumer_tasks: Sequence[str] = (),
-                                       group_size: int | None = None) -> None:
-        return await _run_async(self._register_flow(partition_id, fields, num_samples, consumer_tasks, group_size))
+    async def register_partition_async(
+        self,
+        partition_id: str,
+        *,
+        fields: Sequence[str] = (),
+        num_samples: int | None = None,
+        consumer_tasks: Sequence[str] = (),
+        group_size: int | None = None,
+    ) -> None:
+        return await _run_async(
+            self._register_flow(partition_id, fields, num_samples, consumer_tasks, group_size)
+        )
 
     # ---- put ----------------------------------------------------------------------
     def _put_flow(self, sample_ids, partition_id, fields, tags, overwrite) -> Flow:
         sample_ids = list(sample_ids)
         n = len(sample_ids)
         if n == 0:
-            raise InvalidBatch("put_samples needs at least one sample id", partition_id=partition_id)
+            raise InvalidBatch(
+                "put_samples needs at least one sample id", partition_id=partition_id
+            )
         bad = [s for s in sample_ids if not isinstance(s, str) or not s]
         if bad:
-            raise InvalidBatch("sample ids must be non-empty str", ids=bad, partition_id=partition_id)
+            raise InvalidBatch(
+                "sample ids must be non-empty str", ids=bad, partition_id=partition_id
+            )
         if len(set(sample_ids)) != n:
             seen: set[str] = set()
             dups = sorted({s for s in sample_ids if s in seen or seen.add(s)})
-            raise InvalidBatch("duplicate sample ids in one put", ids=dups, partition_id=partition_id)
+            raise InvalidBatch(
+                "duplicate sample ids in one put", ids=dups, partition_id=partition_id
+            )
         if tags is not None:
             tags = [dict(t) if t else {} for t in tags]
             if len(tags) != n:
-                raise InvalidBatch(f"{len(tags)} tags for {n} sample ids", partition_id=partition_id)
+                raise InvalidBatch(
+                    f"{len(tags)} tags for {n} sample ids", partition_id=partition_id
+                )
         encoded = encode_fields(fields)
         for name, enc in encoded.items():
             if enc.num_rows != n:
-                raise InvalidBatch(f"field has {enc.num_rows} rows for {n} sample ids",
-                                   fields=[name], partition_id=partition_id)
+                raise InvalidBatch(
+                    f"field has {enc.num_rows} rows for {n} sample ids",
+                    fields=[name],
+                    partition_id=partition_id,
+                )
         seq_lens = _sequence_lengths(encoded, fields)
         schemas = {name: enc.schema for name, enc in encoded.items()}
 
-        units = np.array([self._routes.get((partition_id, s), -1) for s in sample_ids], dtype=np.int64)
+        units = np.array(
+            [self._routes.get((partition_id, s), -1) for s in sample_ids], dtype=np.int64
+        )
         for _attempt in range(_MAX_REROUTES + 1):
             new = np.nonzero(units < 0)[0]
             if len(new):
@@ -192,14 +238,22 @@ class DataPlaneClient:
             plan = {int(u): np.nonzero(units == u)[0] for u in np.unique(units)}
             staged = list(plan)
             results = yield [
-                self._transport.stage(u, partition_id, write_id, [sample_ids[i] for i in rows],
-                                      {k: take_rows(e, rows) for k, e in encoded.items()})
+                self._transport.stage(
+                    u,
+                    partition_id,
+                    write_id,
+                    [sample_ids[i] for i in rows],
+                    {k: take_rows(e, rows) for k, e in encoded.items()},
+                )
                 for u, rows in plan.items()
             ]
             errors = [(u, r) for u, r in zip(staged, results) if isinstance(r, BaseException)]
             if errors:
-                yield [self._transport.discard(u, write_id) for u, r in zip(staged, results)
-                       if not isinstance(r, BaseException)]
+                yield [
+                    self._transport.discard(u, write_id)
+                    for u, r in zip(staged, results)
+                    if not isinstance(r, BaseException)
+                ]
                 died = [u for u, e in errors if isinstance(e, RayActorError)]
                 if not died:
                     raise errors[0][1]
@@ -209,13 +263,29 @@ class DataPlaneClient:
                 known = {s for s in sample_ids if (partition_id, s) in self._routes}
                 lost = [s for s, u in zip(sample_ids, units) if u in died and s in known]
                 if lost:
-                    raise SamplesLost("their storage unit died", ids=lost, partition_id=partition_id)
+                    raise SamplesLost(
+                        "their storage unit died", ids=lost, partition_id=partition_id
+                    )
                 units[np.isin(units, died)] = -1
                 continue
             try:
-                result = _one((yield [self._controller.commit.remote(
-                    partition_id, write_id, sample_ids, units.tolist(), schemas, seq_lens, tags,
-                    bool(overwrite), staged)]))
+                result = _one(
+                    (
+                        yield [
+                            self._controller.commit.remote(
+                                partition_id,
+                                write_id,
+                                sample_ids,
+                                units.tolist(),
+                                schemas,
+                                seq_lens,
+                                tags,
+                                bool(overwrite),
+                                staged,
+                            )
+                        ]
+                    )
+                )
             except BaseException:
                 yield [self._transport.discard(u, write_id) for u in staged]
                 raise
@@ -225,18 +295,38 @@ class DataPlaneClient:
                     units[sample_ids.index(s)] = u
                 continue
             self._remember(partition_id, sample_ids, units)
-            return KVBatchMeta(partition_id=partition_id, sample_ids=sample_ids, fields=list(encoded),
-                               sequence_lengths=result["sequence_lengths"], tags=tags)
-        raise InvalidBatch("samples kept moving between units while writing; retry", ids=sample_ids[:10],
-                           partition_id=partition_id)
+            return KVBatchMeta(
+                partition_id=partition_id,
+                sample_ids=sample_ids,
+                fields=list(encoded),
+                sequence_lengths=result["sequence_lengths"],
+                tags=tags,
+            )
+        raise InvalidBatch(
+            "samples kept moving between units while writing; retry",
+            ids=sample_ids[:10],
+            partition_id=partition_id,
+        )
 
-    def put_samples(self, sample_ids: Sequence[str], partition_id: str, fields: Mapping[str, Any],
-                    tags: Sequence[dict] | None = None, overwrite: bool = False) -> KVBatchMeta:
+    def put_samples(
+        self,
+        sample_ids: Sequence[str],
+        partition_id: str,
+        fields: Mapping[str, Any],
+        tags: Sequence[dict] | None = None,
+        overwrite: bool = False,
+    ) -> KVBatchMeta:
         """Write fields of samples (new samples, or new fields of existing ones)."""
         return _run_sync(self._put_flow(sample_ids, partition_id, fields, tags, overwrite))
 
-    async def put_samples_async(self, sample_ids: Sequence[str], partition_id: str, fields: Mapping[str, Any],
-                                tags: Sequence[dict] | None = None, overwrite: bool = False) -> KVBatchMeta:
+    async def put_samples_async(
+        self,
+        sample_ids: Sequence[str],
+        partition_id: str,
+        fields: Mapping[str, Any],
+        tags: Sequence[dict] | None = None,
+        overwrite: bool = False,
+    ) -> KVBatchMeta:
         return await _run_async(self._put_flow(sample_ids, partition_id, fields, tags, overwrite))
 
     # ---- get ----------------------------------------------------------------------
@@ -251,13 +341,18 @@ class DataPlaneClient:
         if not fields:
             return {}
         plan = {int(u): np.nonzero(units == u)[0] for u in np.unique(units)}
-        results = yield [self._transport.read(u, partition_id, [sample_ids[i] for i in rows], fields)
-                         for u, rows in plan.items()]
+        results = yield [
+            self._transport.read(u, partition_id, [sample_ids[i] for i in rows], fields)
+            for u, rows in plan.items()
+        ]
         for (u, rows), r in zip(plan.items(), results):
             if isinstance(r, RayActorError):
                 yield from self._unit_died(u)
-                raise SamplesLost("their storage unit died", ids=[sample_ids[i] for i in rows],
-                                  partition_id=partition_id)
+                raise SamplesLost(
+                    "their storage unit died",
+                    ids=[sample_ids[i] for i in rows],
+                    partition_id=partition_id,
+                )
             if isinstance(r, BaseException):
                 raise r
         # Row j of the output is row order[j] of the units' results concatenated.
@@ -274,50 +369,104 @@ class DataPlaneClient:
                 out[name] = decode_field(concat_rows(parts, order), writable=False)
         return out
 
-    def get_samples(self, sample_ids: Sequence[str], partition_id: str,
-                    select_fields: Sequence[str] | None = None) -> dict[str, Any]:
+    def get_samples(
+        self,
+        sample_ids: Sequence[str],
+        partition_id: str,
+        select_fields: Sequence[str] | None = None,
+    ) -> dict[str, Any]:
         """Read fields of samples, in the order of ``sample_ids``."""
         return _run_sync(self._get_flow(sample_ids, partition_id, select_fields))
 
-    async def get_samples_async(self, sample_ids: Sequence[str], partition_id: str,
-                                select_fields: Sequence[str] | None = None) -> dict[str, Any]:
+    async def get_samples_async(
+        self,
+        sample_ids: Sequence[str],
+        partition_id: str,
+        select_fields: Sequence[str] | None = None,
+    ) -> dict[str, Any]:
         return await _run_async(self._get_flow(sample_ids, partition_id, select_fields))
 
-    def get_data(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None) -> dict[str, Any]:
+    def get_data(
+        self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None
+    ) -> dict[str, Any]:
         """Read the samples a meta names (``select_fields``, else the meta's fields)."""
         return self.get_samples(meta.sample_ids, meta.partition_id, select_fields or meta.fields)
 
-    async def get_data_async(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None) -> dict[str, Any]:
-        return await self.get_samples_async(meta.sample_ids, meta.partition_id, select_fields or meta.fields)
+    async def get_data_async(
+        self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        return await self.get_samples_async(
+            meta.sample_ids, meta.partition_id, select_fields or meta.fields
+        )
 
     # ---- claims and status --------------------------------------------------------
-    def _claim_flow(self, partition_id, task_name, required_fields, batch_size, dp_rank, blocking,
-                    timeout_s) -> Flow:
-        return _one((yield [self._controller.claim_meta.remote(
-            partition_id, task_name, list(required_fields), int(batch_size), dp_rank, bool(blocking),
-            float(timeout_s))]))
+    def _claim_flow(
+        self, partition_id, task_name, required_fields, batch_size, dp_rank, blocking, timeout_s
+    ) -> Flow:
+        return _one(
+            (
+                yield [
+                    self._controller.claim_meta.remote(
+                        partition_id,
+                        task_name,
+                        list(required_fields),
+                        int(batch_size),
+                        dp_rank,
+                        bool(blocking),
+                        float(timeout_s),
+                    )
+                ]
+            )
+        )
 
-    def claim_meta(self, partition_id: str, task_name: str, required_fields: Sequence[str], batch_size: int,
-                   dp_rank: int | None = None, blocking: bool = True, timeout_s: float = 60) -> KVBatchMeta | None:
+    def claim_meta(
+        self,
+        partition_id: str,
+        task_name: str,
+        required_fields: Sequence[str],
+        batch_size: int,
+        dp_rank: int | None = None,
+        blocking: bool = True,
+        timeout_s: float = 60,
+    ) -> KVBatchMeta | None:
         """Claim up to ``batch_size`` ready samples the task has not consumed yet."""
-        return _run_sync(self._claim_flow(partition_id, task_name, required_fields, batch_size, dp_rank,
-                                          blocking, timeout_s))
+        return _run_sync(
+            self._claim_flow(
+                partition_id, task_name, required_fields, batch_size, dp_rank, blocking, timeout_s
+            )
+        )
 
-    async def claim_meta_async(self, partition_id: str, task_name: str, required_fields: Sequence[str],
-                               batch_size: int, dp_rank: int | None = None, blocking: bool = True,
-                               timeout_s: float = 60) -> KVBatchMeta | None:
-        return await _run_async(self._claim_flow(partition_id, task_name, required_fields, batch_size,
-                                                 dp_rank, blocking, timeout_s))
+    async def claim_meta_async(
+        self,
+        partition_id: str,
+        task_name: str,
+        required_fields: Sequence[str],
+        batch_size: int,
+        dp_rank: int | None = None,
+        blocking: bool = True,
+        timeout_s: float = 60,
+    ) -> KVBatchMeta | None:
+        return await _run_async(
+            self._claim_flow(
+                partition_id, task_name, required_fields, batch_size, dp_rank, blocking, timeout_s
+            )
+        )
 
     def _call_flow(self, method: str, *args) -> Flow:
         return _one((yield [getattr(self._controller, method).remote(*args)]))
 
     def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> dict:
         """Per task: consumed / total / expected samples and whether it is done."""
-        return _run_sync(self._call_flow("check_consumption_status", partition_id, list(task_names)))
+        return _run_sync(
+            self._call_flow("check_consumption_status", partition_id, list(task_names))
+        )
 
-    async def check_consumption_status_async(self, partition_id: str, task_names: Sequence[str]) -> dict:
-        return await _run_async(self._call_flow("check_consumption_status", partition_id, list(task_names)))
+    async def check_consumption_status_async(
+        self, partition_id: str, task_names: Sequence[str]
+    ) -> dict:
+        return await _run_async(
+            self._call_flow("check_consumption_status", partition_id, list(task_names))
+        )
 
     def describe_partition(self, partition_id: str) -> dict:
         return _run_sync(self._call_flow("describe_partition", partition_id))
@@ -347,7 +496,9 @@ class DataPlaneClient:
         """Forget samples and free their bytes (``None`` = the whole partition)."""
         return _run_sync(self._clear_flow(sample_ids, partition_id))
 
-    async def clear_samples_async(self, sample_ids: Sequence[str] | None, partition_id: str) -> dict:
+    async def clear_samples_async(
+        self, sample_ids: Sequence[str] | None, partition_id: str
+    ) -> dict:
         return await _run_async(self._clear_flow(sample_ids, partition_id))
 
     def close(self) -> None:
@@ -359,9 +510,13 @@ class DataPlaneClient:
 def connect(name: str = "dataplane", namespace: str = "dataplane") -> DataPlaneClient:
     """Attach to a running service from any process of the Ray cluster."""
     if not ray.is_initialized():
-        raise ServiceUnavailable("Ray is not initialised in this process; call ray.init(address=...) first")
+        raise ServiceUnavailable(
+            "Ray is not initialised in this process; call ray.init(address=...) first"
+        )
     try:
         controller = ray.get_actor(name, namespace=namespace)
     except ValueError:
-        raise ServiceUnavailable(f"no data-plane service named {name!r} in namespace {namespace!r}") from None
+        raise ServiceUnavailable(
+            f"no data-plane service named {name!r} in namespace {namespace!r}"
+        ) from None
     return DataPlaneClient(controller, name=name, namespace=namespace)

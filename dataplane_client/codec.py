@@ -209,7 +209,9 @@ def encode_field(name: str, value: Any) -> EncodedField:
     )
 
 
-def encode_fields(fields: Mapping[str, Any], num_rows: int | None = None) -> dict[str, EncodedField]:
+def encode_fields(
+    fields: Mapping[str, Any], num_rows: int | None = None
+) -> dict[str, EncodedField]:
     """Encode every field; all must describe the same number of samples."""
     if not isinstance(fields, Mapping) or not fields:
         raise InvalidBatch("fields must be a non-empty mapping of name -> value")
@@ -221,9 +223,7 @@ def encode_fields(fields: Mapping[str, Any], num_rows: int | None = None) -> dic
         if num_rows is None:
             num_rows = enc.num_rows
         if enc.num_rows != num_rows:
-            raise InvalidBatch(
-                f"field has {enc.num_rows} rows, expected {num_rows}", fields=[name]
-            )
+            raise InvalidBatch(f"field has {enc.num_rows} rows, expected {num_rows}", fields=[name])
         out[name] = enc
     return out
 
@@ -278,8 +278,13 @@ def contiguous_runs(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, n
     return run_starts, run_ends
 
 
-def gather_bytes(buffers: list[np.ndarray], which: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-                 out: np.ndarray | None = None) -> np.ndarray:
+def gather_bytes(
+    buffers: list[np.ndarray],
+    which: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
     """Copy byte ranges (from ``buffers[which[i]]``) back to back into one buffer.
 
     Adjacent ranges of the same buffer are merged first, so a contiguous
@@ -312,8 +317,9 @@ def take_rows(enc: EncodedField, rows: np.ndarray) -> EncodedField:
     if enc.kind == OBJECT:
         values = msgpack.unpackb(enc.objects, raw=False) if enc.num_rows else []
         picked = [values[i] for i in rows.tolist()]
-        return EncodedField(kind=OBJECT, objects=msgpack.packb(picked, use_bin_type=True),
-                            num_rows=len(picked))
+        return EncodedField(
+            kind=OBJECT, objects=msgpack.packb(picked, use_bin_type=True), num_rows=len(picked)
+        )
     offs = row_byte_offsets(enc)
     starts, ends = offs[rows], offs[rows + 1]
     if len(rows) and np.all(rows[1:] == rows[:-1] + 1):
@@ -341,9 +347,13 @@ def concat_rows(parts: list[EncodedField], order: np.ndarray | None = None) -> E
     if order is None:
         order = np.arange(n, dtype=np.int64)
     if first.kind == OBJECT:
-        values = [v for p in parts for v in (msgpack.unpackb(p.objects, raw=False) if p.num_rows else [])]
+        values = [
+            v for p in parts for v in (msgpack.unpackb(p.objects, raw=False) if p.num_rows else [])
+        ]
         picked = [values[i] for i in order.tolist()]
-        return EncodedField(kind=OBJECT, objects=msgpack.packb(picked, use_bin_type=True), num_rows=n)
+        return EncodedField(
+            kind=OBJECT, objects=msgpack.packb(picked, use_bin_type=True), num_rows=n
+        )
     which = np.concatenate([np.full(p.num_rows, i, dtype=np.int64) for i, p in enumerate(parts)])
     local_offs = [row_byte_offsets(p) for p in parts]
     starts = np.concatenate([o[:-1] for o in local_offs])
@@ -352,8 +362,14 @@ def concat_rows(parts: list[EncodedField], order: np.ndarray | None = None) -> E
     lengths = None
     if first.kind == JAGGED:
         lengths = np.concatenate([p.lengths for p in parts])[order]
-    return EncodedField(kind=first.kind, dtype=first.dtype, shape=first.shape, values=values,
-                        lengths=lengths, num_rows=n)
+    return EncodedField(
+        kind=first.kind,
+        dtype=first.dtype,
+        shape=first.shape,
+        values=values,
+        lengths=lengths,
+        num_rows=n,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -369,8 +385,14 @@ def pack(encoded: Mapping[str, EncodedField]) -> bytes:
     for name, enc in encoded.items():
         blob = enc.objects if enc.kind == OBJECT else enc.values.tobytes()
         entry = {
-            "name": name, "kind": enc.kind, "dtype": enc.dtype, "shape": list(enc.shape),
-            "rows": enc.num_rows, "offset": pos, "nbytes": len(blob), "crc": zlib.crc32(blob),
+            "name": name,
+            "kind": enc.kind,
+            "dtype": enc.dtype,
+            "shape": list(enc.shape),
+            "rows": enc.num_rows,
+            "offset": pos,
+            "nbytes": len(blob),
+            "crc": zlib.crc32(blob),
         }
         if enc.kind == JAGGED:
             entry["lengths"] = enc.lengths.astype("<i8").tobytes()
@@ -401,12 +423,23 @@ def unpack(data: bytes | memoryview) -> dict[str, EncodedField]:
     out: dict[str, EncodedField] = {}
     for entry in header:
         try:
-            name, kind, off, nbytes = entry["name"], entry["kind"], int(entry["offset"]), int(entry["nbytes"])
+            name, kind, off, nbytes = (
+                entry["name"],
+                entry["kind"],
+                int(entry["offset"]),
+                int(entry["nbytes"]),
+            )
             rows, crc = int(entry["rows"]), int(entry["crc"])
             dtype, shape = entry["dtype"], tuple(int(d) for d in entry["shape"])
         except (KeyError, TypeError, ValueError):
             raise CorruptPayload("malformed header entry") from None
-        if not isinstance(name, str) or off < 0 or nbytes < 0 or rows < 0 or body + off + nbytes > len(mv):
+        if (
+            not isinstance(name, str)
+            or off < 0
+            or nbytes < 0
+            or rows < 0
+            or body + off + nbytes > len(mv)
+        ):
             raise CorruptPayload("field bytes out of range (truncated?)", fields=[str(name)])
         blob = mv[body + off : body + off + nbytes]
         if zlib.crc32(blob) != crc:
@@ -426,8 +459,14 @@ def unpack(data: bytes | memoryview) -> dict[str, EncodedField]:
                 if not isinstance(raw, bytes) or len(raw) != 8 * rows:
                     raise CorruptPayload("jagged lengths missing or mis-sized", fields=[name])
                 lengths = np.frombuffer(raw, dtype="<i8").astype(np.int64)
-            enc = EncodedField(kind=kind, dtype=dtype, shape=shape, lengths=lengths, num_rows=rows,
-                               values=np.frombuffer(blob, dtype=np.uint8).copy())
+            enc = EncodedField(
+                kind=kind,
+                dtype=dtype,
+                shape=shape,
+                lengths=lengths,
+                num_rows=rows,
+                values=np.frombuffer(blob, dtype=np.uint8).copy(),
+            )
         enc.validate(name)
         out[name] = enc
     return out

@@ -71,7 +71,9 @@ class Partition:
     def column(self, table: dict[str, np.ndarray], name: str) -> np.ndarray:
         arr = table.get(name)
         if arr is None or len(arr) < len(self.live):
-            arr = table[name] = _grown(arr if arr is not None else np.zeros(0, dtype=bool), len(self.live), False)
+            arr = table[name] = _grown(
+                arr if arr is not None else np.zeros(0, dtype=bool), len(self.live), False
+            )
         return arr
 
     def add_rows(self, sample_ids: list[str], units: np.ndarray) -> np.ndarray:
@@ -150,21 +152,36 @@ class Controller:
         self.draining = bool(flag)
 
     # ---- partitions ---------------------------------------------------------------
-    def register_partition(self, partition_id: str, fields: list[str], num_samples: int | None,
-                           consumer_tasks: list[str], group_size: int | None) -> None:
+    def register_partition(
+        self,
+        partition_id: str,
+        fields: list[str],
+        num_samples: int | None,
+        consumer_tasks: list[str],
+        group_size: int | None,
+    ) -> None:
         if not isinstance(partition_id, str) or not partition_id:
             raise InvalidBatch(f"partition_id must be a non-empty str, got {partition_id!r}")
         if group_size is not None and group_size < 1:
-            raise InvalidBatch(f"group_size must be >= 1, got {group_size}", partition_id=partition_id)
+            raise InvalidBatch(
+                f"group_size must be >= 1, got {group_size}", partition_id=partition_id
+            )
         if num_samples is not None and num_samples < 0:
-            raise InvalidBatch(f"num_samples must be >= 0, got {num_samples}", partition_id=partition_id)
+            raise InvalidBatch(
+                f"num_samples must be >= 0, got {num_samples}", partition_id=partition_id
+            )
         existing = self.partitions.get(partition_id)
         if existing is not None:
-            same = (existing.declared_fields == list(fields) and existing.group_size == group_size
-                    and existing.expected_samples == num_samples)
+            same = (
+                existing.declared_fields == list(fields)
+                and existing.group_size == group_size
+                and existing.expected_samples == num_samples
+            )
             if not same:
-                raise PartitionExists("partition already registered with a different declaration",
-                                      partition_id=partition_id)
+                raise PartitionExists(
+                    "partition already registered with a different declaration",
+                    partition_id=partition_id,
+                )
             for t in consumer_tasks:
                 if t not in existing.consumer_tasks:
                     existing.consumer_tasks.append(t)
@@ -184,39 +201,78 @@ class Controller:
         del self.partitions[partition_id]
 
     # ---- commit (the single visibility point of a write) --------------------------
-    async def commit(self, partition_id: str, write_id: str, sample_ids: list[str], units: list[int],
-                     schemas: dict[str, tuple], seq_lens: list[int] | None, tags: list | None,
-                     overwrite: bool, staged_units: list[int]) -> dict:
+    async def commit(
+        self,
+        partition_id: str,
+        write_id: str,
+        sample_ids: list[str],
+        units: list[int],
+        schemas: dict[str, tuple],
+        seq_lens: list[int] | None,
+        tags: list | None,
+        overwrite: bool,
+        staged_units: list[int],
+    ) -> dict:
         """Validate, publish the staged bytes on every unit, then mark fields produced.
 
         Returns ``{"rerouted": {sample_id: unit}}`` without changing anything when
         some existing samples live on other units than the writer assumed.
         """
         try:
-            return await self._commit(partition_id, write_id, sample_ids, units, schemas,
-                                      seq_lens, tags, overwrite, staged_units)
+            return await self._commit(
+                partition_id,
+                write_id,
+                sample_ids,
+                units,
+                schemas,
+                seq_lens,
+                tags,
+                overwrite,
+                staged_units,
+            )
         except DataPlaneError as e:
             self.stats.error(e)
             raise
 
-    async def _commit(self, partition_id, write_id, sample_ids, units, schemas, seq_lens, tags,
-                      overwrite, staged_units) -> dict:
+    async def _commit(
+        self,
+        partition_id,
+        write_id,
+        sample_ids,
+        units,
+        schemas,
+        seq_lens,
+        tags,
+        overwrite,
+        staged_units,
+    ) -> dict:
         part = self._part(partition_id)
         names = list(schemas)
         for name, schema in schemas.items():
             known = part.schema.get(name)
             if known is not None and tuple(known) != tuple(schema):
-                raise SchemaConflict(f"field is {tuple(known)}, this write has {tuple(schema)}",
-                                     fields=[name], partition_id=partition_id)
-        rows = np.fromiter((part.row_of.get(s, -1) for s in sample_ids), dtype=np.int64, count=len(sample_ids))
+                raise SchemaConflict(
+                    f"field is {tuple(known)}, this write has {tuple(schema)}",
+                    fields=[name],
+                    partition_id=partition_id,
+                )
+        rows = np.fromiter(
+            (part.row_of.get(s, -1) for s in sample_ids), dtype=np.int64, count=len(sample_ids)
+        )
         units_arr = np.asarray(units, dtype=np.int16)
         old = rows >= 0
         if old.any():
             wrong = old.copy()
             wrong[old] = part.unit[rows[old]] != units_arr[old]
             if wrong.any():
-                return {"rerouted": {sample_ids[i]: int(part.unit[rows[i]]) for i in np.nonzero(wrong)[0]}}
-            dead = [sample_ids[i] for i in np.nonzero(old)[0] if not self.unit_alive[part.unit[rows[i]]]]
+                return {
+                    "rerouted": {
+                        sample_ids[i]: int(part.unit[rows[i]]) for i in np.nonzero(wrong)[0]
+                    }
+                }
+            dead = [
+                sample_ids[i] for i in np.nonzero(old)[0] if not self.unit_alive[part.unit[rows[i]]]
+            ]
             if dead:
                 raise SamplesLost("their storage unit is gone", ids=dead, partition_id=partition_id)
             if not overwrite:
@@ -229,26 +285,39 @@ class Controller:
                     if hit.any():
                         raise FieldAlreadyProduced(
                             "field already produced (pass overwrite=True to replace it)",
-                            ids=[sample_ids[i] for i in np.nonzero(hit)[0]], fields=[name],
-                            partition_id=partition_id)
+                            ids=[sample_ids[i] for i in np.nonzero(hit)[0]],
+                            fields=[name],
+                            partition_id=partition_id,
+                        )
         busy = self.reservations.conflicts(partition_id, rows[old].tolist(), names)
         if busy:
-            raise FieldAlreadyProduced("another writer is committing these cells right now",
-                                       ids=[part.ids[r] for r in busy], fields=names,
-                                       partition_id=partition_id)
+            raise FieldAlreadyProduced(
+                "another writer is committing these cells right now",
+                ids=[part.ids[r] for r in busy],
+                fields=names,
+                partition_id=partition_id,
+            )
         dead_units = [u for u in staged_units if not self.unit_alive[u]]
         if dead_units:
-            raise SamplesLost(f"storage units {dead_units} are gone",
-                              ids=[s for s, u in zip(sample_ids, units) if u in dead_units],
-                              partition_id=partition_id)
+            raise SamplesLost(
+                f"storage units {dead_units} are gone",
+                ids=[s for s, u in zip(sample_ids, units) if u in dead_units],
+                partition_id=partition_id,
+            )
         if tags is not None and part.group_size is not None:
             missing = [s for s, t in zip(sample_ids, tags) if "group_id" not in (t or {})]
             if missing and (~old).any():
-                raise InvalidBatch("partition has group_size: every new sample needs a group_id tag",
-                                   ids=missing, partition_id=partition_id)
+                raise InvalidBatch(
+                    "partition has group_size: every new sample needs a group_id tag",
+                    ids=missing,
+                    partition_id=partition_id,
+                )
         elif part.group_size is not None and (~old).any():
-            raise InvalidBatch("partition has group_size: new samples need tags with group_id",
-                               ids=[s for s, o in zip(sample_ids, old) if not o], partition_id=partition_id)
+            raise InvalidBatch(
+                "partition has group_size: new samples need tags with group_id",
+                ids=[s for s, o in zip(sample_ids, old) if not o],
+                partition_id=partition_id,
+            )
 
         # Everything is checked: reserve the cells, publish the bytes, then make them visible.
         new_idx = np.nonzero(~old)[0]
@@ -257,8 +326,10 @@ class Controller:
         cells = {(partition_id, int(r), f) for r in rows.tolist() for f in names}
         self.reservations.cells |= cells
         try:
-            results = await asyncio.gather(*[self.units[u].publish.remote(write_id) for u in staged_units],
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *[self.units[u].publish.remote(write_id) for u in staged_units],
+                return_exceptions=True,
+            )
         finally:
             self.reservations.cells -= cells
         failed = [u for u, r in zip(staged_units, results) if isinstance(r, BaseException)]
@@ -267,8 +338,11 @@ class Controller:
                 await self.mark_unit_lost(u)
             lost = [s for s, u in zip(sample_ids, units) if u in failed]
             self._forget_rows(part, rows[new_idx] if len(new_idx) else np.zeros(0, dtype=np.int64))
-            raise SamplesLost(f"storage units {failed} failed while publishing", ids=lost,
-                              partition_id=partition_id)
+            raise SamplesLost(
+                f"storage units {failed} failed while publishing",
+                ids=lost,
+                partition_id=partition_id,
+            )
         for name, schema in schemas.items():
             part.schema.setdefault(name, tuple(schema))
             part.column(part.produced, name)[rows] = True
@@ -308,29 +382,41 @@ class Controller:
         """
         try:
             part = self._part(partition_id)
-            rows = np.fromiter((part.row_of.get(s, -1) for s in sample_ids), dtype=np.int64,
-                               count=len(sample_ids))
+            rows = np.fromiter(
+                (part.row_of.get(s, -1) for s in sample_ids), dtype=np.int64, count=len(sample_ids)
+            )
             if (rows < 0).any():
-                raise SamplesNotFound("unknown or cleared samples",
-                                      ids=[s for s, r in zip(sample_ids, rows) if r < 0],
-                                      partition_id=partition_id)
+                raise SamplesNotFound(
+                    "unknown or cleared samples",
+                    ids=[s for s, r in zip(sample_ids, rows) if r < 0],
+                    partition_id=partition_id,
+                )
             units = part.unit[rows]
             alive = np.asarray(self.unit_alive, dtype=bool)
             lost = ~alive[units]
             if lost.any():
-                raise SamplesLost("their storage unit is gone",
-                                  ids=[s for s, x in zip(sample_ids, lost) if x], partition_id=partition_id)
+                raise SamplesLost(
+                    "their storage unit is gone",
+                    ids=[s for s, x in zip(sample_ids, lost) if x],
+                    partition_id=partition_id,
+                )
             if fields is None:
                 fields = [f for f in part.schema if part.produced[f][rows].all()]
             for name in fields:
                 col = part.produced.get(name)
                 ok = col[rows] if col is not None else np.zeros(len(rows), dtype=bool)
                 if not ok.all():
-                    raise FieldNotProduced("field not produced for these samples",
-                                           ids=[s for s, x in zip(sample_ids, ok) if not x],
-                                           fields=[name], partition_id=partition_id)
-            return {"units": units.tolist(), "fields": list(fields),
-                    "schemas": {f: part.schema[f] for f in fields}}
+                    raise FieldNotProduced(
+                        "field not produced for these samples",
+                        ids=[s for s, x in zip(sample_ids, ok) if not x],
+                        fields=[name],
+                        partition_id=partition_id,
+                    )
+            return {
+                "units": units.tolist(),
+                "fields": list(fields),
+                "schemas": {f: part.schema[f] for f in fields},
+            }
         except DataPlaneError as e:
             self.stats.error(e)
             raise
@@ -338,7 +424,9 @@ class Controller:
     def lookup_units(self, partition_id: str, sample_ids: list[str]) -> list[int]:
         """Recorded unit per sample (-1 = not written yet); used by writers to route."""
         part = self._part(partition_id)
-        return [int(part.unit[r]) if (r := part.row_of.get(s)) is not None else -1 for s in sample_ids]
+        return [
+            int(part.unit[r]) if (r := part.row_of.get(s)) is not None else -1 for s in sample_ids
+        ]
 
     # ---- claims -------------------------------------------------------------------
     def _ready_rows(self, part: Partition, task: str, required: list[str]) -> np.ndarray:
@@ -379,9 +467,16 @@ class Controller:
         consumed = int(part.column(part.consumed, task)[: part.n_rows].sum())
         return part.expected_samples - consumed
 
-    async def claim_meta(self, partition_id: str, task_name: str, required_fields: list[str],
-                         batch_size: int, dp_rank: int | None = None, blocking: bool = True,
-                         timeout_s: float = 60.0) -> KVBatchMeta | None:
+    async def claim_meta(
+        self,
+        partition_id: str,
+        task_name: str,
+        required_fields: list[str],
+        batch_size: int,
+        dp_rank: int | None = None,
+        blocking: bool = True,
+        timeout_s: float = 60.0,
+    ) -> KVBatchMeta | None:
         """Hand out up to ``batch_size`` ready samples the task has not consumed.
 
         Claimed samples are marked consumed for the task at once (at-most-once
@@ -391,10 +486,15 @@ class Controller:
         try:
             part = self._part(partition_id)
             if batch_size < 1:
-                raise InvalidBatch(f"batch_size must be >= 1, got {batch_size}", partition_id=partition_id)
+                raise InvalidBatch(
+                    f"batch_size must be >= 1, got {batch_size}", partition_id=partition_id
+                )
             if part.group_size and batch_size % part.group_size:
-                raise InvalidBatch(f"batch_size {batch_size} is not a multiple of group_size "
-                                   f"{part.group_size}; groups are never split", partition_id=partition_id)
+                raise InvalidBatch(
+                    f"batch_size {batch_size} is not a multiple of group_size "
+                    f"{part.group_size}; groups are never split",
+                    partition_id=partition_id,
+                )
             if task_name not in part.consumer_tasks:
                 part.consumer_tasks.append(task_name)
             required = list(required_fields)
@@ -426,9 +526,15 @@ class Controller:
                 finally:
                     part.waiting_claims -= 1
                 if rows is None:
-                    have = len(self._pick(part, self._ready_rows(part, task_name, required), batch_size))
-                    raise ClaimTimeout(f"only {have} of {batch_size} samples ready after {timeout_s}s "
-                                       f"(task {task_name!r})", fields=required, partition_id=partition_id)
+                    have = len(
+                        self._pick(part, self._ready_rows(part, task_name, required), batch_size)
+                    )
+                    raise ClaimTimeout(
+                        f"only {have} of {batch_size} samples ready after {timeout_s}s "
+                        f"(task {task_name!r})",
+                        fields=required,
+                        partition_id=partition_id,
+                    )
             if rows is None:
                 return None
             part.column(part.consumed, task_name)[rows] = True
@@ -456,9 +562,13 @@ class Controller:
         out = {}
         for t in task_names:
             consumed = int((part.column(part.consumed, t)[:n] & live).sum())
-            out[t] = {"consumed": consumed, "total": total,
-                      "expected": part.expected_samples,
-                      "done": consumed == (part.expected_samples if part.expected_samples is not None else total)}
+            out[t] = {
+                "consumed": consumed,
+                "total": total,
+                "expected": part.expected_samples,
+                "done": consumed
+                == (part.expected_samples if part.expected_samples is not None else total),
+            }
         return out
 
     # ---- clearing -----------------------------------------------------------------
@@ -467,8 +577,12 @@ class Controller:
         part = self._part(partition_id)
         if sample_ids is None:
             self.partitions[partition_id] = Partition(
-                partition_id, part.declared_fields, part.expected_samples,
-                part.consumer_tasks, part.group_size)
+                partition_id,
+                part.declared_fields,
+                part.expected_samples,
+                part.consumer_tasks,
+                part.group_size,
+            )
             targets = [(u, None) for u, ok in enumerate(self.unit_alive) if ok]
             cleared = part.num_samples
             async with part.cond:
@@ -477,7 +591,9 @@ class Controller:
             rows = [part.row_of.get(s) for s in sample_ids]
             unknown = [s for s, r in zip(sample_ids, rows) if r is None]
             if unknown:
-                raise SamplesNotFound("cannot clear unknown samples", ids=unknown, partition_id=partition_id)
+                raise SamplesNotFound(
+                    "cannot clear unknown samples", ids=unknown, partition_id=partition_id
+                )
             by_unit: dict[int, list[str]] = {}
             for s, r in zip(sample_ids, rows):
                 by_unit.setdefault(int(part.unit[r]), []).append(s)
@@ -488,8 +604,10 @@ class Controller:
             self._forget_rows(part, np.asarray(rows, dtype=np.int64))
             targets = [(u, ids) for u, ids in by_unit.items() if self.unit_alive[u]]
             cleared = len(sample_ids)
-        freed = await asyncio.gather(*[self.units[u].clear.remote(partition_id, ids) for u, ids in targets],
-                                     return_exceptions=True)
+        freed = await asyncio.gather(
+            *[self.units[u].clear.remote(partition_id, ids) for u, ids in targets],
+            return_exceptions=True,
+        )
         self.stats.inc("cleared_samples_total", cleared)
         return {"cleared": cleared, "bytes_freed": sum(f for f in freed if isinstance(f, int))}
 
@@ -513,6 +631,7 @@ class Controller:
                 return await asyncio.wait_for(u.metrics_snapshot.remote(), timeout=5)
             except Exception:
                 return None
+
         return await asyncio.gather(*[one(i, u) for i, u in enumerate(self.units)])
 
     async def service_info(self) -> dict:
@@ -520,27 +639,46 @@ class Controller:
         units = []
         for i, info in enumerate(self.unit_info):
             s = snaps[i] or {}
-            units.append({"index": i, "node_id": info["node_id"], "node_ip": info["node_ip"],
-                          "alive": self.unit_alive[i], "bytes": s.get("bytes", 0),
-                          "samples": s.get("samples", 0),
-                          "capacity_bytes": s.get("capacity_bytes", self.config.get("unit_capacity_bytes", 0))})
+            units.append(
+                {
+                    "index": i,
+                    "node_id": info["node_id"],
+                    "node_ip": info["node_ip"],
+                    "alive": self.unit_alive[i],
+                    "bytes": s.get("bytes", 0),
+                    "samples": s.get("samples", 0),
+                    "capacity_bytes": s.get(
+                        "capacity_bytes", self.config.get("unit_capacity_bytes", 0)
+                    ),
+                }
+            )
         return {
-            "name": self.config.get("name"), "namespace": self.config.get("namespace"),
-            "version": VERSION, "started_at": self.started_at, "uptime_s": time.time() - self.started_at,
-            "draining": self.draining, "num_partitions": len(self.partitions),
+            "name": self.config.get("name"),
+            "namespace": self.config.get("namespace"),
+            "version": VERSION,
+            "started_at": self.started_at,
+            "uptime_s": time.time() - self.started_at,
+            "draining": self.draining,
+            "num_partitions": len(self.partitions),
             "num_samples": sum(p.num_samples for p in self.partitions.values()),
             "bytes": sum(u["bytes"] for u in units),
-            "capacity_bytes": sum(u["capacity_bytes"] for u in units), "units": units,
+            "capacity_bytes": sum(u["capacity_bytes"] for u in units),
+            "units": units,
         }
 
     async def list_partitions(self) -> list[dict]:
         snaps = await self._unit_snapshots()
-        return [{
-            "partition_id": pid, "num_samples": p.num_samples,
-            "bytes": sum((s or {}).get("partition_bytes", {}).get(pid, 0) for s in snaps),
-            "fields": list(p.schema) or list(p.declared_fields), "consumer_tasks": list(p.consumer_tasks),
-            "created_at": p.created_at,
-        } for pid, p in self.partitions.items()]
+        return [
+            {
+                "partition_id": pid,
+                "num_samples": p.num_samples,
+                "bytes": sum((s or {}).get("partition_bytes", {}).get(pid, 0) for s in snaps),
+                "fields": list(p.schema) or list(p.declared_fields),
+                "consumer_tasks": list(p.consumer_tasks),
+                "created_at": p.created_at,
+            }
+            for pid, p in self.partitions.items()
+        ]
 
     async def describe_partition(self, partition_id: str) -> dict:
         part = self._part(partition_id)
@@ -552,25 +690,41 @@ class Controller:
         for f in names:
             kind, dtype, shape = part.schema.get(f, ("", "", ()))
             col = part.produced.get(f)
-            fields.append({"name": f, "dtype": dtype or "", "layout": kind or "",
-                           "trailing_shape": list(shape),
-                           "produced": int((col[:n] & live).sum()) if col is not None else 0})
+            fields.append(
+                {
+                    "name": f,
+                    "dtype": dtype or "",
+                    "layout": kind or "",
+                    "trailing_shape": list(shape),
+                    "produced": int((col[:n] & live).sum()) if col is not None else 0,
+                }
+            )
         return {
-            "partition_id": partition_id, "num_samples": part.num_samples,
-            "expected_samples": part.expected_samples, "group_size": part.group_size,
-            "created_at": part.created_at, "fields": fields,
-            "consumption": [{"task": t, "consumed": int((part.column(part.consumed, t)[:n] & live).sum())}
-                            for t in part.consumer_tasks],
+            "partition_id": partition_id,
+            "num_samples": part.num_samples,
+            "expected_samples": part.expected_samples,
+            "group_size": part.group_size,
+            "created_at": part.created_at,
+            "fields": fields,
+            "consumption": [
+                {"task": t, "consumed": int((part.column(part.consumed, t)[:n] & live).sum())}
+                for t in part.consumer_tasks
+            ],
             "pending_claims": part.waiting_claims,
-            "bytes_per_unit": [{"unit": i, "bytes": (s or {}).get("partition_bytes", {}).get(partition_id, 0)}
-                               for i, s in enumerate(snaps)],
+            "bytes_per_unit": [
+                {"unit": i, "bytes": (s or {}).get("partition_bytes", {}).get(partition_id, 0)}
+                for i, s in enumerate(snaps)
+            ],
         }
 
-    def list_samples(self, partition_id: str, status: str | None = None, offset: int = 0,
-                     limit: int = 100) -> dict:
+    def list_samples(
+        self, partition_id: str, status: str | None = None, offset: int = 0, limit: int = 100
+    ) -> dict:
         part = self._part(partition_id)
         if status not in (None, "", "ready", "pending", "consumed", "lost"):
-            raise InvalidBatch(f"unknown status filter {status!r}; use ready, pending, consumed or lost")
+            raise InvalidBatch(
+                f"unknown status filter {status!r}; use ready, pending, consumed or lost"
+            )
         n = part.n_rows
         mask = part.live[:n].copy()
         alive = np.asarray(self.unit_alive, dtype=bool)[part.unit[:n]]
@@ -594,8 +748,11 @@ class Controller:
         offset, limit = max(0, int(offset)), max(1, min(int(limit), 10_000))
         page = rows[offset : offset + limit]
         nxt = offset + limit if offset + limit < len(rows) else None
-        return {"samples": [self._sample_dict(part, int(r)) for r in page], "total": int(len(rows)),
-                "next_offset": nxt}
+        return {
+            "samples": [self._sample_dict(part, int(r)) for r in page],
+            "total": int(len(rows)),
+            "next_offset": nxt,
+        }
 
     def sample_status(self, partition_id: str, sample_id: str) -> dict:
         part = self._part(partition_id)
@@ -608,8 +765,10 @@ class Controller:
         return {
             "stats": self.stats.snapshot(),
             "claims_waiting": sum(p.waiting_claims for p in self.partitions.values()),
-            "partitions": [{"partition_id": pid, "num_samples": p.num_samples}
-                           for pid, p in self.partitions.items()],
+            "partitions": [
+                {"partition_id": pid, "num_samples": p.num_samples}
+                for pid, p in self.partitions.items()
+            ],
         }
 
     def memory_footprint(self) -> dict:
@@ -619,7 +778,9 @@ class Controller:
         out = {}
         for pid, p in self.partitions.items():
             arrays = p.live.nbytes + p.seq_len.nbytes + p.unit.nbytes
-            arrays += sum(a.nbytes for a in p.produced.values()) + sum(a.nbytes for a in p.consumed.values())
+            arrays += sum(a.nbytes for a in p.produced.values()) + sum(
+                a.nbytes for a in p.consumed.values()
+            )
             dict_bytes = sys.getsizeof(p.row_of) + sum(sys.getsizeof(s) for s in p.row_of)
             lists = sys.getsizeof(p.ids) + sys.getsizeof(p.tags) + sys.getsizeof(p.group_of)
             out[pid] = {"samples": p.num_samples, "bytes": arrays + dict_bytes + lists}

@@ -28,8 +28,11 @@ def ensure_local_ray(num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(num_cpus=num_cpus or max(8, os.cpu_count() or 1), include_dashboard=False,
-             log_to_driver=False)
+    ray.init(
+        num_cpus=num_cpus or max(8, os.cpu_count() or 1),
+        include_dashboard=False,
+        log_to_driver=False,
+    )
 
 
 def _unit_nodes(count: int) -> list[str | None]:
@@ -80,16 +83,25 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
     units = []
     for i, node in enumerate(_unit_nodes(config.num_storage_units)):
         strategy = NodeAffinitySchedulingStrategy(node, soft=True) if node else "DEFAULT"
-        units.append(StorageUnit.options(
-            name=f"{config.name}-unit-{i}", namespace=config.namespace, num_cpus=config.unit_num_cpus,
-            scheduling_strategy=strategy, runtime_env={"env_vars": _UNIT_ENV}, max_concurrency=1000,
-        ).remote(i, config.unit_capacity_bytes, config.put_wait_timeout_s))
+        units.append(
+            StorageUnit.options(
+                name=f"{config.name}-unit-{i}",
+                namespace=config.namespace,
+                num_cpus=config.unit_num_cpus,
+                scheduling_strategy=strategy,
+                runtime_env={"env_vars": _UNIT_ENV},
+                max_concurrency=1000,
+            ).remote(i, config.unit_capacity_bytes, config.put_wait_timeout_s)
+        )
     # The controller sits beside whoever started the service, so losing a worker node
     # never takes the key space with it.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     controller = Controller.options(
-        name=config.name, namespace=config.namespace, num_cpus=config.controller_num_cpus,
-        max_concurrency=10_000, scheduling_strategy=here,
+        name=config.name,
+        namespace=config.namespace,
+        num_cpus=config.controller_num_cpus,
+        max_concurrency=10_000,
+        scheduling_strategy=here,
     ).remote(config.to_dict())
     ray.get(controller.attach_units.remote(units))
     handle = ServiceHandle(config=config, controller=controller, units=units)
@@ -103,8 +115,9 @@ def _start_admin(handle: ServiceHandle) -> None:
         from dataplane_server.admin.actor import AdminActor
     except ImportError:  # the admin package is optional at import time only while it is being built
         return
-    admin = AdminActor.options(num_cpus=0, namespace=handle.config.namespace,
-                               name=f"{handle.config.name}-admin").remote(handle.config.to_dict())
+    admin = AdminActor.options(
+        num_cpus=0, namespace=handle.config.namespace, name=f"{handle.config.name}-admin"
+    ).remote(handle.config.to_dict())
     addresses = ray.get(admin.start.remote())
     handle.admin = admin
     handle.admin_address = addresses.get("admin_address")

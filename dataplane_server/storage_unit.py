@@ -105,18 +105,30 @@ class StorageUnit:
 
     # ---- identity / health ------------------------------------------------------
     def ping(self) -> dict:
-        return {"index": self.index, "node_id": self.node_id, "node_ip": self.node_ip, "pid": os.getpid()}
+        return {
+            "index": self.index,
+            "node_id": self.node_id,
+            "node_ip": self.node_ip,
+            "pid": os.getpid(),
+        }
 
     # ---- write path ---------------------------------------------------------------
-    async def stage(self, partition_id: str, write_id: str, sample_ids: list[str],
-                    encoded: dict[str, EncodedField]) -> int:
+    async def stage(
+        self,
+        partition_id: str,
+        write_id: str,
+        sample_ids: list[str],
+        encoded: dict[str, EncodedField],
+    ) -> int:
         """Copy a write's bytes in, invisible until publish. Returns bytes staged."""
         t0 = time.perf_counter()
         try:
             for name, enc in encoded.items():
                 enc.validate(name)
                 if enc.num_rows != len(sample_ids):
-                    raise SchemaConflict(f"{enc.num_rows} rows for {len(sample_ids)} ids", fields=[name])
+                    raise SchemaConflict(
+                        f"{enc.num_rows} rows for {len(sample_ids)} ids", fields=[name]
+                    )
             self._check_schema(partition_id, encoded)
             # Object fields are small Python values kept beside the arenas; capacity
             # counts the bulk bytes.
@@ -139,7 +151,9 @@ class StorageUnit:
                     np.cumsum(nbytes[:-1], out=offs[1:])
                 lengths = enc.lengths if enc.kind == JAGGED else None
                 fields[name] = (enc.schema, chunk_id, offs, nbytes, lengths, None)
-            self.staged[write_id] = _Staged(partition_id, list(sample_ids), fields, need, time.time())
+            self.staged[write_id] = _Staged(
+                partition_id, list(sample_ids), fields, need, time.time()
+            )
             self.stats.inc("put_bytes_total", need)
             self.stats.inc("put_requests_total")
             self.stats.observe("put_latency_seconds", time.perf_counter() - t0)
@@ -158,7 +172,8 @@ class StorageUnit:
             if col is not None and col.schema != enc.schema:
                 raise SchemaConflict(
                     f"field stored as {col.schema}, this write has {enc.schema}",
-                    fields=[name], partition_id=partition_id,
+                    fields=[name],
+                    partition_id=partition_id,
                 )
 
     async def _reserve(self, need: int, sample_ids: list[str]) -> None:
@@ -168,7 +183,8 @@ class StorageUnit:
         if need > self.capacity_bytes or self.put_wait_timeout_s <= 0:
             raise CapacityExceeded(
                 f"unit {self.index}: write of {need} bytes does not fit "
-                f"({self.used_bytes} of {self.capacity_bytes} used)", ids=sample_ids,
+                f"({self.used_bytes} of {self.capacity_bytes} used)",
+                ids=sample_ids,
             )
         async with self._space:
             try:
@@ -259,14 +275,19 @@ class StorageUnit:
             self._space.notify_all()
 
     # ---- read path ----------------------------------------------------------------
-    def read(self, partition_id: str, sample_ids: list[str], fields: list[str]) -> dict[str, EncodedField]:
+    def read(
+        self, partition_id: str, sample_ids: list[str], fields: list[str]
+    ) -> dict[str, EncodedField]:
         t0 = time.perf_counter()
         part = self.partitions.get(partition_id)
         slot_of = part.slot_of if part else {}
         missing = [s for s in sample_ids if s not in slot_of]
         if missing:
-            raise SamplesNotFound(f"unit {self.index} holds no bytes for these samples",
-                                  ids=missing, partition_id=partition_id)
+            raise SamplesNotFound(
+                f"unit {self.index} holds no bytes for these samples",
+                ids=missing,
+                partition_id=partition_id,
+            )
         slots = np.fromiter((slot_of[s] for s in sample_ids), dtype=np.int64, count=len(sample_ids))
         out: dict[str, EncodedField] = {}
         total = 0
@@ -274,23 +295,39 @@ class StorageUnit:
             col = part.columns.get(name)
             present = col.chunk[slots] if col is not None and len(col.chunk) else None
             if present is None or (present == -1).any():
-                bad = sample_ids if present is None else [sample_ids[i] for i in np.nonzero(present == -1)[0]]
-                raise FieldNotProduced("field has no bytes for these samples", ids=bad,
-                                       fields=[name], partition_id=partition_id)
+                bad = (
+                    sample_ids
+                    if present is None
+                    else [sample_ids[i] for i in np.nonzero(present == -1)[0]]
+                )
+                raise FieldNotProduced(
+                    "field has no bytes for these samples",
+                    ids=bad,
+                    fields=[name],
+                    partition_id=partition_id,
+                )
             kind, dtype, shape = col.schema
             if kind == OBJECT:
                 values = [col.objects[s] for s in slots.tolist()]
-                enc = EncodedField(kind=OBJECT, objects=msgpack.packb(values, use_bin_type=True),
-                                   num_rows=len(values))
+                enc = EncodedField(
+                    kind=OBJECT,
+                    objects=msgpack.packb(values, use_bin_type=True),
+                    num_rows=len(values),
+                )
             else:
                 starts = col.offset[slots]
                 ends = starts + col.nbytes[slots]
                 chunk_ids = col.chunk[slots]
                 uniq, which = np.unique(chunk_ids, return_inverse=True)
                 buffers = [self.chunks[c].buffer for c in uniq.tolist()]
-                enc = EncodedField(kind=kind, dtype=dtype, shape=tuple(shape), num_rows=len(slots),
-                                   values=gather_bytes(buffers, which, starts, ends),
-                                   lengths=col.length[slots].copy() if kind == JAGGED else None)
+                enc = EncodedField(
+                    kind=kind,
+                    dtype=dtype,
+                    shape=tuple(shape),
+                    num_rows=len(slots),
+                    values=gather_bytes(buffers, which, starts, ends),
+                    lengths=col.length[slots].copy() if kind == JAGGED else None,
+                )
             total += enc.nbytes
             out[name] = enc
         self.stats.inc("get_bytes_total", total)
@@ -312,7 +349,9 @@ class StorageUnit:
                 freed.extend(self._release(col.chunk[: part.next_slot]))
             self._free_chunks(freed)
         else:
-            slots = np.array([part.slot_of.pop(s) for s in sample_ids if s in part.slot_of], dtype=np.int64)
+            slots = np.array(
+                [part.slot_of.pop(s) for s in sample_ids if s in part.slot_of], dtype=np.int64
+            )
             freed = []
             for col in part.columns.values():
                 col.ensure(part.next_slot)
@@ -326,10 +365,14 @@ class StorageUnit:
         return before - self.used_bytes
 
     # ---- inspection ---------------------------------------------------------------
-    def preview(self, partition_id: str, sample_id: str, fields: list[str] | None, max_elems: int) -> dict:
+    def preview(
+        self, partition_id: str, sample_id: str, fields: list[str] | None, max_elems: int
+    ) -> dict:
         part = self.partitions.get(partition_id)
         if part is None or sample_id not in part.slot_of:
-            raise SamplesNotFound("no bytes for this sample", ids=[sample_id], partition_id=partition_id)
+            raise SamplesNotFound(
+                "no bytes for this sample", ids=[sample_id], partition_id=partition_id
+            )
         slot = part.slot_of[sample_id]
         out = {}
         for name in fields or sorted(part.columns):
@@ -339,8 +382,14 @@ class StorageUnit:
             kind, dtype, shape = col.schema
             if kind == OBJECT:
                 v = col.objects[slot]
-                out[name] = {"dtype": "object", "layout": kind, "shape": [],
-                             "values": [v if isinstance(v, (int, float, str, bool)) else repr(v)][:max_elems]}
+                out[name] = {
+                    "dtype": "object",
+                    "layout": kind,
+                    "shape": [],
+                    "values": [v if isinstance(v, (int, float, str, bool)) else repr(v)][
+                        :max_elems
+                    ],
+                }
                 continue
             buf = self.chunks[int(col.chunk[slot])].buffer
             start = int(col.offset[slot])
@@ -350,9 +399,14 @@ class StorageUnit:
             t = torch.from_numpy(raw.copy()).view(DTYPES[dtype])
             rows = int(col.length[slot]) if kind == JAGGED else None
             row_shape = ([rows] if rows is not None else []) + list(shape)
-            out[name] = {"dtype": dtype, "layout": kind, "shape": row_shape,
-                         "values": t.reshape(-1)[:max_elems].float().tolist()
-                         if t.dtype.is_floating_point else t.reshape(-1)[:max_elems].tolist()}
+            out[name] = {
+                "dtype": dtype,
+                "layout": kind,
+                "shape": row_shape,
+                "values": t.reshape(-1)[:max_elems].float().tolist()
+                if t.dtype.is_floating_point
+                else t.reshape(-1)[:max_elems].tolist(),
+            }
         return out
 
     def partition_bytes(self) -> dict[str, int]:

@@ -19,7 +19,14 @@ from dataplane_client.codec import (
 )
 from dataplane_client.errors import CorruptPayload, InvalidBatch, SchemaConflict
 
-TRAINING_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool]
+TRAINING_DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+]
 
 
 def _rand(shape, dtype, seed):
@@ -47,19 +54,37 @@ def batches(draw):
         if kind == "dense":
             fields[f"f{k}"] = _rand((n, *inner), dtype, seed)
         elif kind == "object":
-            fields[f"f{k}"] = draw(st.lists(st.one_of(st.integers(-5, 5), st.text(max_size=4),
-                                                      st.dictionaries(st.text(max_size=2), st.floats(allow_nan=False), max_size=2)),
-                                            min_size=n, max_size=n))
+            fields[f"f{k}"] = draw(
+                st.lists(
+                    st.one_of(
+                        st.integers(-5, 5),
+                        st.text(max_size=4),
+                        st.dictionaries(
+                            st.text(max_size=2), st.floats(allow_nan=False), max_size=2
+                        ),
+                    ),
+                    min_size=n,
+                    max_size=n,
+                )
+            )
         else:
-            lengths = draw(st.lists(st.integers(0 if kind == "jagged" else 1, 9), min_size=n, max_size=n))
+            lengths = draw(
+                st.lists(st.integers(0 if kind == "jagged" else 1, 9), min_size=n, max_size=n)
+            )
             rows = [_rand((m, *inner), dtype, seed + i) for i, m in enumerate(lengths)]
-            fields[f"f{k}"] = torch.nested.nested_tensor(rows, layout=torch.jagged) if kind == "nested" else rows
+            fields[f"f{k}"] = (
+                torch.nested.nested_tensor(rows, layout=torch.jagged) if kind == "nested" else rows
+            )
     return n, fields
 
 
 def _assert_same(value, got):
     if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
-        value = torch.nested.nested_tensor(value, layout=torch.jagged) if all(v.numel() for v in value) else value
+        value = (
+            torch.nested.nested_tensor(value, layout=torch.jagged)
+            if all(v.numel() for v in value)
+            else value
+        )
     if isinstance(value, list) and (not value or not isinstance(value[0], torch.Tensor)):
         assert got == value
         return
@@ -97,7 +122,10 @@ def test_take_and_concat_rows_preserve_every_row(batch, rnd):
     rnd.shuffle(perm)
     cut = rnd.randint(0, n)
     for name, e in enc.items():
-        a, b = take_rows(e, np.array(perm[:cut], dtype=np.int64)), take_rows(e, np.array(perm[cut:], dtype=np.int64))
+        a, b = (
+            take_rows(e, np.array(perm[:cut], dtype=np.int64)),
+            take_rows(e, np.array(perm[cut:], dtype=np.int64)),
+        )
         # order[j] = position in (a ++ b) of original row j
         order = np.argsort(np.array(perm))
         back = concat_rows([a, b], order)
@@ -137,7 +165,9 @@ def test_truncated_or_corrupted_bytes_raise_corrupt_payload(batch, data):
 
 def test_dense_stays_dense_and_jagged_stays_jagged():
     dense = torch.arange(12, dtype=torch.int64).reshape(3, 4)
-    nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(5), torch.ones(1)], layout=torch.jagged)
+    nt = torch.nested.nested_tensor(
+        [torch.ones(2), torch.ones(5), torch.ones(1)], layout=torch.jagged
+    )
     out = decode_fields(encode_fields({"d": dense, "j": nt}))
     assert not out["d"].is_nested and torch.equal(out["d"], dense)
     assert out["j"].is_nested and out["j"].layout == torch.jagged
@@ -170,6 +200,8 @@ def test_non_contiguous_and_sliced_inputs_encode_their_logical_values():
     t = base[:, ::2]
     assert torch.equal(decode_field(encode_field("t", t)), t)
     # A jagged view whose offsets do not start at 0 (a window into a larger values buffer).
-    sub = torch.nested.nested_tensor_from_jagged(torch.arange(10.0), offsets=torch.tensor([3, 7, 9]))
+    sub = torch.nested.nested_tensor_from_jagged(
+        torch.arange(10.0), offsets=torch.tensor([3, 7, 9])
+    )
     got = decode_field(encode_field("s", sub))
     assert [r.tolist() for r in got.unbind()] == [[3, 4, 5, 6], [7, 8]]

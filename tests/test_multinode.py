@@ -10,14 +10,18 @@ from pathlib import Path
 def test_multinode_spread_and_node_loss():
     script = Path(__file__).parent / "scenarios" / "multinode.py"
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = json.loads(lines[-1][len("RESULT ") :])
     assert len(set(out["unit_nodes"])) == 2, "units must sit on different nodes"
     assert out["cross_node_roundtrip"]
     assert out["doomed"], "the lost node held some samples"
-    assert out["lost_reported"] == out["doomed"], "SamplesLost lists exactly the lost node's samples"
+    assert out["lost_reported"] == out["doomed"], (
+        "SamplesLost lists exactly the lost node's samples"
+    )
     assert out["survivors_readable"]
     assert out["second_client_lost"]
     assert out["new_units"] == [1 - out["doomed_unit"]], "new puts go to the surviving unit"

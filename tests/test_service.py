@@ -31,8 +31,12 @@ def _pid() -> str:
 
 def _jagged(lengths, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, generator=g).to(dtype) if dtype.is_floating_point
-            else torch.randint(0, 1000, (n,), generator=g).to(dtype) for n in lengths]
+    return [
+        torch.randn(n, generator=g).to(dtype)
+        if dtype.is_floating_point
+        else torch.randint(0, 1000, (n,), generator=g).to(dtype)
+        for n in lengths
+    ]
 
 
 def _grpo_fields(n, seed=0):
@@ -55,11 +59,21 @@ def test_round_trip_every_dtype_dense_and_jagged(client):
     fields = {}
     for dt in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool):
         name = str(dt).split(".")[1]
-        dense = torch.randn(7, 2, 3).to(dt) if dt.is_floating_point else torch.randint(0, 2, (7, 2, 3)).to(dt)
+        dense = (
+            torch.randn(7, 2, 3).to(dt)
+            if dt.is_floating_point
+            else torch.randint(0, 2, (7, 2, 3)).to(dt)
+        )
         fields[f"dense_{name}"] = dense
         fields[f"jag_{name}"] = torch.nested.nested_tensor(
-            [torch.randn(n, 2).to(dt) if dt.is_floating_point else torch.randint(0, 5, (n, 2)).to(dt)
-             for n in lengths], layout=torch.jagged)
+            [
+                torch.randn(n, 2).to(dt)
+                if dt.is_floating_point
+                else torch.randint(0, 5, (n, 2)).to(dt)
+                for n in lengths
+            ],
+            layout=torch.jagged,
+        )
     fields["obj"] = [{"k": i, "s": "x" * i} for i in range(7)]
     client.put_samples(ids, pid, fields)
     order = [3, 0, 6, 1, 5, 2, 4]
@@ -82,7 +96,9 @@ def test_put_returns_meta_and_sequence_lengths(client):
     pid = _pid()
     client.register_partition(pid, fields=["input_ids"])
     lengths, fields = _grpo_fields(10)
-    meta = client.put_samples([f"a{i}" for i in range(10)], pid, fields, tags=[{"i": i} for i in range(10)])
+    meta = client.put_samples(
+        [f"a{i}" for i in range(10)], pid, fields, tags=[{"i": i} for i in range(10)]
+    )
     assert isinstance(meta, KVBatchMeta)
     assert meta.sequence_lengths == lengths
     assert meta.tags[3] == {"i": 3}
@@ -172,7 +188,9 @@ def test_schema_conflict_on_dtype_shape_or_layout(client):
     with pytest.raises(SchemaConflict):
         client.put_samples(["b"], pid, {"j": torch.zeros(1, 3)})
     with pytest.raises(SchemaConflict):
-        client.put_samples(["b", "c"], pid, {"j": [torch.zeros(3), torch.zeros(3, dtype=torch.int32)]})
+        client.put_samples(
+            ["b", "c"], pid, {"j": [torch.zeros(3), torch.zeros(3, dtype=torch.int32)]}
+        )
 
 
 def test_register_is_idempotent_but_rejects_a_different_declaration(client):
@@ -284,7 +302,9 @@ def test_a_writer_that_never_commits_leaves_nothing_visible(service, client):
     from dataplane_client.codec import encode_fields
 
     unit = service.units[0]
-    ray.get(unit.stage.remote(pid, "dead-writer", ["ghost"], encode_fields({"x": torch.ones(1, 4)})))
+    ray.get(
+        unit.stage.remote(pid, "dead-writer", ["ghost"], encode_fields({"x": torch.ones(1, 4)}))
+    )
     with pytest.raises(SamplesNotFound):
         client.get_samples(["ghost"], pid, ["x"])
     assert client.claim_meta(pid, "t", ["x"], 1, blocking=False) is None
@@ -304,8 +324,12 @@ def test_async_twins(service):
         async def run(self, pid):
             await self.c.register_partition_async(pid, fields=["x"])
             ids = [f"{pid}-{i}" for i in range(4)]
-            await asyncio.gather(*[self.c.put_samples_async([s], pid, {"x": torch.full((1, 2), float(i))})
-                                   for i, s in enumerate(ids)])
+            await asyncio.gather(
+                *[
+                    self.c.put_samples_async([s], pid, {"x": torch.full((1, 2), float(i))})
+                    for i, s in enumerate(ids)
+                ]
+            )
             meta = await self.c.claim_meta_async(pid, "t", ["x"], 4)
             data = await self.c.get_data_async(meta)
             status = await self.c.check_consumption_status_async(pid, ["t"])
@@ -328,8 +352,15 @@ def _unit_rss(handle, index=0) -> int:
 
 
 def test_capacity_exceeded_and_bounded_wait(ray_session):
-    handle = start(DataPlaneConfig(name="dp-cap", num_storage_units=1, unit_capacity_bytes=4096,
-                                   admin_enabled=False, put_wait_timeout_s=0.2))
+    handle = start(
+        DataPlaneConfig(
+            name="dp-cap",
+            num_storage_units=1,
+            unit_capacity_bytes=4096,
+            admin_enabled=False,
+            put_wait_timeout_s=0.2,
+        )
+    )
     try:
         c = handle.client()
         c.register_partition("p", fields=["x"])
@@ -346,8 +377,15 @@ def test_capacity_exceeded_and_bounded_wait(ray_session):
 
 
 def test_a_waiting_put_proceeds_when_room_is_freed(ray_session):
-    handle = start(DataPlaneConfig(name="dp-wait", num_storage_units=1, unit_capacity_bytes=4096,
-                                   admin_enabled=False, put_wait_timeout_s=30))
+    handle = start(
+        DataPlaneConfig(
+            name="dp-wait",
+            num_storage_units=1,
+            unit_capacity_bytes=4096,
+            admin_enabled=False,
+            put_wait_timeout_s=30,
+        )
+    )
     try:
         c = handle.client()
         c.register_partition("p", fields=["x"])
@@ -355,7 +393,11 @@ def test_a_waiting_put_proceeds_when_room_is_freed(ray_session):
 
         @ray.remote
         def writer():
-            return connect("dp-wait", "dataplane").put_samples(["b"], "p", {"x": torch.ones(1, 768)}).sample_ids
+            return (
+                connect("dp-wait", "dataplane")
+                .put_samples(["b"], "p", {"x": torch.ones(1, 768)})
+                .sample_ids
+            )
 
         ref = writer.remote()
         assert not ray.wait([ref], timeout=0.3)[0]  # blocked on capacity
@@ -379,8 +421,10 @@ def test_clearing_one_gigabyte_returns_unit_memory(ray_session):
         assert full - baseline > 900 * 2**20
         c.clear_samples(None, "p")
         after = _unit_rss(handle)
-        print(f"unit USS MiB: baseline {baseline / 2**20:.0f}, holding 1 GiB {full / 2**20:.0f}, "
-              f"after clear {after / 2**20:.0f}")
+        print(
+            f"unit USS MiB: baseline {baseline / 2**20:.0f}, holding 1 GiB {full / 2**20:.0f}, "
+            f"after clear {after / 2**20:.0f}"
+        )
         assert after - baseline < 100 * 2**20
     finally:
         handle.shutdown()

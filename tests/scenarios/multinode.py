@@ -19,11 +19,18 @@ from dataplane_server import start  # noqa: E402
 
 
 def main() -> None:
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "include_dashboard": False,
-        "_system_config": {"health_check_period_ms": 300, "health_check_failure_threshold": 3,
-                           "health_check_timeout_ms": 500},
-    })
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "include_dashboard": False,
+            "_system_config": {
+                "health_check_period_ms": 300,
+                "health_check_failure_threshold": 3,
+                "health_check_timeout_ms": 500,
+            },
+        },
+    )
     worker = cluster.add_node(num_cpus=2)
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
@@ -51,7 +58,9 @@ def main() -> None:
         out["lost_reported"] = sorted(e.ids)
     # Every other sample stays readable, bit for bit.
     got = c.get_samples(survivors, "p", ["x"])["x"].unbind()
-    out["survivors_readable"] = all(torch.equal(g, rows[ids.index(s)]) for g, s in zip(got, survivors))
+    out["survivors_readable"] = all(
+        torch.equal(g, rows[ids.index(s)]) for g, s in zip(got, survivors)
+    )
     # A second client learns about the loss from the controller.
     try:
         handle.client().get_samples(doomed[:1], "p", ["x"])

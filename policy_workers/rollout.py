@@ -1,0 +1,146 @@
+"""Async rollout actors: generate GRPO groups and stream each into the store.
+
+Each actor owns a copy of the policy's initial weights (a generation engine;
+weight refit from the trainer is outside this demo), samples ``generations``
+completions per prompt with ``generate()``, scores them with a verifiable
+reward, and writes every finished group with ``put_samples_async`` at once,
+not batched at the end. Before each write it looks at the service's fill level
+and backs off while the store is nearly full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from dataplane_client.client import connect
+from dataplane_client.errors import CapacityExceeded
+from policy_workers.config import ModelConfig
+from policy_workers.model import build_hf_model, reference_logprobs
+
+GRPO_FIELDS = [
+    "input_ids",
+    "input_lengths",
+    "token_mask",
+    "sample_mask",
+    "generation_logprobs",
+    "rewards",
+]
+
+
+@dataclass
+class RolloutConfig:
+    generations: int = 4  # completions per prompt (one GRPO group)
+    prompt_len: int = 8
+    min_new_tokens: int = 8
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    high_watermark: float = 0.9  # back off while the store is fuller than this
+    backoff_s: float = 0.05
+    max_put_attempts: int = 600  # ~30 s of back-off before a full store is reported as an error
+    seed: int = 0
+
+
+def parity_reward(prompt: torch.Tensor, completion: torch.Tensor) -> float:
+    """Verifiable reward: the fraction of generated tokens with the parity of the prompt's last token."""
+    if completion.numel() == 0:
+        return 0.0
+    return float(((completion % 2) == (prompt[-1] % 2)).float().mean())
+
+
+@ray.remote
+class RolloutActor:
+    def __init__(
+        self,
+        actor_index: int,
+        model_cfg: ModelConfig,
+        rollout_cfg: RolloutConfig,
+        service_name: str,
+        namespace: str,
+    ):
+        torch.set_num_threads(1)
+        self.index = actor_index
+        self.cfg = rollout_cfg
+        self.vocab = model_cfg.vocab_size
+        self.model = build_hf_model(model_cfg).eval()
+        self.client = connect(service_name, namespace)
+        self.rng = random.Random(rollout_cfg.seed * 1000 + actor_index)
+        self.backoffs = 0
+        self.groups_written = 0
+
+    async def _wait_for_room(self) -> None:
+        while True:
+            info = await self.client.service_info_async()
+            if info["bytes"] < self.cfg.high_watermark * info["capacity_bytes"]:
+                return
+            self.backoffs += 1
+            await asyncio.sleep(
+                self.cfg.backoff_s
+            )  # pacing, not synchronisation: re-check the level
+
+    def _generate_group(self, prompt: torch.Tensor) -> dict:
+        g = self.cfg.generations
+        new_tokens = self.rng.randint(self.cfg.min_new_tokens, self.cfg.max_new_tokens)
+        torch.manual_seed(self.rng.randrange(2**31))
+        with torch.no_grad():
+            seqs = self.model.generate(
+                prompt.unsqueeze(0).repeat(g, 1),
+                attention_mask=torch.ones(g, len(prompt), dtype=torch.long),
+                do_sample=True,
+                temperature=self.cfg.temperature,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            # Completions differ in length inside a group too: cut each at a sampled length.
+            lengths = [
+                len(prompt) + self.rng.randint(max(1, new_tokens // 2), new_tokens)
+                for _ in range(g)
+            ]
+            lengths_t = torch.tensor(lengths)
+            logprobs = reference_logprobs(self.model, seqs, lengths_t)
+        rows, masks, gen_lp, rewards = [], [], [], []
+        for i, n in enumerate(lengths):
+            rows.append(seqs[i, :n].clone())
+            mask = torch.zeros(n, dtype=torch.bool)
+            mask[len(prompt) :] = True
+            masks.append(mask)
+            gen_lp.append(logprobs[i, :n].clone())
+            rewards.append(parity_reward(prompt, seqs[i, len(prompt) : n]))
+        return {
+            "input_ids": rows,
+            "input_lengths": lengths_t,
+            "token_mask": masks,
+            "sample_mask": torch.ones(g, dtype=torch.float32),
+            "generation_logprobs": gen_lp,
+            "rewards": torch.tensor(rewards, dtype=torch.float32),
+        }
+
+    async def run(self, partition_id: str, prompt_ids: list[int]) -> dict:
+        """Generate one group per prompt id and stream each to ``partition_id`` as it finishes."""
+        for pid in prompt_ids:
+            prompt = torch.tensor(
+                [self.rng.randrange(3, self.vocab) for _ in range(self.cfg.prompt_len)]
+            )
+            fields = self._generate_group(prompt)
+            ids = [f"{partition_id}/prompt{pid}/gen{j}" for j in range(self.cfg.generations)]
+            tags = [{"group_id": f"prompt{pid}", "actor": self.index}] * self.cfg.generations
+            for attempt in range(self.cfg.max_put_attempts):
+                await self._wait_for_room()
+                try:
+                    await self.client.put_samples_async(ids, partition_id, fields, tags=tags)
+                    break
+                except CapacityExceeded:
+                    # Another writer took the room first (or one unit is full): pace, look again.
+                    self.backoffs += 1
+                    if attempt == self.cfg.max_put_attempts - 1:
+                        raise
+                    await asyncio.sleep(self.cfg.backoff_s)
+            self.groups_written += 1
+            await asyncio.sleep(0)  # let other coroutines of this actor run between groups
+        return {"actor": self.index, "groups": len(prompt_ids), "backoffs": self.backoffs}
