@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     # Every actor is handed all steps up front, so it keeps streaming into the next
     # step's partition while the driver trains on the current one.
     rollout_refs = []
-    for k, pid in enumerate(partitions):
+    for pid in partitions:
         prompts = list(range(args.prompts_per_step))
         for a, actor in enumerate(actors):
             mine = prompts[a :: len(actors)]
