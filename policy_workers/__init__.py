@@ -1,0 +1,18 @@
+"""Policy workers on the data plane: the top layer (imports dataplane_client, never the reverse).
+
+Code map (one job per module; nothing is imported here, so ``import
+policy_workers`` stays cheap):
+
+- ``sharding``: ``NamedSharding``, the (PP, DP, CP, TP) rank layout with named axes;
+- ``worker_group``: ``RayWorkerGroup`` / ``DistributedWorker``: actors in one
+  torch.distributed world, replica / TP / DP groups, dispatch helpers;
+- ``config``: ``PolicyConfig`` and its parts (model, batching, optimizer, loss);
+- ``model``: transformers causal LM with a vocab-parallel output projection;
+- ``loss``: GRPO clipped policy-gradient loss;
+- ``broadcast``: two-phase broadcast of a BatchedDataDict in a replica group;
+- ``tq_mixin``: ``TQWorkerMixin``, per-rank fetch / write-back / ``*_presharded``;
+- ``worker``: ``PolicyWorker``, the actor body (logprobs, reference logprobs, train);
+- ``tq_policy``: ``TQPolicy``, the driver (metas on the data-plane path, tensors
+  on the classic path);
+- ``rollout``, ``demo``: rollout actors and the end-to-end demo.
+"""
