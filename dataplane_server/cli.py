@@ -430,6 +430,8 @@ def cmd_serve(args) -> int:
     else:  # embedded: a local Ray bound to loopback
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         ray.init(
+            # "local": always a new instance; never attach to whatever `ray start` ran last here.
+            address="local",
             num_cpus=args.num_cpus,
             include_dashboard=False,
             namespace=config.namespace,
