@@ -27,14 +27,11 @@ from ray.exceptions import RayActorError, RayTaskError
 from dataplane_client.codec import (
     JAGGED,
     EncodedField,
-    concat_rows,
-    decode_field,
     encode_fields,
-    take_rows,
 )
 from dataplane_client.errors import DataPlaneError, InvalidBatch, SamplesLost, ServiceUnavailable
 from dataplane_client.meta import KVBatchMeta
-from dataplane_client.transport import RayTransport
+from dataplane_client.transport import SharedMemoryUnavailable, Transport, assemble
 
 Flow = Generator[list, list, Any]
 _MAX_REROUTES = 3
@@ -116,7 +113,12 @@ class DataPlaneClient:
         self.name, self.namespace = name, namespace
         self._controller = controller
         routing = ray.get(controller.routing.remote())
-        self._transport = RayTransport(routing["units"])
+        self._transport = Transport(
+            routing["units"],
+            routing["nodes"],
+            routing["shm"],
+            ray.get_runtime_context().get_node_id(),
+        )
         self._alive = list(routing["alive"])
         self._routes: dict[
             tuple[str, str], int
@@ -237,16 +239,9 @@ class DataPlaneClient:
             write_id = uuid.uuid4().hex
             plan = {int(u): np.nonzero(units == u)[0] for u in np.unique(units)}
             staged = list(plan)
-            results = yield [
-                self._transport.stage(
-                    u,
-                    partition_id,
-                    write_id,
-                    [sample_ids[i] for i in rows],
-                    {k: take_rows(e, rows) for k, e in encoded.items()},
-                )
-                for u, rows in plan.items()
-            ]
+            results = yield from self._transport.stage_flow(
+                partition_id, write_id, sample_ids, encoded, plan
+            )
             errors = [(u, r) for u, r in zip(staged, results) if isinstance(r, BaseException)]
             if errors:
                 yield [
@@ -254,6 +249,8 @@ class DataPlaneClient:
                     for u, r in zip(staged, results)
                     if not isinstance(r, BaseException)
                 ]
+                if all(isinstance(e, SharedMemoryUnavailable) for _, e in errors):
+                    continue  # those units are now reached through Ray
                 died = [u for u, e in errors if isinstance(e, RayActorError)]
                 if not died:
                     raise errors[0][1]
@@ -341,10 +338,8 @@ class DataPlaneClient:
         if not fields:
             return {}
         plan = {int(u): np.nonzero(units == u)[0] for u in np.unique(units)}
-        results = yield [
-            self._transport.read(u, partition_id, [sample_ids[i] for i in rows], fields)
-            for u, rows in plan.items()
-        ]
+        by_unit = {u: [sample_ids[i] for i in rows] for u, rows in plan.items()}
+        results = yield from self._transport.read_flow(partition_id, by_unit, fields)
         for (u, rows), r in zip(plan.items(), results):
             if isinstance(r, RayActorError):
                 yield from self._unit_died(u)
@@ -359,15 +354,19 @@ class DataPlaneClient:
         position = np.concatenate(list(plan.values()))
         order = np.empty(len(sample_ids), dtype=np.int64)
         order[position] = np.arange(len(sample_ids))
-        identity = bool((order == np.arange(len(order))).all())
-        out = {}
-        for name in fields:
-            parts = [r[name] for r in results]
-            if len(parts) == 1 and identity:
-                out[name] = decode_field(parts[0])  # one copy out of the object store
-            else:
-                out[name] = decode_field(concat_rows(parts, order), writable=False)
-        return out
+        try:
+            return {name: assemble([r[name] for r in results], order) for name in fields}
+        except OSError:
+            # A chunk was freed between our validation and our mapping (a concurrent
+            # clear or overwrite): read through Ray, which re-validates on the unit.
+            results = yield [
+                self._transport.units[u].read.remote(partition_id, ids, fields)
+                for u, ids in by_unit.items()
+            ]
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r from None
+            return {name: assemble([r[name] for r in results], order) for name in fields}
 
     def get_samples(
         self,

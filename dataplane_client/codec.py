@@ -84,9 +84,15 @@ class EncodedField:
     def nbytes(self) -> int:
         if self.kind == OBJECT:
             return len(self.objects or b"")
-        return int(self.values.nbytes)
+        return int(self.values.nbytes) if self.values is not None else self.expected_nbytes()
 
-    def validate(self, name: str) -> None:
+    def expected_nbytes(self) -> int:
+        """Bulk bytes the header describes."""
+        if self.kind == JAGGED:
+            return int(self.lengths.sum()) * self.row_unit_bytes
+        return self.num_rows * self.row_unit_bytes
+
+    def validate(self, name: str, *, header_only: bool = False) -> None:
         """Check internal consistency; raise CorruptPayload naming the field."""
         if self.kind not in (DENSE, JAGGED, OBJECT):
             raise CorruptPayload(f"unknown field kind {self.kind!r}", fields=[name])
@@ -98,19 +104,18 @@ class EncodedField:
             raise CorruptPayload(f"unknown dtype {self.dtype!r}", fields=[name])
         if any(int(d) < 0 for d in self.shape):
             raise CorruptPayload(f"negative dimension in shape {self.shape}", fields=[name])
-        if not isinstance(self.values, np.ndarray) or self.values.dtype != np.uint8:
+        if not header_only and (
+            not isinstance(self.values, np.ndarray) or self.values.dtype != np.uint8
+        ):
             raise CorruptPayload("values must be a uint8 array", fields=[name])
-        if self.kind == JAGGED:
-            if (
-                not isinstance(self.lengths, np.ndarray)
-                or self.lengths.shape != (self.num_rows,)
-                or (self.num_rows and int(self.lengths.min()) < 0)
-            ):
-                raise CorruptPayload("jagged lengths missing, mis-sized or negative", fields=[name])
-            expected = int(self.lengths.sum()) * self.row_unit_bytes
-        else:
-            expected = self.num_rows * self.row_unit_bytes
-        if self.values.nbytes != expected:
+        if self.kind == JAGGED and (
+            not isinstance(self.lengths, np.ndarray)
+            or self.lengths.shape != (self.num_rows,)
+            or (self.num_rows and int(self.lengths.min()) < 0)
+        ):
+            raise CorruptPayload("jagged lengths missing, mis-sized or negative", fields=[name])
+        expected = self.expected_nbytes()
+        if not header_only and self.values.nbytes != expected:
             raise CorruptPayload(
                 f"values hold {self.values.nbytes} bytes, header says {expected}", fields=[name]
             )
@@ -308,10 +313,14 @@ def gather_bytes(
     return out
 
 
-def take_rows(enc: EncodedField, rows: np.ndarray) -> EncodedField:
+def take_rows(
+    enc: EncodedField, rows: np.ndarray, *, out: np.ndarray | None = None, header_only: bool = False
+) -> EncodedField:
     """The given rows of ``enc`` (in that order) as a new EncodedField.
 
-    A contiguous ascending selection is a zero-copy view.
+    A contiguous ascending selection is a zero-copy view; ``out`` makes the rows'
+    bytes land in a given buffer instead (one copy, e.g. straight into shared
+    memory); ``header_only`` skips the bytes altogether.
     """
     rows = np.asarray(rows, dtype=np.int64)
     if enc.kind == OBJECT:
@@ -322,10 +331,14 @@ def take_rows(enc: EncodedField, rows: np.ndarray) -> EncodedField:
         )
     offs = row_byte_offsets(enc)
     starts, ends = offs[rows], offs[rows + 1]
-    if len(rows) and np.all(rows[1:] == rows[:-1] + 1):
+    if header_only:
+        values = None
+    elif out is None and len(rows) and np.all(rows[1:] == rows[:-1] + 1):
         values = enc.values[int(starts[0]) : int(ends[-1])]
     else:
-        values = gather_bytes([enc.values], np.zeros(len(rows), dtype=np.int64), starts, ends)
+        values = gather_bytes(
+            [enc.values], np.zeros(len(rows), dtype=np.int64), starts, ends, out=out
+        )
     return EncodedField(
         kind=enc.kind,
         dtype=enc.dtype,

@@ -1,32 +1,156 @@
-"""The bulk-data seam: how encoded bytes travel between a client and a unit.
+"""The bulk-data seam: how encoded bytes travel between a client and the units.
 
-Everything above this module speaks ``EncodedField``; everything below is Ray
-actor calls whose numpy buffers Ray moves out-of-band (zero-copy reads from the
-same node's object store). A faster same-node path (shared memory) replaces
-this class without touching callers.
+Everything above this module speaks ``EncodedField`` and flows (see client.py);
+below it there are two paths, chosen per unit:
+
+- same node (the unit's node is ours and it keeps chunks in shared memory): a
+  put allocates the chunk in the unit and copies the rows straight into it; a
+  get maps the unit's chunks, zero-copy when the rows are contiguous;
+- otherwise through Ray actor calls whose numpy buffers Ray moves out-of-band.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Generator
 from typing import Any
 
-from dataplane_client.codec import EncodedField
+import numpy as np
+
+from dataplane_client import shm
+from dataplane_client.codec import (
+    OBJECT,
+    EncodedField,
+    concat_rows,
+    contiguous_runs,
+    decode_field,
+    gather_bytes,
+    row_byte_offsets,
+    take_rows,
+)
+from dataplane_client.errors import DataPlaneError
+
+Flow = Generator[list, list, Any]
 
 
-class RayTransport:
-    """Bytes through Ray actor calls on the storage-unit handles."""
+class SharedMemoryUnavailable(DataPlaneError):
+    """This process cannot open a same-node unit's shared memory (it then uses Ray)."""
 
-    def __init__(self, unit_handles: list[Any]):
+
+class Transport:
+    def __init__(
+        self,
+        unit_handles: list,
+        unit_nodes: list[str | None],
+        unit_shm: list[bool],
+        local_node: str | None,
+        use_shm: bool = True,
+    ):
         self.units = list(unit_handles)
+        self.shared = [
+            bool(use_shm and ok and node == local_node and local_node is not None)
+            for node, ok in zip(unit_nodes, unit_shm)
+        ]
 
-    def stage(self, unit: int, partition_id: str, write_id: str, sample_ids: list[str],
-              encoded: dict[str, EncodedField]):
-        """Start copying a write's bytes into a unit; returns an awaitable ObjectRef."""
-        return self.units[unit].stage.remote(partition_id, write_id, sample_ids, encoded)
-
-    def read(self, unit: int, partition_id: str, sample_ids: list[str], fields: list[str]):
-        """Start a read of some samples' fields; the ObjectRef resolves to encoded fields."""
-        return self.units[unit].read.remote(partition_id, sample_ids, fields)
+    # ---- writes -------------------------------------------------------------------
+    def stage_flow(
+        self,
+        partition_id: str,
+        write_id: str,
+        sample_ids: list[str],
+        encoded: dict[str, EncodedField],
+        plan: dict[int, np.ndarray],
+    ) -> Flow:
+        """Stage a write's rows on each unit of ``plan``; returns one result (or error) per unit."""
+        refs, headers = [], {}
+        for u, rows in plan.items():
+            ids = [sample_ids[i] for i in rows]
+            if self.shared[u]:
+                headers[u] = {k: take_rows(e, rows, header_only=True) for k, e in encoded.items()}
+                refs.append(self.units[u].alloc_shm.remote(partition_id, write_id, ids, headers[u]))
+            else:
+                parts = {k: take_rows(e, rows) for k, e in encoded.items()}
+                refs.append(self.units[u].stage.remote(partition_id, write_id, ids, parts))
+        results = yield refs
+        for i, (u, rows) in enumerate(plan.items()):
+            if self.shared[u] and not isinstance(results[i], BaseException):
+                try:
+                    for name, path in results[i].items():
+                        dest = shm.map_for_write(path, headers[u][name].nbytes)
+                        take_rows(encoded[name], rows, out=dest)  # the one copy of a same-node put
+                except OSError as e:
+                    self.shared[u] = False  # e.g. another user's unit: fall back to Ray from now on
+                    results[i] = SharedMemoryUnavailable(f"unit {u}: {e}")
+        return results
 
     def discard(self, unit: int, write_id: str):
         return self.units[unit].discard.remote(write_id)
+
+    # ---- reads --------------------------------------------------------------------
+    def read_flow(self, partition_id: str, plan: dict[int, list[str]], fields: list[str]) -> Flow:
+        """Per unit of ``plan``: {field: EncodedField | SharedRows} (or the error)."""
+        refs = [
+            self.units[u].read_shm.remote(partition_id, ids, fields)
+            if self.shared[u]
+            else self.units[u].read.remote(partition_id, ids, fields)
+            for u, ids in plan.items()
+        ]
+        return (yield refs)
+
+
+def _sources(
+    part: EncodedField | shm.SharedRows,
+) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+    """(sources, which, starts, ends) of a part's rows; a source is an array or a shm path."""
+    if isinstance(part, shm.SharedRows):
+        return list(part.paths), part.which.astype(np.int64), part.starts, part.ends
+    offs = row_byte_offsets(part)
+    return [part.values], np.zeros(part.num_rows, dtype=np.int64), offs[:-1], offs[1:]
+
+
+def assemble(parts: list[EncodedField | shm.SharedRows], order: np.ndarray) -> Any:
+    """Decode one field from the units' parts; output row j is concatenated row ``order[j]``.
+
+    Same-node rows that are contiguous in one chunk come back as a copy-on-write
+    mapping (no copy); anything else is gathered once into a fresh buffer.
+    """
+    headers = [p.header if isinstance(p, shm.SharedRows) else p for p in parts]
+    first = headers[0]
+    if first.kind == OBJECT:
+        return decode_field(concat_rows(headers, order))
+    identity = bool((order == np.arange(len(order))).all())
+    if len(parts) == 1 and identity and isinstance(parts[0], EncodedField):
+        return decode_field(parts[0])  # one copy, out of the object store
+    sources: list = []
+    which, starts, ends = [], [], []
+    for part in parts:
+        src, w, s, e = _sources(part)
+        which.append(w + len(sources))
+        starts.append(s)
+        ends.append(e)
+        sources.extend(src)
+    which = np.concatenate(which)[order]
+    starts = np.concatenate(starts)[order]
+    ends = np.concatenate(ends)[order]
+    lengths = None
+    if first.lengths is not None:
+        lengths = np.concatenate([h.lengths for h in headers])[order]
+    key = which.astype(np.int64) << 48
+    run_starts, _ = contiguous_runs(starts + key, ends + key)
+    if len(run_starts) == 1 and isinstance(sources[int(which[0])], str) and len(order):
+        values = shm.map_private(sources[int(which[0])], int(starts[0]), int(ends[-1]))
+    else:
+        buffers = []
+        for i, src in enumerate(sources):
+            if isinstance(src, str):  # map only the span this read touches
+                mine = which == i
+                lo = int(starts[mine].min()) if mine.any() else 0
+                hi = int(ends[mine].max()) if mine.any() else 0
+                buffers.append(shm.map_for_read(src, lo, hi))
+                starts = np.where(mine, starts - lo, starts)
+                ends = np.where(mine, ends - lo, ends)
+            else:
+                buffers.append(src)
+        values = gather_bytes(buffers, which, starts, ends)
+    out = dataclasses.replace(first, values=values, lengths=lengths, num_rows=len(order))
+    return decode_field(out, writable=False)

@@ -131,7 +131,12 @@ class Controller:
         return self.units
 
     def routing(self) -> dict:
-        return {"units": self.units, "alive": list(self.unit_alive)}
+        return {
+            "units": self.units,
+            "alive": list(self.unit_alive),
+            "nodes": [info["node_id"] for info in self.unit_info],
+            "shm": [bool(info.get("shm")) for info in self.unit_info],
+        }
 
     async def mark_unit_lost(self, index: int) -> bool:
         """Called when a client saw a unit die; verify before believing it."""

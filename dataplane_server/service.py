@@ -65,7 +65,7 @@ class ServiceHandle:
     def shutdown(self) -> None:
         if self.admin is not None:
             try:
-                ray.get(self.admin.stop.remote(), timeout=10)
+                ray.get(self.admin.stop.remote(), timeout=self.config.drain_timeout_s + 10)
             except Exception:  # noqa: BLE001 - best effort: the actor is killed next anyway
                 pass
         for actor in [self.admin, self.controller, *self.units]:
@@ -82,7 +82,7 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
     ensure_local_ray()
     units = []
     for i, node in enumerate(_unit_nodes(config.num_storage_units)):
-        strategy = NodeAffinitySchedulingStrategy(node, soft=True) if node else "DEFAULT"
+        strategy = NodeAffinitySchedulingStrategy(node, soft=False) if node else "DEFAULT"
         units.append(
             StorageUnit.options(
                 name=f"{config.name}-unit-{i}",
@@ -95,7 +95,7 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
         )
     # The controller sits beside whoever started the service, so losing a worker node
     # never takes the key space with it.
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     controller = Controller.options(
         name=config.name,
         namespace=config.namespace,

@@ -18,6 +18,7 @@ so clearing returns its memory.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ import msgpack
 import numpy as np
 import ray
 
+from dataplane_client import shm
 from dataplane_client.codec import DTYPES, JAGGED, OBJECT, EncodedField, gather_bytes
 from dataplane_client.errors import (
     CapacityExceeded,
@@ -68,6 +70,7 @@ class _Column:
 class _Chunk:
     buffer: np.ndarray
     live_rows: int
+    fd: int = -1  # memfd holding the buffer (-1: private heap memory)
 
 
 @dataclass
@@ -89,8 +92,11 @@ class _Staged:
 
 @ray.remote
 class StorageUnit:
-    def __init__(self, index: int, capacity_bytes: int, put_wait_timeout_s: float = 0.0):
+    def __init__(
+        self, index: int, capacity_bytes: int, put_wait_timeout_s: float = 0.0, use_shm: bool = True
+    ):
         self.index = index
+        self.use_shm = bool(use_shm) and shm.supported()
         self.capacity_bytes = int(capacity_bytes)
         self.put_wait_timeout_s = float(put_wait_timeout_s)
         self.partitions: dict[str, _Partition] = {}
@@ -101,7 +107,12 @@ class StorageUnit:
         self.stats = Stats()
         self._space = asyncio.Condition()
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.node_ip = ray.util.get_node_ip_address()
+        # The address Ray registered for this node (127.0.0.1 on loopback clusters),
+        # not the machine's default-route guess.
+        self.node_ip = next(
+            (n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == self.node_id),
+            ray.util.get_node_ip_address(),
+        )
 
     # ---- identity / health ------------------------------------------------------
     def ping(self) -> dict:
@@ -110,6 +121,7 @@ class StorageUnit:
             "node_id": self.node_id,
             "node_ip": self.node_ip,
             "pid": os.getpid(),
+            "shm": self.use_shm,
         }
 
     # ---- write path ---------------------------------------------------------------
@@ -120,11 +132,36 @@ class StorageUnit:
         sample_ids: list[str],
         encoded: dict[str, EncodedField],
     ) -> int:
-        """Copy a write's bytes in, invisible until publish. Returns bytes staged."""
+        """Copy a write's bytes in (through Ray), invisible until publish. Returns bytes staged."""
+        chunks = await self._stage(partition_id, write_id, sample_ids, encoded, header_only=False)
+        for name, enc in encoded.items():
+            if name in chunks:
+                self.chunks[chunks[name]].buffer[:] = enc.values  # out of the object store
+        return self.staged[write_id].nbytes
+
+    async def alloc_shm(
+        self,
+        partition_id: str,
+        write_id: str,
+        sample_ids: list[str],
+        headers: dict[str, EncodedField],
+    ) -> dict[str, str]:
+        """Stage a same-node write whose bytes the client copies into shared memory itself.
+
+        Returns, per bulk field, the path the client opens to write the chunk.
+        The write stays invisible until the controller's commit publishes it,
+        which the client only asks for after its copy is complete.
+        """
+        chunks = await self._stage(partition_id, write_id, sample_ids, headers, header_only=True)
+        return {name: shm.path_of(self.chunks[c].fd) for name, c in chunks.items()}
+
+    async def _stage(
+        self, partition_id, write_id, sample_ids, encoded, *, header_only
+    ) -> dict[str, int]:
         t0 = time.perf_counter()
         try:
             for name, enc in encoded.items():
-                enc.validate(name)
+                enc.validate(name, header_only=header_only)
                 if enc.num_rows != len(sample_ids):
                     raise SchemaConflict(
                         f"{enc.num_rows} rows for {len(sample_ids)} ids", fields=[name]
@@ -134,17 +171,13 @@ class StorageUnit:
             # counts the bulk bytes.
             need = sum(enc.nbytes for enc in encoded.values() if enc.kind != OBJECT)
             await self._reserve(need, sample_ids)
-            fields = {}
+            fields, chunks = {}, {}
             for name, enc in encoded.items():
                 if enc.kind == OBJECT:
                     values = msgpack.unpackb(enc.objects, raw=False) if enc.num_rows else []
                     fields[name] = (enc.schema, None, None, None, None, values)
                     continue
-                chunk_id = self.next_chunk
-                self.next_chunk += 1
-                buf = np.empty(enc.values.nbytes, dtype=np.uint8)
-                buf[:] = enc.values  # the one copy: out of the object store into our arena
-                self.chunks[chunk_id] = _Chunk(buf, 0)
+                chunk_id = chunks[name] = self._new_chunk(enc.nbytes)
                 nbytes = enc.row_nbytes()
                 offs = np.zeros(len(nbytes), dtype=np.int64)
                 if len(nbytes) > 1:
@@ -158,10 +191,21 @@ class StorageUnit:
             self.stats.inc("put_requests_total")
             self.stats.observe("put_latency_seconds", time.perf_counter() - t0)
             self._expire_stale_stages()
-            return need
+            return chunks
         except DataPlaneError as e:
             self.stats.error(e)
             raise
+
+    def _new_chunk(self, nbytes: int) -> int:
+        """An arena chunk: shared memory (memfd) when the platform has it, else private heap."""
+        chunk_id = self.next_chunk
+        self.next_chunk += 1
+        if self.use_shm:
+            fd, buf = shm.create(nbytes, f"dataplane-u{self.index}-c{chunk_id}")
+            self.chunks[chunk_id] = _Chunk(buf, 0, fd)
+        else:
+            self.chunks[chunk_id] = _Chunk(np.empty(nbytes, dtype=np.uint8), 0)
+        return chunk_id
 
     def _check_schema(self, partition_id: str, encoded: dict[str, EncodedField]) -> None:
         part = self.partitions.get(partition_id)
@@ -267,6 +311,10 @@ class StorageUnit:
             ch = self.chunks.pop(c, None)
             if ch is not None:
                 self.used_bytes -= ch.buffer.nbytes
+                if ch.fd >= 0:
+                    # Readers that mapped the chunk keep their bytes; the memory goes
+                    # back to the kernel when the last mapping does.
+                    os.close(ch.fd)
         if chunk_ids:
             asyncio.get_event_loop().create_task(self._notify_space())
 
@@ -275,10 +323,8 @@ class StorageUnit:
             self._space.notify_all()
 
     # ---- read path ----------------------------------------------------------------
-    def read(
-        self, partition_id: str, sample_ids: list[str], fields: list[str]
-    ) -> dict[str, EncodedField]:
-        t0 = time.perf_counter()
+    def _rows(self, partition_id: str, sample_ids: list[str], fields: list[str]):
+        """Per field: object values, or (header, chunk ids, which chunk per row, byte starts, ends)."""
         part = self.partitions.get(partition_id)
         slot_of = part.slot_of if part else {}
         missing = [s for s in sample_ids if s not in slot_of]
@@ -289,8 +335,6 @@ class StorageUnit:
                 partition_id=partition_id,
             )
         slots = np.fromiter((slot_of[s] for s in sample_ids), dtype=np.int64, count=len(sample_ids))
-        out: dict[str, EncodedField] = {}
-        total = 0
         for name in fields:
             col = part.columns.get(name)
             present = col.chunk[slots] if col is not None and len(col.chunk) else None
@@ -309,31 +353,60 @@ class StorageUnit:
             kind, dtype, shape = col.schema
             if kind == OBJECT:
                 values = [col.objects[s] for s in slots.tolist()]
-                enc = EncodedField(
-                    kind=OBJECT,
-                    objects=msgpack.packb(values, use_bin_type=True),
-                    num_rows=len(values),
+                yield (
+                    name,
+                    EncodedField(
+                        kind=OBJECT,
+                        objects=msgpack.packb(values, use_bin_type=True),
+                        num_rows=len(values),
+                    ),
                 )
-            else:
-                starts = col.offset[slots]
-                ends = starts + col.nbytes[slots]
-                chunk_ids = col.chunk[slots]
-                uniq, which = np.unique(chunk_ids, return_inverse=True)
-                buffers = [self.chunks[c].buffer for c in uniq.tolist()]
-                enc = EncodedField(
-                    kind=kind,
-                    dtype=dtype,
-                    shape=tuple(shape),
-                    num_rows=len(slots),
-                    values=gather_bytes(buffers, which, starts, ends),
-                    lengths=col.length[slots].copy() if kind == JAGGED else None,
+                continue
+            header = EncodedField(
+                kind=kind,
+                dtype=dtype,
+                shape=tuple(shape),
+                num_rows=len(slots),
+                lengths=col.length[slots].copy() if kind == JAGGED else None,
+            )
+            starts = col.offset[slots]
+            uniq, which = np.unique(col.chunk[slots], return_inverse=True)
+            yield name, (header, uniq.tolist(), which, starts, starts + col.nbytes[slots])
+
+    def read(
+        self, partition_id: str, sample_ids: list[str], fields: list[str]
+    ) -> dict[str, EncodedField]:
+        """The fields' bytes, gathered here and shipped through Ray (cross-node reads)."""
+        t0 = time.perf_counter()
+        out: dict[str, EncodedField] = {}
+        for name, rows in self._rows(partition_id, sample_ids, fields):
+            if isinstance(rows, tuple):
+                header, chunk_ids, which, starts, ends = rows
+                buffers = [self.chunks[c].buffer for c in chunk_ids]
+                rows = dataclasses.replace(
+                    header, values=gather_bytes(buffers, which, starts, ends)
                 )
-            total += enc.nbytes
-            out[name] = enc
-        self.stats.inc("get_bytes_total", total)
+            out[name] = rows
+        self._count_read(out, t0)
+        return out
+
+    def read_shm(self, partition_id: str, sample_ids: list[str], fields: list[str]) -> dict:
+        """Where the fields' bytes sit in shared memory, for a reader on this node to map."""
+        t0 = time.perf_counter()
+        out: dict = {}
+        for name, rows in self._rows(partition_id, sample_ids, fields):
+            if isinstance(rows, tuple):
+                header, chunk_ids, which, starts, ends = rows
+                paths = [shm.path_of(self.chunks[c].fd) for c in chunk_ids]
+                rows = shm.SharedRows(header, paths, which, starts, ends)
+            out[name] = rows
+        self._count_read(out, t0)
+        return out
+
+    def _count_read(self, out: dict, t0: float) -> None:
+        self.stats.inc("get_bytes_total", sum(v.nbytes for v in out.values()))
         self.stats.inc("get_requests_total")
         self.stats.observe("get_latency_seconds", time.perf_counter() - t0)
-        return out
 
     # ---- clearing -----------------------------------------------------------------
     def clear(self, partition_id: str, sample_ids: list[str] | None) -> int:

@@ -22,6 +22,7 @@ def ray_session():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # never attach to another Ray that happens to run on this machine
             num_cpus=RAY_NUM_CPUS,
             include_dashboard=False,
             namespace="dataplane-tests",
