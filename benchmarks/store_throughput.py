@@ -1,0 +1,548 @@
+"""Store throughput on TransferQueue's perftest workloads, side by side.
+
+Workloads (as in TransferQueue's ``scripts/performance_test/perftest.py``):
+
+- simple: ``fields`` float32 tensors of ``[batch, seq_len]`` (1024 x 4 x 8192 = 128 MiB);
+- complex: a third dense ``[batch, seq_len]`` float32, a third jagged float32
+  with lengths 1..seq_len (an arithmetic progression), a third strings of
+  ``seq_len * 4`` characters (hex of random bytes).
+
+A writer actor makes the data once and puts it; a reader actor gets it; both
+calls are timed from the driver (``ray.get(actor.put.remote())``), as the
+perftest does. Throughput is the perftest's nominal size / seconds, in GiB/s
+(the perftest's "GB" is 2**30 bytes).
+
+Systems, interleaved inside every repeat (A, B, C, D, A, B, C, D, ...):
+
+- ``ours``: DataPlaneClient.put_samples / get_samples (2 storage units);
+- ``transferqueue``: ``transfer_queue`` 0.1.11, SimpleStorage backend, 2 units,
+  ``kv_batch_put`` / ``kv_batch_get`` (only when the package is importable);
+- ``ray``: the writer ``ray.put``s the same dict and returns the ref; the
+  reader ``ray.get``s it;
+- ``memcpy``: ``np.copyto`` of the same number of bytes into a pre-touched
+  buffer in the driver: the ceiling.
+
+Every reader touches what it got (one read per 4 KiB page), so a zero-copy
+result is not cheaper merely because nothing was read.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from typing import Any
+
+import numpy as np
+import ray
+
+from benchmarks.common import (
+    GiB,
+    MiB,
+    Options,
+    Section,
+    Table,
+    Target,
+    cprofile_top,
+    human_size,
+    median,
+    ratio,
+)
+
+FIELDS_SIMPLE = 4
+FIELDS_COMPLEX = 6  # 2 dense + 2 jagged + 2 string fields
+SEQ_LEN = 8192
+FULL_SIZES = [32 * MiB, 128 * MiB, 512 * MiB, 1 * GiB]
+QUICK_SIZES = [1 * MiB, 4 * MiB]
+SERVICE_NAME = "bench-store"
+TARGET_MIN_BYTES = 128 * MiB
+SYSTEMS = ("ours", "transferqueue", "ray", "memcpy")
+
+
+def transferqueue_available() -> bool:
+    return importlib.util.find_spec("transfer_queue") is not None
+
+
+# ---------------------------------------------------------------------------- workloads
+
+
+def make_workload(
+    kind: str, batch: int, seq_len: int, num_fields: int, seed: int = 0
+) -> tuple[dict, int]:
+    """The perftest's test case as plain torch values; returns (fields, nominal bytes)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    fields: dict[str, Any] = {}
+    if kind == "simple":
+        for i in range(num_fields):
+            fields[f"field_{i}"] = torch.randn(batch, seq_len, generator=gen)
+        return fields, batch * seq_len * 4 * num_fields
+    n_dense = (num_fields + 2) // 3
+    n_jagged = (num_fields + 2) // 3
+    n_str = num_fields - n_dense - n_jagged
+    for i in range(n_dense):
+        fields[f"field_{i}"] = torch.randn(batch, seq_len, generator=gen)
+    step = (seq_len - 1) / (batch - 1) if batch > 1 else 0
+    lengths = [max(1, min(round(1 + j * step), seq_len)) for j in range(batch)]
+    for i in range(n_jagged):
+        flat = torch.randn(sum(lengths), generator=gen)
+        fields[f"nested_field_{i}"] = torch.nested.as_nested_tensor(
+            list(torch.split(flat, lengths)), layout=torch.jagged
+        )
+    rng = np.random.default_rng(seed)
+    for i in range(n_str):
+        fields[f"nontensor_field_{i}"] = [
+            rng.bytes(seq_len * 2).hex() for _ in range(batch)
+        ]  # seq_len * 4 characters each, as the perftest's os.urandom(seq_len * 2).hex()
+    nbytes = (
+        batch * seq_len * 4 * n_dense
+        + int(batch * (1 + seq_len) / 2 * 4) * n_jagged
+        + batch * seq_len * 4 * n_str
+    )
+    return fields, nbytes
+
+
+def touch(value: Any) -> int:
+    """Read one element per 4 KiB page of every tensor (and the length of every string)."""
+    import torch
+
+    total = 0
+    items = value.items() if hasattr(value, "items") else enumerate(value)
+    for _, v in items:
+        if isinstance(v, torch.Tensor):
+            t = v.values() if v.is_nested else v
+            flat = t.reshape(-1)
+            step = max(1, 4096 // max(1, flat.element_size()))
+            total += int(flat[::step].to(torch.float64).sum().isfinite())
+        elif isinstance(v, (list, tuple)):
+            total += sum(len(s) for s in v if isinstance(s, str))
+    return total
+
+
+# ---------------------------------------------------------------------------- actors
+
+
+@ray.remote
+class StoreBenchClient:
+    """A writer or reader process: holds the test case and speaks every system's API."""
+
+    def __init__(self, service_name: str, namespace: str):
+        from dataplane_client.client import connect
+
+        self.client = connect(service_name, namespace)
+        self.fields: dict[str, Any] = {}
+        self.keys: list[str] = []
+        self.tq_ready = False
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    # ---- test case ------------------------------------------------------------
+    def create(self, kind: str, batch: int, seq_len: int, num_fields: int) -> tuple[list[str], int]:
+        self.fields = {}
+        self.fields, nbytes = make_workload(kind, batch, seq_len, num_fields)
+        self.keys = [f"test_key_{i}" for i in range(batch)]
+        self._tensordict = None
+        return list(self.fields), nbytes
+
+    def set_keys(self, keys: list[str]) -> None:
+        self.keys = list(keys)
+
+    # ---- ours -----------------------------------------------------------------------
+    def register(self, partition: str, fields: list[str]) -> None:
+        self.client.register_partition(partition, fields=fields)
+
+    def put_ours(self, partition: str) -> None:
+        self.client.put_samples(self.keys, partition, self.fields)
+
+    def get_ours(self, partition: str, fields: list[str]) -> int:
+        return touch(self.client.get_samples(self.keys, partition, fields))
+
+    def clear_ours(self, partition: str) -> None:
+        self.client.clear_samples(None, partition)
+
+    def profile_put_ours(self, partition: str) -> dict[str, Any]:
+        """Client-side cProfile of one put plus the encode step timed alone."""
+        from dataplane_client.codec import encode_fields
+
+        t0 = time.perf_counter()
+        encode_fields(self.fields)
+        encode_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _, top = cprofile_top(lambda: self.client.put_samples(self.keys, partition, self.fields))
+        return {"encode_s": encode_s, "total_s": time.perf_counter() - t0, "top": top}
+
+    def profile_get_ours(self, partition: str, fields: list[str]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        out, top = cprofile_top(lambda: self.client.get_samples(self.keys, partition, fields))
+        total = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        touch(out)
+        return {"total_s": total, "touch_s": time.perf_counter() - t0, "top": top}
+
+    # ---- transferqueue --------------------------------------------------------------
+    def init_tq(self, num_units: int) -> bool:
+        import transfer_queue as tq
+        from omegaconf import OmegaConf
+
+        conf = {
+            "backend": {
+                "storage_backend": "SimpleStorage",
+                "SimpleStorage": {"num_data_storage_units": num_units, "total_storage_size": None},
+            }
+        }
+        tq.init(OmegaConf.create(conf))
+        self.tq_ready = True
+        return True
+
+    def _as_tensordict(self) -> Any:
+        if getattr(self, "_tensordict", None) is None:
+            import torch
+            from tensordict import NonTensorStack, TensorDict
+
+            td = TensorDict(batch_size=(len(self.keys),))
+            for name, value in self.fields.items():
+                if isinstance(value, torch.Tensor):
+                    td.set(name, value)
+                else:
+                    td.set(name, NonTensorStack.from_list(list(value)))
+            self._tensordict = td
+        return self._tensordict
+
+    def put_tq(self, partition: str) -> None:
+        import transfer_queue as tq
+
+        tq.kv_batch_put(keys=self.keys, partition_id=partition, fields=self._as_tensordict())
+
+    def prepare_tq(self) -> None:
+        self._as_tensordict()
+
+    def get_tq(self, partition: str) -> int:
+        import transfer_queue as tq
+
+        td = tq.kv_batch_get(keys=self.keys, partition_id=partition)
+        names = list(td.keys())
+        return touch({k: td.get(k) for k in names})
+
+    def clear_tq(self, partition: str) -> None:
+        import transfer_queue as tq
+
+        tq.kv_clear(keys=self.keys, partition_id=partition)
+
+    def close_tq(self) -> None:
+        if self.tq_ready:
+            import transfer_queue as tq
+
+            tq.close()
+            self.tq_ready = False
+
+    # ---- ray object store -----------------------------------------------------------
+    def put_ray(self) -> list:
+        return [ray.put(self.fields)]  # in a list: the driver gets the ref, not the value
+
+    def get_ray(self, refs: list) -> int:
+        return touch(ray.get(refs[0]))
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+class _Memcpy:
+    """np.copyto of ``nbytes`` into a pre-touched destination (the ceiling)."""
+
+    def __init__(self, nbytes: int):
+        self.src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        self.dst = np.empty_like(self.src)
+        self.dst.fill(1)  # first touch happens here, not in the timed copy
+
+    def run(self) -> float:
+        t0 = time.perf_counter()
+        np.copyto(self.dst, self.src)
+        return time.perf_counter() - t0
+
+
+def _node_pin() -> dict[str, Any]:
+    """Pin to this node, as the perftest does (``node:127.0.0.1`` on loopback)."""
+    ip = ray.util.get_node_ip_address()
+    return {"num_cpus": 0.001, "resources": {f"node:{ip}": 0.001}}
+
+
+def _unit_latency_sums(units: list) -> dict[str, float]:
+    """Seconds the units spent staging (put) and reading (get), summed over units."""
+    snaps = ray.get([u.metrics_snapshot.remote() for u in units])
+    hists = [s["stats"]["histograms"] for s in snaps]
+    return {
+        "stage_s": sum(h.get("put_latency_seconds", {}).get("sum", 0.0) for h in hists),
+        "read_s": sum(h.get("get_latency_seconds", {}).get("sum", 0.0) for h in hists),
+    }
+
+
+class _Case:
+    """One workload loaded in the writer: put, get and clear it through any system."""
+
+    def __init__(self, writer: Any, reader: Any, partition: str, names: list[str], nbytes: int):
+        self.writer, self.reader = writer, reader
+        self.partition, self.names, self.nbytes = partition, names, nbytes
+        self.memcpy = _Memcpy(nbytes)
+
+    def round(self, system: str) -> tuple[float, float]:
+        """(put seconds, get seconds), each timed from the driver around one actor call."""
+        w, r, part = self.writer, self.reader, self.partition
+        if system == "memcpy":
+            t = self.memcpy.run()
+            return t, t
+        t0 = time.perf_counter()
+        if system == "ours":
+            ray.get(w.put_ours.remote(part))
+        elif system == "transferqueue":
+            ray.get(w.put_tq.remote(part))
+        else:
+            refs = ray.get(w.put_ray.remote())
+        t1 = time.perf_counter()
+        if system == "ours":
+            ray.get(r.get_ours.remote(part, self.names))
+        elif system == "transferqueue":
+            ray.get(r.get_tq.remote(part))
+        else:
+            ray.get(r.get_ray.remote(refs))
+        t2 = time.perf_counter()
+        if system == "ours":
+            ray.get(w.clear_ours.remote(part))
+        elif system == "transferqueue":
+            ray.get(w.clear_tq.remote(part))
+        else:
+            del refs
+        return t1 - t0, t2 - t1
+
+    def profile_ours(self, units: list) -> dict[str, Any]:
+        """Client-side cProfile of one put and one get, plus the units' own time."""
+        before = _unit_latency_sums(units)
+        put = ray.get(self.writer.profile_put_ours.remote(self.partition))
+        mid = _unit_latency_sums(units)
+        get = ray.get(self.reader.profile_get_ours.remote(self.partition, self.names))
+        after = _unit_latency_sums(units)
+        ray.get(self.writer.clear_ours.remote(self.partition))
+        put["units_stage_s_sum"] = mid["stage_s"] - before["stage_s"]
+        get["units_read_s_sum"] = after["read_s"] - mid["read_s"]
+        return {"put": put, "get": get}
+
+
+def _start(opts: Options) -> tuple[Any, Any, Any, str]:
+    from dataplane_client.config import DataPlaneConfig
+    from dataplane_server.service import start
+
+    handle = start(
+        DataPlaneConfig(
+            name=SERVICE_NAME,
+            namespace="bench",
+            num_storage_units=2,
+            unit_capacity_bytes=4 * GiB,
+            admin_enabled=False,
+            metrics_enabled=False,
+        )
+    )
+    pin = _node_pin()
+    writer = StoreBenchClient.options(**pin).remote(SERVICE_NAME, "bench")
+    reader = StoreBenchClient.options(**pin).remote(SERVICE_NAME, "bench")
+    ray.get([writer.pid.remote(), reader.pid.remote()])
+    tq_status = "ok" if transferqueue_available() else "not installed"
+    if tq_status == "ok":
+        try:  # writer first: it bootstraps TransferQueue's controller and storage units
+            ray.get(writer.init_tq.remote(2), timeout=180)
+            ray.get(reader.init_tq.remote(2), timeout=180)
+        except Exception as e:  # noqa: BLE001 - report it in the table, don't fail the run
+            tq_status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return handle, writer, reader, tq_status
+
+
+def run(opts: Options) -> Section:
+    section = Section("store")
+    sizes = opts.sizes or (QUICK_SIZES if opts.quick else FULL_SIZES)
+    complex_sizes = [s for s in sizes if s == 128 * MiB] or [sizes[min(1, len(sizes) - 1)]]
+    seq_len = 1024 if opts.quick else SEQ_LEN
+    repeats = max(1, opts.repeats)
+    handle, writer, reader, tq_status = _start(opts)
+    opts.log(
+        f"store: transferqueue {tq_status}; sizes {[human_size(s) for s in sizes]}; repeats {repeats}"
+    )
+    systems = [s for s in SYSTEMS if s != "transferqueue" or tq_status == "ok"]
+    workloads = [("simple", s, FIELDS_SIMPLE) for s in sizes]
+    workloads += [("complex", s, FIELDS_COMPLEX) for s in complex_sizes]
+    results: list[dict[str, Any]] = []
+    try:
+        for kind, size, nfields in workloads:
+            batch = max(2, size // (seq_len * 4 * FIELDS_SIMPLE))  # batch follows the simple case
+            names, nbytes = ray.get(writer.create.remote(kind, batch, seq_len, nfields))
+            ray.get(reader.set_keys.remote([f"test_key_{i}" for i in range(batch)]))
+            partition = f"{kind}-{batch}"
+            ray.get(writer.register.remote(partition, names))
+            if "transferqueue" in systems:
+                ray.get(writer.prepare_tq.remote())
+            case = _Case(writer, reader, partition, names, nbytes)
+            times = {s: {"put": [], "get": []} for s in systems}
+            for system in systems:  # warm-up round, not recorded
+                case.round(system)
+            reps = repeats if nbytes <= 256 * MiB else min(repeats, 3)  # keep the run under ~15 min
+            for _ in range(reps):
+                for system in systems:  # interleaved: A, B, C, D, A, B, C, D, ...
+                    put_s, get_s = case.round(system)
+                    times[system]["put"].append(put_s)
+                    times[system]["get"].append(get_s)
+            row: dict[str, Any] = {
+                "kind": kind,
+                "batch": batch,
+                "fields": nfields,
+                "seq_len": seq_len,
+                "bytes": nbytes,
+                "repeats": reps,
+                "seconds": times,
+                "profile_ours": case.profile_ours(handle.units),
+            }
+            del case
+            for system in systems:
+                for op in ("put", "get"):
+                    t = median(times[system][op])
+                    row[f"{system}_{op}_gibps"] = nbytes / GiB / t if t > 0 else None
+            results.append(row)
+            opts.log(
+                f"store {kind} {human_size(nbytes)}: "
+                + ", ".join(
+                    f"{s} put {row[f'{s}_put_gibps']:.2f} get {row[f'{s}_get_gibps']:.2f}"
+                    for s in systems
+                )
+            )
+    finally:
+        try:
+            ray.get(writer.close_tq.remote(), timeout=60)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        for actor in (writer, reader):
+            ray.kill(actor)
+        handle.shutdown()
+    _report(section, results, tq_status, repeats, opts)
+    return section
+
+
+def _report(
+    section: Section, results: list[dict], tq_status: str, repeats: int, opts: Options
+) -> None:
+    tq_ok = tq_status == "ok"
+    rows = []
+    for r in results:
+        ours_put, ours_get = r.get("ours_put_gibps"), r.get("ours_get_gibps")
+        tq_put, tq_get = r.get("transferqueue_put_gibps"), r.get("transferqueue_get_gibps")
+        mc = r.get("memcpy_put_gibps")
+        rows.append(
+            [
+                r["kind"],
+                human_size(r["bytes"]),
+                f"{r['batch']}x{r['fields']}x{r['seq_len']}",
+                ours_put,
+                ours_get,
+                tq_put if tq_ok else tq_status,
+                tq_get if tq_ok else tq_status,
+                r.get("ray_put_gibps"),
+                r.get("ray_get_gibps"),
+                mc,
+                ratio(ours_put, tq_put),
+                ratio(ours_get, tq_get),
+                ratio(ours_put, mc),
+                ratio(ours_get, mc),
+            ]
+        )
+    section.tables.append(
+        Table(
+            f"store throughput, GiB/s (median of {repeats} repeats, at most 3 above 256 MiB; writer actor "
+            "puts, reader actor gets, timed from the driver)",
+            [
+                "case",
+                "size",
+                "BxFxS",
+                "ours put",
+                "ours get",
+                "TQ put",
+                "TQ get",
+                "ray put",
+                "ray get",
+                "memcpy",
+                "put/TQ",
+                "get/TQ",
+                "put/memcpy",
+                "get/memcpy",
+            ],
+            rows,
+        )
+    )
+    for r in results:
+        if r["bytes"] < TARGET_MIN_BYTES and not opts.quick:
+            continue
+        label = f"{r['kind']} {human_size(r['bytes'])}"
+        mc = r.get("memcpy_put_gibps")
+        for op in ("put", "get"):
+            ours, tq = r.get(f"ours_{op}_gibps"), r.get(f"transferqueue_{op}_gibps")
+            section.targets.append(
+                Target(
+                    f"{op} >= 10x TransferQueue ({label})",
+                    ratio(ours, tq),
+                    10.0,
+                    True,
+                    "x",
+                    detail=f"ours {ours:.2f} vs TQ {tq:.2f} GiB/s" if tq_ok else "",
+                    status=None if tq_ok else f"not evaluated (transferqueue {tq_status})",
+                )
+            )
+            section.targets.append(
+                Target(
+                    f"{op} >= 40% of memcpy ({label})",
+                    100 * (ratio(ours, mc) or 0.0),
+                    40.0,
+                    True,
+                    "%",
+                    detail=f"ours {ours:.2f} vs memcpy {mc:.2f} GiB/s",
+                )
+            )
+    prof_rows = []
+    for r in results:
+        p = r["profile_ours"]
+        label = f"{r['kind']} {human_size(r['bytes'])}"
+        put, get = p["put"], p["get"]
+        prof_rows.append(
+            [
+                label,
+                "put",
+                put["total_s"],
+                put["encode_s"],
+                put["units_stage_s_sum"],
+                "; ".join(f"{e['function']} {e['tottime_s']:.3f}s" for e in put["top"][:4]),
+            ]
+        )
+        prof_rows.append(
+            [
+                label,
+                "get",
+                get["total_s"],
+                get["touch_s"],
+                get["units_read_s_sum"],
+                "; ".join(f"{e['function']} {e['tottime_s']:.3f}s" for e in get["top"][:4]),
+            ]
+        )
+    section.profile_tables.append(
+        Table(
+            "ours, one put and one get under cProfile (client side) with the units' own time",
+            [
+                "case",
+                "op",
+                "client total s",
+                "encode s (put) / touch s (get)",
+                "units' stage/read s (sum)",
+                "top client functions by own time",
+            ],
+            prof_rows,
+        )
+    )
+    if opts.quick:
+        section.notes.append(
+            "--quick: tiny sizes; the targets are judged anyway, as a smoke test only"
+        )
+    section.data = {"transferqueue": tq_status, "repeats": repeats, "results": results}
