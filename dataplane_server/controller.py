@@ -20,7 +20,6 @@ import ray
 
 from dataplane_client.errors import (
     ClaimTimeout,
-    DataPlaneError,
     FieldAlreadyProduced,
     FieldNotProduced,
     InvalidBatch,
@@ -31,18 +30,10 @@ from dataplane_client.errors import (
     UnknownPartition,
 )
 from dataplane_client.meta import KVBatchMeta
+from dataplane_server.columns import counts_errors, grown
 from dataplane_server.stats import Stats
 
 VERSION = "0.1.0"
-_GROW = 1.5
-
-
-def _grown(arr: np.ndarray, n: int, fill) -> np.ndarray:
-    if len(arr) >= n:
-        return arr
-    new = np.full(max(n, int(len(arr) * _GROW) + 64), fill, dtype=arr.dtype)
-    new[: len(arr)] = arr
-    return new
 
 
 @dataclass
@@ -71,7 +62,7 @@ class Partition:
     def column(self, table: dict[str, np.ndarray], name: str) -> np.ndarray:
         arr = table.get(name)
         if arr is None or len(arr) < len(self.live):
-            arr = table[name] = _grown(
+            arr = table[name] = grown(
                 arr if arr is not None else np.zeros(0, dtype=bool), len(self.live), False
             )
         return arr
@@ -79,9 +70,9 @@ class Partition:
     def add_rows(self, sample_ids: list[str], units: np.ndarray) -> np.ndarray:
         start, n = self.n_rows, len(sample_ids)
         end = start + n
-        self.live = _grown(self.live, end, False)
-        self.seq_len = _grown(self.seq_len, end, -1)
-        self.unit = _grown(self.unit, end, -1)
+        self.live = grown(self.live, end, False)
+        self.seq_len = grown(self.seq_len, end, -1)
+        self.unit = grown(self.unit, end, -1)
         rows = np.arange(start, end, dtype=np.int64)
         self.row_of.update(zip(sample_ids, range(start, end)))
         self.ids.extend(sample_ids)
@@ -201,11 +192,8 @@ class Controller:
             raise UnknownPartition("no such partition", partition_id=partition_id)
         return part
 
-    def drop_partition(self, partition_id: str) -> None:
-        self._part(partition_id)
-        del self.partitions[partition_id]
-
     # ---- commit (the single visibility point of a write) --------------------------
+    @counts_errors
     async def commit(
         self,
         partition_id: str,
@@ -223,34 +211,6 @@ class Controller:
         Returns ``{"rerouted": {sample_id: unit}}`` without changing anything when
         some existing samples live on other units than the writer assumed.
         """
-        try:
-            return await self._commit(
-                partition_id,
-                write_id,
-                sample_ids,
-                units,
-                schemas,
-                seq_lens,
-                tags,
-                overwrite,
-                staged_units,
-            )
-        except DataPlaneError as e:
-            self.stats.error(e)
-            raise
-
-    async def _commit(
-        self,
-        partition_id,
-        write_id,
-        sample_ids,
-        units,
-        schemas,
-        seq_lens,
-        tags,
-        overwrite,
-        staged_units,
-    ) -> dict:
         part = self._part(partition_id)
         names = list(schemas)
         for name, schema in schemas.items():
@@ -379,52 +339,49 @@ class Controller:
             part.live[r] = False
 
     # ---- read validation ----------------------------------------------------------
+    @counts_errors
     def locate(self, partition_id: str, sample_ids: list[str], fields: list[str] | None) -> dict:
         """Validate a read and say where each sample's bytes live.
 
         Raises the typed error of the first problem found: unknown samples,
         lost samples (unit gone), unproduced fields.
         """
-        try:
-            part = self._part(partition_id)
-            rows = np.fromiter(
-                (part.row_of.get(s, -1) for s in sample_ids), dtype=np.int64, count=len(sample_ids)
+        part = self._part(partition_id)
+        rows = np.fromiter(
+            (part.row_of.get(s, -1) for s in sample_ids), dtype=np.int64, count=len(sample_ids)
+        )
+        if (rows < 0).any():
+            raise SamplesNotFound(
+                "unknown or cleared samples",
+                ids=[s for s, r in zip(sample_ids, rows) if r < 0],
+                partition_id=partition_id,
             )
-            if (rows < 0).any():
-                raise SamplesNotFound(
-                    "unknown or cleared samples",
-                    ids=[s for s, r in zip(sample_ids, rows) if r < 0],
+        units = part.unit[rows]
+        alive = np.asarray(self.unit_alive, dtype=bool)
+        lost = ~alive[units]
+        if lost.any():
+            raise SamplesLost(
+                "their storage unit is gone",
+                ids=[s for s, x in zip(sample_ids, lost) if x],
+                partition_id=partition_id,
+            )
+        if fields is None:
+            fields = [f for f in part.schema if part.produced[f][rows].all()]
+        for name in fields:
+            col = part.produced.get(name)
+            ok = col[rows] if col is not None else np.zeros(len(rows), dtype=bool)
+            if not ok.all():
+                raise FieldNotProduced(
+                    "field not produced for these samples",
+                    ids=[s for s, x in zip(sample_ids, ok) if not x],
+                    fields=[name],
                     partition_id=partition_id,
                 )
-            units = part.unit[rows]
-            alive = np.asarray(self.unit_alive, dtype=bool)
-            lost = ~alive[units]
-            if lost.any():
-                raise SamplesLost(
-                    "their storage unit is gone",
-                    ids=[s for s, x in zip(sample_ids, lost) if x],
-                    partition_id=partition_id,
-                )
-            if fields is None:
-                fields = [f for f in part.schema if part.produced[f][rows].all()]
-            for name in fields:
-                col = part.produced.get(name)
-                ok = col[rows] if col is not None else np.zeros(len(rows), dtype=bool)
-                if not ok.all():
-                    raise FieldNotProduced(
-                        "field not produced for these samples",
-                        ids=[s for s, x in zip(sample_ids, ok) if not x],
-                        fields=[name],
-                        partition_id=partition_id,
-                    )
-            return {
-                "units": units.tolist(),
-                "fields": list(fields),
-                "schemas": {f: part.schema[f] for f in fields},
-            }
-        except DataPlaneError as e:
-            self.stats.error(e)
-            raise
+        return {
+            "units": units.tolist(),
+            "fields": list(fields),
+            "schemas": {f: part.schema[f] for f in fields},
+        }
 
     def lookup_units(self, partition_id: str, sample_ids: list[str]) -> list[int]:
         """Recorded unit per sample (-1 = not written yet); used by writers to route."""
@@ -472,6 +429,7 @@ class Controller:
         consumed = int(part.column(part.consumed, task)[: part.n_rows].sum())
         return part.expected_samples - consumed
 
+    @counts_errors
     async def claim_meta(
         self,
         partition_id: str,
@@ -488,76 +446,72 @@ class Controller:
         delivery per task). Blocking claims wait for a full batch (or for what
         is left of a partition of known size) and raise ClaimTimeout otherwise.
         """
-        try:
-            part = self._part(partition_id)
-            if batch_size < 1:
-                raise InvalidBatch(
-                    f"batch_size must be >= 1, got {batch_size}", partition_id=partition_id
+        part = self._part(partition_id)
+        if batch_size < 1:
+            raise InvalidBatch(
+                f"batch_size must be >= 1, got {batch_size}", partition_id=partition_id
+            )
+        if part.group_size and batch_size % part.group_size:
+            raise InvalidBatch(
+                f"batch_size {batch_size} is not a multiple of group_size "
+                f"{part.group_size}; groups are never split",
+                partition_id=partition_id,
+            )
+        if task_name not in part.consumer_tasks:
+            part.consumer_tasks.append(task_name)
+        required = list(required_fields)
+
+        def attempt() -> np.ndarray | None:
+            picked = self._pick(part, self._ready_rows(part, task_name, required), batch_size)
+            if len(picked) >= batch_size:
+                return picked
+            left = self._remaining_possible(part, task_name)
+            if left is not None and len(picked) >= min(batch_size, left) and len(picked) > 0:
+                return picked  # the tail of a partition of known size
+            return picked if (not blocking and len(picked)) else None
+
+        rows = attempt()
+        if rows is None and blocking:
+            deadline = time.monotonic() + timeout_s
+            part.waiting_claims += 1
+            try:
+                async with part.cond:
+                    while rows is None:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0 or self.partitions.get(partition_id) is not part:
+                            break
+                        try:
+                            await asyncio.wait_for(part.cond.wait(), timeout=remaining)
+                        except asyncio.TimeoutError:
+                            pass
+                        rows = attempt()
+            finally:
+                part.waiting_claims -= 1
+            if rows is None:
+                have = len(
+                    self._pick(part, self._ready_rows(part, task_name, required), batch_size)
                 )
-            if part.group_size and batch_size % part.group_size:
-                raise InvalidBatch(
-                    f"batch_size {batch_size} is not a multiple of group_size "
-                    f"{part.group_size}; groups are never split",
+                raise ClaimTimeout(
+                    f"only {have} of {batch_size} samples ready after {timeout_s}s "
+                    f"(task {task_name!r})",
+                    fields=required,
                     partition_id=partition_id,
                 )
-            if task_name not in part.consumer_tasks:
-                part.consumer_tasks.append(task_name)
-            required = list(required_fields)
-
-            def attempt() -> np.ndarray | None:
-                picked = self._pick(part, self._ready_rows(part, task_name, required), batch_size)
-                if len(picked) >= batch_size:
-                    return picked
-                left = self._remaining_possible(part, task_name)
-                if left is not None and len(picked) >= min(batch_size, left) and len(picked) > 0:
-                    return picked  # the tail of a partition of known size
-                return picked if (not blocking and len(picked)) else None
-
-            rows = attempt()
-            if rows is None and blocking:
-                deadline = time.monotonic() + timeout_s
-                part.waiting_claims += 1
-                try:
-                    async with part.cond:
-                        while rows is None:
-                            remaining = deadline - time.monotonic()
-                            if remaining <= 0 or self.partitions.get(partition_id) is not part:
-                                break
-                            try:
-                                await asyncio.wait_for(part.cond.wait(), timeout=remaining)
-                            except asyncio.TimeoutError:
-                                pass
-                            rows = attempt()
-                finally:
-                    part.waiting_claims -= 1
-                if rows is None:
-                    have = len(
-                        self._pick(part, self._ready_rows(part, task_name, required), batch_size)
-                    )
-                    raise ClaimTimeout(
-                        f"only {have} of {batch_size} samples ready after {timeout_s}s "
-                        f"(task {task_name!r})",
-                        fields=required,
-                        partition_id=partition_id,
-                    )
-            if rows is None:
-                return None
-            part.column(part.consumed, task_name)[rows] = True
-            self.stats.inc("claims_total")
-            self.stats.inc("claimed_samples_total", len(rows))
-            tags = [part.tags[r] or {} for r in rows.tolist()]
-            return KVBatchMeta(
-                partition_id=partition_id,
-                task_name=task_name,
-                sample_ids=[part.ids[r] for r in rows.tolist()],
-                fields=[f for f in part.schema if part.produced[f][rows].all()],
-                sequence_lengths=part.seq_len[rows].tolist(),
-                extra_info={"dp_rank": dp_rank} if dp_rank is not None else {},
-                tags=tags if any(tags) else None,
-            )
-        except DataPlaneError as e:
-            self.stats.error(e)
-            raise
+        if rows is None:
+            return None
+        part.column(part.consumed, task_name)[rows] = True
+        self.stats.inc("claims_total")
+        self.stats.inc("claimed_samples_total", len(rows))
+        tags = [part.tags[r] or {} for r in rows.tolist()]
+        return KVBatchMeta(
+            partition_id=partition_id,
+            task_name=task_name,
+            sample_ids=[part.ids[r] for r in rows.tolist()],
+            fields=[f for f in part.schema if part.produced[f][rows].all()],
+            sequence_lengths=part.seq_len[rows].tolist(),
+            extra_info={"dp_rank": dp_rank} if dp_rank is not None else {},
+            tags=tags if any(tags) else None,
+        )
 
     def check_consumption_status(self, partition_id: str, task_names: list[str]) -> dict:
         part = self._part(partition_id)

@@ -31,23 +31,14 @@ from dataplane_client import shm
 from dataplane_client.codec import DTYPES, JAGGED, OBJECT, EncodedField, gather_bytes
 from dataplane_client.errors import (
     CapacityExceeded,
-    DataPlaneError,
     FieldNotProduced,
     SamplesNotFound,
     SchemaConflict,
 )
+from dataplane_server.columns import counts_errors, grown
 from dataplane_server.stats import Stats
 
-_GROW = 1.5
 STAGE_TTL_S = 600.0  # staged bytes of a writer that never committed are dropped after this
-
-
-def _grow(arr: np.ndarray, n: int, fill) -> np.ndarray:
-    if len(arr) >= n:
-        return arr
-    new = np.full(max(n, int(len(arr) * _GROW) + 16), fill, dtype=arr.dtype)
-    new[: len(arr)] = arr
-    return new
 
 
 @dataclass
@@ -60,10 +51,10 @@ class _Column:
     objects: dict = field(default_factory=dict)  # slot -> value, object fields only
 
     def ensure(self, n: int) -> None:
-        self.chunk = _grow(self.chunk, n, -1)
-        self.offset = _grow(self.offset, n, 0)
-        self.nbytes = _grow(self.nbytes, n, 0)
-        self.length = _grow(self.length, n, 0)
+        self.chunk = grown(self.chunk, n, -1)
+        self.offset = grown(self.offset, n, 0)
+        self.nbytes = grown(self.nbytes, n, 0)
+        self.length = grown(self.length, n, 0)
 
 
 @dataclass
@@ -155,46 +146,41 @@ class StorageUnit:
         chunks = await self._stage(partition_id, write_id, sample_ids, headers, header_only=True)
         return {name: shm.path_of(self.chunks[c].fd) for name, c in chunks.items()}
 
+    @counts_errors
     async def _stage(
         self, partition_id, write_id, sample_ids, encoded, *, header_only
     ) -> dict[str, int]:
         t0 = time.perf_counter()
-        try:
-            for name, enc in encoded.items():
-                enc.validate(name, header_only=header_only)
-                if enc.num_rows != len(sample_ids):
-                    raise SchemaConflict(
-                        f"{enc.num_rows} rows for {len(sample_ids)} ids", fields=[name]
-                    )
-            self._check_schema(partition_id, encoded)
-            # Object fields are small Python values kept beside the arenas; capacity
-            # counts the bulk bytes.
-            need = sum(enc.nbytes for enc in encoded.values() if enc.kind != OBJECT)
-            await self._reserve(need, sample_ids)
-            fields, chunks = {}, {}
-            for name, enc in encoded.items():
-                if enc.kind == OBJECT:
-                    values = msgpack.unpackb(enc.objects, raw=False) if enc.num_rows else []
-                    fields[name] = (enc.schema, None, None, None, None, values)
-                    continue
-                chunk_id = chunks[name] = self._new_chunk(enc.nbytes)
-                nbytes = enc.row_nbytes()
-                offs = np.zeros(len(nbytes), dtype=np.int64)
-                if len(nbytes) > 1:
-                    np.cumsum(nbytes[:-1], out=offs[1:])
-                lengths = enc.lengths if enc.kind == JAGGED else None
-                fields[name] = (enc.schema, chunk_id, offs, nbytes, lengths, None)
-            self.staged[write_id] = _Staged(
-                partition_id, list(sample_ids), fields, need, time.time()
-            )
-            self.stats.inc("put_bytes_total", need)
-            self.stats.inc("put_requests_total")
-            self.stats.observe("put_latency_seconds", time.perf_counter() - t0)
-            self._expire_stale_stages()
-            return chunks
-        except DataPlaneError as e:
-            self.stats.error(e)
-            raise
+        for name, enc in encoded.items():
+            enc.validate(name, header_only=header_only)
+            if enc.num_rows != len(sample_ids):
+                raise SchemaConflict(
+                    f"{enc.num_rows} rows for {len(sample_ids)} ids", fields=[name]
+                )
+        self._check_schema(partition_id, encoded)
+        # Object fields are small Python values kept beside the arenas; capacity
+        # counts the bulk bytes.
+        need = sum(enc.nbytes for enc in encoded.values() if enc.kind != OBJECT)
+        await self._reserve(need, sample_ids)
+        fields, chunks = {}, {}
+        for name, enc in encoded.items():
+            if enc.kind == OBJECT:
+                values = msgpack.unpackb(enc.objects, raw=False) if enc.num_rows else []
+                fields[name] = (enc.schema, None, None, None, None, values)
+                continue
+            chunk_id = chunks[name] = self._new_chunk(enc.nbytes)
+            nbytes = enc.row_nbytes()
+            offs = np.zeros(len(nbytes), dtype=np.int64)
+            if len(nbytes) > 1:
+                np.cumsum(nbytes[:-1], out=offs[1:])
+            lengths = enc.lengths if enc.kind == JAGGED else None
+            fields[name] = (enc.schema, chunk_id, offs, nbytes, lengths, None)
+        self.staged[write_id] = _Staged(partition_id, list(sample_ids), fields, need, time.time())
+        self.stats.inc("put_bytes_total", need)
+        self.stats.inc("put_requests_total")
+        self.stats.observe("put_latency_seconds", time.perf_counter() - t0)
+        self._expire_stale_stages()
+        return chunks
 
     def _new_chunk(self, nbytes: int) -> int:
         """An arena chunk: shared memory (memfd) when the platform has it, else private heap."""
