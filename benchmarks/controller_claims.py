@@ -25,8 +25,9 @@ from benchmarks.common import Options, Section, Table, Target, median, percentil
 
 SERVICE_NAME = "bench-ctl"
 NAMESPACE = "bench"
+CLAIMERS = 64  # concurrent claimers: CLAIMER_ACTORS async actors x (CLAIMERS / actors) tasks
 CLAIMER_ACTORS = 4
-TASKS_PER_ACTOR = 16  # 4 x 16 = 64 concurrent claimers
+QUICK_CLAIMER_ACTORS = 2  # --quick: fewer processes to start, same 64 claimers
 CLAIM_BATCH = 4
 
 
@@ -145,12 +146,14 @@ def run(opts: Options) -> Section:
             metrics_enabled=False,
         )
     )
-    actors = [LoadActor.remote(SERVICE_NAME, NAMESPACE) for _ in range(CLAIMER_ACTORS)]
+    n_actors = QUICK_CLAIMER_ACTORS if opts.quick else CLAIMER_ACTORS
+    tasks_per_actor = CLAIMERS // n_actors
+    actors = [LoadActor.remote(SERVICE_NAME, NAMESPACE) for _ in range(n_actors)]
     data: dict[str, Any] = {}
     try:
         ray.get([a.ready.remote() for a in actors])
         client = handle.client()
-        n_claimers = CLAIMER_ACTORS * TASKS_PER_ACTOR
+        n_claimers = n_actors * tasks_per_actor
         n_samples = n_claimers * per_claimer * CLAIM_BATCH + 64
         client.register_partition("claims", fields=["x"], consumer_tasks=["solo", "crowd"])
         _fill(client, "claims", n_samples)
@@ -163,7 +166,7 @@ def run(opts: Options) -> Section:
         crowd = ray.get(
             [
                 a.claims.remote(
-                    "claims", "crowd", TASKS_PER_ACTOR, per_claimer, CLAIM_BATCH, start_at
+                    "claims", "crowd", tasks_per_actor, per_claimer, CLAIM_BATCH, start_at
                 )
                 for a in actors
             ]
@@ -171,7 +174,7 @@ def run(opts: Options) -> Section:
         crowd = [x for part in crowd for x in part]
         start_at = time.time() + 0.5
         noop = ray.get(
-            [a.noop_calls.remote(TASKS_PER_ACTOR, per_claimer, start_at) for a in actors]
+            [a.noop_calls.remote(tasks_per_actor, per_claimer, start_at) for a in actors]
         )
         noop = [x for part in noop for x in part]
         claim_cost = _controller_claim_cost(handle.controller, "claims", "solo")
