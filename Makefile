@@ -11,7 +11,7 @@ BENCH_ARGS ?=
 
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: setup test demo bench lint format proto clean
+.PHONY: setup test demo bench bench-setup bench-tq lint format proto clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +35,17 @@ demo: setup
 bench: setup
 	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
 
+# The same benchmarks with the transferqueue package beside ours, in a venv of their own
+# (transferqueue is never a runtime dependency).
+bench-setup: .venv-bench/.installed
+
+.venv-bench/.installed: pyproject.toml benchmarks/setup_bench_env.sh
+	bash benchmarks/setup_bench_env.sh
+	@touch $@
+
+bench-tq: bench-setup
+	.venv-bench/bin/python -m benchmarks.run $(BENCH_ARGS)
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -47,4 +58,4 @@ proto: setup
 	$(BIN)/python -m dataplane_server.admin.gen_proto
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-bench .pytest_cache .ruff_cache .hypothesis
