@@ -5,7 +5,9 @@ A batch of N samples becomes, per field, one :class:`EncodedField`:
 - ``dense``: one flat byte buffer holding ``[N, *shape]`` of ``dtype``;
 - ``jagged``: one flat byte buffer of all rows back to back plus ``lengths``
   (``int64[N]``, each row's first-dim length; every row is ``[len_i, *shape]``);
-- ``object``: a msgpack-encoded list of N small Python values.
+- ``object``: N small Python values, each msgpack-encoded; stored like a jagged
+  uint8 field (``lengths`` = bytes per row), so selecting, splitting and joining
+  rows is byte copying and only the final decode touches Python objects.
 
 Buffers are numpy ``uint8`` arrays so Ray moves them out-of-band (zero-copy on
 the same node); headers are plain builtins. :func:`pack` / :func:`unpack` turn
@@ -51,11 +53,10 @@ class EncodedField:
     """One field of N samples in wire form."""
 
     kind: str
-    dtype: str | None = None  # DTYPES key; None for object fields
+    dtype: str | None = None  # DTYPES key; None for object fields (their bytes are msgpack)
     shape: tuple[int, ...] = ()  # trailing shape of one row (after the jagged dim for jagged)
     values: np.ndarray | None = None  # uint8, dense/jagged
-    lengths: np.ndarray | None = None  # int64[N], jagged only
-    objects: bytes | None = None  # msgpack list, object only
+    lengths: np.ndarray | None = None  # int64[N]: jagged rows' first dim / object rows' bytes
     num_rows: int = 0
 
     @property
@@ -65,7 +66,7 @@ class EncodedField:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=DTYPES[self.dtype]).element_size() if self.dtype else 0
+        return torch.empty((), dtype=DTYPES[self.dtype]).element_size() if self.dtype else 1
 
     @property
     def row_unit_bytes(self) -> int:
@@ -76,31 +77,27 @@ class EncodedField:
         """Byte size of each row, int64[N]."""
         if self.kind == DENSE:
             return np.full(self.num_rows, self.row_unit_bytes, dtype=np.int64)
-        if self.kind == JAGGED:
-            return self.lengths.astype(np.int64) * self.row_unit_bytes
-        raise InvalidBatch("object fields have no byte rows")
+        return self.lengths.astype(np.int64) * self.row_unit_bytes
 
     @property
     def nbytes(self) -> int:
-        if self.kind == OBJECT:
-            return len(self.objects or b"")
         return int(self.values.nbytes) if self.values is not None else self.expected_nbytes()
 
     def expected_nbytes(self) -> int:
         """Bulk bytes the header describes."""
-        if self.kind == JAGGED:
-            return int(self.lengths.sum()) * self.row_unit_bytes
-        return self.num_rows * self.row_unit_bytes
+        if self.kind == DENSE:
+            return self.num_rows * self.row_unit_bytes
+        return int(self.lengths.sum()) * self.row_unit_bytes
 
     def validate(self, name: str, *, header_only: bool = False) -> None:
         """Check internal consistency; raise CorruptPayload naming the field."""
         if self.kind not in (DENSE, JAGGED, OBJECT):
             raise CorruptPayload(f"unknown field kind {self.kind!r}", fields=[name])
-        if self.kind == OBJECT:
-            if not isinstance(self.objects, (bytes, bytearray, memoryview)):
-                raise CorruptPayload("object field without msgpack bytes", fields=[name])
-            return
-        if self.dtype not in DTYPES:
+        if self.kind == OBJECT and (self.dtype is not None or self.shape):
+            raise CorruptPayload(
+                "object fields carry msgpack bytes: no dtype or shape", fields=[name]
+            )
+        if self.kind != OBJECT and self.dtype not in DTYPES:
             raise CorruptPayload(f"unknown dtype {self.dtype!r}", fields=[name])
         if any(int(d) < 0 for d in self.shape):
             raise CorruptPayload(f"negative dimension in shape {self.shape}", fields=[name])
@@ -108,7 +105,7 @@ class EncodedField:
             not isinstance(self.values, np.ndarray) or self.values.dtype != np.uint8
         ):
             raise CorruptPayload("values must be a uint8 array", fields=[name])
-        if self.kind == JAGGED and (
+        if self.kind != DENSE and (
             not isinstance(self.lengths, np.ndarray)
             or self.lengths.shape != (self.num_rows,)
             or (self.num_rows and int(self.lengths.min()) < 0)
@@ -201,10 +198,15 @@ def encode_field(name: str, value: Any) -> EncodedField:
         if any(isinstance(v, torch.Tensor) for v in value):
             raise InvalidBatch("a list mixes tensors and non-tensors", fields=[name])
         try:
-            blob = msgpack.packb(list(value), use_bin_type=True)
+            rows = [msgpack.packb(v, use_bin_type=True) for v in value]
         except (TypeError, ValueError, OverflowError) as e:
             raise InvalidBatch(f"values are not msgpack-serializable: {e}", fields=[name]) from None
-        return EncodedField(kind=OBJECT, objects=blob, num_rows=len(value))
+        return EncodedField(
+            kind=OBJECT,
+            values=np.frombuffer(b"".join(rows), dtype=np.uint8),
+            lengths=np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)),
+            num_rows=len(rows),
+        )
     if isinstance(value, np.ndarray):
         return encode_field(name, torch.from_numpy(np.ascontiguousarray(value)))
     raise InvalidBatch(
@@ -236,7 +238,7 @@ def encode_fields(
 def decode_field(enc: EncodedField, *, writable: bool = True) -> Any:
     """EncodedField -> dense tensor, jagged torch.nested tensor, or list."""
     if enc.kind == OBJECT:
-        return msgpack.unpackb(enc.objects, raw=False) if enc.num_rows else []
+        return decode_objects(enc)
     dtype = DTYPES[enc.dtype]
     buf = enc.values
     if writable and not buf.flags.writeable:
@@ -253,6 +255,19 @@ def decode_field(enc: EncodedField, *, writable: bool = True) -> Any:
     torch.cumsum(lengths, 0, out=offsets[1:])
     values = flat.reshape(int(offsets[-1]), *enc.shape)
     return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+
+
+def decode_objects(enc: EncodedField) -> list:
+    """The Python values of an object field (raises CorruptPayload on undecodable rows)."""
+    blob = enc.values.tobytes()
+    out, pos = [], 0
+    for n in enc.lengths.tolist():
+        try:
+            out.append(msgpack.unpackb(blob[pos : pos + n], raw=False))
+        except Exception:  # msgpack raises several unrelated types on garbage
+            raise CorruptPayload(f"object row at byte {pos} is not msgpack") from None
+        pos += n
+    return out
 
 
 def decode_fields(encoded: Mapping[str, EncodedField]) -> dict[str, Any]:
@@ -323,12 +338,6 @@ def take_rows(
     memory); ``header_only`` skips the bytes altogether.
     """
     rows = np.asarray(rows, dtype=np.int64)
-    if enc.kind == OBJECT:
-        values = msgpack.unpackb(enc.objects, raw=False) if enc.num_rows else []
-        picked = [values[i] for i in rows.tolist()]
-        return EncodedField(
-            kind=OBJECT, objects=msgpack.packb(picked, use_bin_type=True), num_rows=len(picked)
-        )
     offs = row_byte_offsets(enc)
     starts, ends = offs[rows], offs[rows + 1]
     if header_only:
@@ -359,21 +368,13 @@ def concat_rows(parts: list[EncodedField], order: np.ndarray | None = None) -> E
     n = sum(p.num_rows for p in parts)
     if order is None:
         order = np.arange(n, dtype=np.int64)
-    if first.kind == OBJECT:
-        values = [
-            v for p in parts for v in (msgpack.unpackb(p.objects, raw=False) if p.num_rows else [])
-        ]
-        picked = [values[i] for i in order.tolist()]
-        return EncodedField(
-            kind=OBJECT, objects=msgpack.packb(picked, use_bin_type=True), num_rows=n
-        )
     which = np.concatenate([np.full(p.num_rows, i, dtype=np.int64) for i, p in enumerate(parts)])
     local_offs = [row_byte_offsets(p) for p in parts]
     starts = np.concatenate([o[:-1] for o in local_offs])
     ends = np.concatenate([o[1:] for o in local_offs])
     values = gather_bytes([p.values for p in parts], which[order], starts[order], ends[order])
     lengths = None
-    if first.kind == JAGGED:
+    if first.kind != DENSE:
         lengths = np.concatenate([p.lengths for p in parts])[order]
     return EncodedField(
         kind=first.kind,
@@ -396,7 +397,7 @@ def pack(encoded: Mapping[str, EncodedField]) -> bytes:
     """Encoded fields -> one byte string: magic, msgpack header, buffers."""
     header, blobs, pos = [], [], 0
     for name, enc in encoded.items():
-        blob = enc.objects if enc.kind == OBJECT else enc.values.tobytes()
+        blob = enc.values.tobytes()
         entry = {
             "name": name,
             "kind": enc.kind,
@@ -407,7 +408,7 @@ def pack(encoded: Mapping[str, EncodedField]) -> bytes:
             "nbytes": len(blob),
             "crc": zlib.crc32(blob),
         }
-        if enc.kind == JAGGED:
+        if enc.kind != DENSE:
             entry["lengths"] = enc.lengths.astype("<i8").tobytes()
         header.append(entry)
         blobs.append(blob)
@@ -457,29 +458,22 @@ def unpack(data: bytes | memoryview) -> dict[str, EncodedField]:
         blob = mv[body + off : body + off + nbytes]
         if zlib.crc32(blob) != crc:
             raise CorruptPayload("checksum mismatch", fields=[name])
-        if kind == OBJECT:
-            enc = EncodedField(kind=OBJECT, objects=bytes(blob), num_rows=rows)
-            try:
-                objs = msgpack.unpackb(enc.objects, raw=False)
-            except Exception:
-                raise CorruptPayload("unreadable object values", fields=[name]) from None
-            if not isinstance(objs, list) or len(objs) != rows:
-                raise CorruptPayload("object values do not match the row count", fields=[name])
-        else:
-            lengths = None
-            if kind == JAGGED:
-                raw = entry.get("lengths")
-                if not isinstance(raw, bytes) or len(raw) != 8 * rows:
-                    raise CorruptPayload("jagged lengths missing or mis-sized", fields=[name])
-                lengths = np.frombuffer(raw, dtype="<i8").astype(np.int64)
-            enc = EncodedField(
-                kind=kind,
-                dtype=dtype,
-                shape=shape,
-                lengths=lengths,
-                num_rows=rows,
-                values=np.frombuffer(blob, dtype=np.uint8).copy(),
-            )
+        lengths = None
+        if kind != DENSE:
+            raw = entry.get("lengths")
+            if not isinstance(raw, bytes) or len(raw) != 8 * rows:
+                raise CorruptPayload("row lengths missing or mis-sized", fields=[name])
+            lengths = np.frombuffer(raw, dtype="<i8").astype(np.int64)
+        enc = EncodedField(
+            kind=kind,
+            dtype=dtype,
+            shape=shape,
+            lengths=lengths,
+            num_rows=rows,
+            values=np.frombuffer(blob, dtype=np.uint8).copy(),
+        )
         enc.validate(name)
+        if kind == OBJECT:
+            decode_objects(enc)  # undecodable rows are corruption, found now rather than later
         out[name] = enc
     return out

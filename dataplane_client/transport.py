@@ -19,9 +19,8 @@ import numpy as np
 
 from dataplane_client import shm
 from dataplane_client.codec import (
-    OBJECT,
+    DENSE,
     EncodedField,
-    concat_rows,
     contiguous_runs,
     decode_field,
     gather_bytes,
@@ -116,8 +115,6 @@ def assemble(parts: list[EncodedField | shm.SharedRows], order: np.ndarray) -> A
     """
     headers = [p.header if isinstance(p, shm.SharedRows) else p for p in parts]
     first = headers[0]
-    if first.kind == OBJECT:
-        return decode_field(concat_rows(headers, order))
     identity = bool((order == np.arange(len(order))).all())
     if len(parts) == 1 and identity and isinstance(parts[0], EncodedField):
         return decode_field(parts[0])  # one copy, out of the object store
@@ -133,7 +130,7 @@ def assemble(parts: list[EncodedField | shm.SharedRows], order: np.ndarray) -> A
     starts = np.concatenate(starts)[order]
     ends = np.concatenate(ends)[order]
     lengths = None
-    if first.lengths is not None:
+    if first.kind != DENSE:
         lengths = np.concatenate([h.lengths for h in headers])[order]
     key = which.astype(np.int64) << 48
     run_starts, _ = contiguous_runs(starts + key, ends + key)

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 import ray
+import torch
 
 from dataplane_client import shm
-from dataplane_client.codec import DTYPES, JAGGED, OBJECT, EncodedField, gather_bytes
+from dataplane_client.codec import DENSE, DTYPES, JAGGED, OBJECT, EncodedField, gather_bytes
 from dataplane_client.errors import (
     CapacityExceeded,
     FieldNotProduced,
@@ -48,7 +49,6 @@ class _Column:
     offset: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     nbytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     length: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    objects: dict = field(default_factory=dict)  # slot -> value, object fields only
 
     def ensure(self, n: int) -> None:
         self.chunk = grown(self.chunk, n, -1)
@@ -76,7 +76,7 @@ class _Partition:
 class _Staged:
     partition_id: str
     sample_ids: list
-    fields: dict  # name -> (schema, chunk_id | None, row offsets, row nbytes, lengths, objects)
+    fields: dict  # name -> (schema, chunk_id, row offsets, row nbytes, lengths)
     nbytes: int
     created: float
 
@@ -160,21 +160,17 @@ class StorageUnit:
         self._check_schema(partition_id, encoded)
         # Object fields are small Python values kept beside the arenas; capacity
         # counts the bulk bytes.
-        need = sum(enc.nbytes for enc in encoded.values() if enc.kind != OBJECT)
+        need = sum(enc.nbytes for enc in encoded.values())
         await self._reserve(need, sample_ids)
         fields, chunks = {}, {}
         for name, enc in encoded.items():
-            if enc.kind == OBJECT:
-                values = msgpack.unpackb(enc.objects, raw=False) if enc.num_rows else []
-                fields[name] = (enc.schema, None, None, None, None, values)
-                continue
             chunk_id = chunks[name] = self._new_chunk(enc.nbytes)
             nbytes = enc.row_nbytes()
             offs = np.zeros(len(nbytes), dtype=np.int64)
             if len(nbytes) > 1:
                 np.cumsum(nbytes[:-1], out=offs[1:])
-            lengths = enc.lengths if enc.kind == JAGGED else None
-            fields[name] = (enc.schema, chunk_id, offs, nbytes, lengths, None)
+            lengths = enc.lengths if enc.kind != DENSE else None
+            fields[name] = (enc.schema, chunk_id, offs, nbytes, lengths)
         self.staged[write_id] = _Staged(partition_id, list(sample_ids), fields, need, time.time())
         self.stats.inc("put_bytes_total", need)
         self.stats.inc("put_requests_total")
@@ -238,15 +234,11 @@ class StorageUnit:
         part = self.partitions.setdefault(st.partition_id, _Partition())
         slots = self._slots_for(part, st.sample_ids)
         freed = []
-        for name, (schema, chunk_id, offs, nbytes, lengths, objects) in st.fields.items():
+        for name, (schema, chunk_id, offs, nbytes, lengths) in st.fields.items():
             col = part.columns.get(name)
             if col is None:
                 col = part.columns[name] = _Column(schema)
             col.ensure(part.next_slot)
-            if objects is not None:
-                col.objects.update(zip(slots.tolist(), objects))
-                col.chunk[slots] = -2  # present, held in col.objects
-                continue
             freed.extend(self._release(col.chunk[slots]))
             col.chunk[slots] = chunk_id
             col.offset[slots] = offs
@@ -337,23 +329,12 @@ class StorageUnit:
                     partition_id=partition_id,
                 )
             kind, dtype, shape = col.schema
-            if kind == OBJECT:
-                values = [col.objects[s] for s in slots.tolist()]
-                yield (
-                    name,
-                    EncodedField(
-                        kind=OBJECT,
-                        objects=msgpack.packb(values, use_bin_type=True),
-                        num_rows=len(values),
-                    ),
-                )
-                continue
             header = EncodedField(
                 kind=kind,
                 dtype=dtype,
                 shape=tuple(shape),
                 num_rows=len(slots),
-                lengths=col.length[slots].copy() if kind == JAGGED else None,
+                lengths=col.length[slots].copy() if kind != DENSE else None,
             )
             starts = col.offset[slots]
             uniq, which = np.unique(col.chunk[slots], return_inverse=True)
@@ -416,9 +397,6 @@ class StorageUnit:
                 col.ensure(part.next_slot)
                 freed.extend(self._release(col.chunk[slots]))
                 col.chunk[slots] = -1
-                if col.schema[0] == OBJECT:
-                    for s in slots.tolist():
-                        col.objects.pop(s, None)
             part.free_slots.extend(slots.tolist())
             self._free_chunks(freed)
         return before - self.used_bytes
@@ -439,22 +417,19 @@ class StorageUnit:
             if col is None or slot >= len(col.chunk) or col.chunk[slot] == -1:
                 continue
             kind, dtype, shape = col.schema
+            buf = self.chunks[int(col.chunk[slot])].buffer
+            start = int(col.offset[slot])
+            raw = buf[start : start + int(col.nbytes[slot])]
             if kind == OBJECT:
-                v = col.objects[slot]
+                v = msgpack.unpackb(raw.tobytes(), raw=False)
+                shown = v if isinstance(v, (int, float, str, bool)) else repr(v)
                 out[name] = {
                     "dtype": "object",
                     "layout": kind,
                     "shape": [],
-                    "values": [v if isinstance(v, (int, float, str, bool)) else repr(v)][
-                        :max_elems
-                    ],
+                    "values": [shown][:max_elems],
                 }
                 continue
-            buf = self.chunks[int(col.chunk[slot])].buffer
-            start = int(col.offset[slot])
-            raw = buf[start : start + int(col.nbytes[slot])]
-            import torch
-
             t = torch.from_numpy(raw.copy()).view(DTYPES[dtype])
             rows = int(col.length[slot]) if kind == JAGGED else None
             row_shape = ([rows] if rows is not None else []) + list(shape)
