@@ -28,6 +28,9 @@ class DataPlaneConfig:
     unit_capacity_bytes: int = 4 * GiB  # per unit; a put beyond it waits or fails
     # How long a put waits for room when a unit is full; 0 = raise CapacityExceeded at once.
     put_wait_timeout_s: float = 0.0
+    # Pre-faulted shared memory a unit keeps ready for writes of the sizes it has seen
+    # (taken off the write path; held in addition to the data). 0 disables it.
+    unit_warm_reserve_bytes: int = 256 << 20
     # Logical CPUs reserved per actor. 0 keeps the service from starving workers of
     # scheduling slots on small machines; raise it to pin resources in production.
     controller_num_cpus: float = 0.0

@@ -91,7 +91,12 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
                 scheduling_strategy=strategy,
                 runtime_env={"env_vars": _UNIT_ENV},
                 max_concurrency=1000,
-            ).remote(i, config.unit_capacity_bytes, config.put_wait_timeout_s)
+            ).remote(
+                i,
+                config.unit_capacity_bytes,
+                config.put_wait_timeout_s,
+                warm_reserve_bytes=config.unit_warm_reserve_bytes,
+            )
         )
     # The controller sits beside whoever started the service, so losing a worker node
     # never takes the key space with it.

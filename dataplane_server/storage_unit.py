@@ -38,6 +38,7 @@ from dataplane_client.errors import (
 )
 from dataplane_server.columns import counts_errors, grown
 from dataplane_server.stats import Stats
+from dataplane_server.warm_reserve import WarmReserve
 
 STAGE_TTL_S = 600.0  # staged bytes of a writer that never committed are dropped after this
 
@@ -84,10 +85,16 @@ class _Staged:
 @ray.remote
 class StorageUnit:
     def __init__(
-        self, index: int, capacity_bytes: int, put_wait_timeout_s: float = 0.0, use_shm: bool = True
+        self,
+        index: int,
+        capacity_bytes: int,
+        put_wait_timeout_s: float = 0.0,
+        use_shm: bool = True,
+        warm_reserve_bytes: int = 0,
     ):
         self.index = index
         self.use_shm = bool(use_shm) and shm.supported()
+        self.reserve = WarmReserve(warm_reserve_bytes if self.use_shm else 0)
         self.capacity_bytes = int(capacity_bytes)
         self.put_wait_timeout_s = float(put_wait_timeout_s)
         self.partitions: dict[str, _Partition] = {}
@@ -183,8 +190,9 @@ class StorageUnit:
         chunk_id = self.next_chunk
         self.next_chunk += 1
         if self.use_shm:
-            fd, buf = shm.create(nbytes, f"dataplane-u{self.index}-c{chunk_id}")
-            self.chunks[chunk_id] = _Chunk(buf, 0, fd)
+            warm = self.reserve.take(nbytes)
+            fd, buf = warm if warm else shm.create(nbytes, f"dataplane-u{self.index}-c{chunk_id}")
+            self.chunks[chunk_id] = _Chunk(buf[:nbytes], 0, fd)
         else:
             self.chunks[chunk_id] = _Chunk(np.empty(nbytes, dtype=np.uint8), 0)
         return chunk_id
@@ -462,6 +470,7 @@ class StorageUnit:
             "bytes": self.used_bytes,
             "samples": sum(len(p.slot_of) for p in self.partitions.values()),
             "capacity_bytes": self.capacity_bytes,
+            "warm_reserve_bytes": self.reserve.held_bytes,
             "partition_bytes": self.partition_bytes(),
             "stats": self.stats.snapshot(),
         }
