@@ -33,7 +33,15 @@ class WarmReserve:
     @property
     def held_bytes(self) -> int:
         with self._lock:
-            return sum(len(buf) for _, buf in self._ready)
+            return self._held()
+
+    def _held(self) -> int:
+        return sum(len(buf) for _, buf in self._ready)
+
+    def wait_until_holding(self, nbytes: int, timeout_s: float) -> bool:
+        """Block until at least ``nbytes`` are ready (tests and warm-up); False on timeout."""
+        with self._lock:
+            return self._wake.wait_for(lambda: self._held() >= nbytes, timeout_s)
 
     def take(self, nbytes: int) -> tuple[int, np.ndarray] | None:
         """A ready chunk for ``nbytes`` (at most 25% larger), or None; asks for a replacement."""
@@ -44,7 +52,9 @@ class WarmReserve:
                 i for i, (_, buf) in enumerate(self._ready) if nbytes <= len(buf) <= nbytes * 1.25
             ]
             got = self._ready.pop(min(fit, key=lambda i: len(self._ready[i][1]))) if fit else None
-            self._wanted.append(nbytes)  # writes of this size keep coming: have the next one ready
+            # Writes of this size keep coming: have the next one ready, and after a miss
+            # one more, so back-to-back writes find the reserve a step ahead.
+            self._wanted.extend([nbytes] * (1 if got else 2))
             self._wake.notify()
         return got
 
@@ -64,8 +74,7 @@ class WarmReserve:
                 if self._closed:
                     return
                 size = self._wanted.pop(0)
-                held = sum(len(buf) for _, buf in self._ready)
-                if held + size > self.limit:
+                if self._held() + size > self.limit:
                     continue
             made = shm.create(
                 size, "dataplane-warm"
@@ -75,3 +84,4 @@ class WarmReserve:
                     os.close(made[0])
                     return
                 self._ready.append(made)
+                self._wake.notify_all()

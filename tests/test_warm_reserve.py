@@ -1,0 +1,34 @@
+"""The warm reserve hands out pre-faulted chunks of the sizes it was asked for, within its limit."""
+
+import os
+
+from dataplane_server.warm_reserve import WarmReserve
+
+
+def test_a_miss_asks_for_chunks_of_that_size_and_the_next_write_gets_one():
+    r = WarmReserve(limit_bytes=8 << 20)
+    try:
+        assert r.take(1 << 20) is None  # nothing ready yet: the write makes its own
+        assert r.wait_until_holding(
+            2 << 20, timeout_s=30
+        )  # ... and two of that size are being made ahead
+        fd, buf = r.take(1 << 20)
+        assert len(buf) >= 1 << 20 and os.fstat(fd).st_size >= 1 << 20
+        buf[:] = 7  # writable shared memory
+        os.close(fd)
+        assert r.take(100) is None  # sizes far from what is held are never handed out
+    finally:
+        r.close()
+
+
+def test_the_limit_bounds_what_it_holds_and_zero_disables_it():
+    r = WarmReserve(limit_bytes=3 << 20)
+    try:
+        for _ in range(4):
+            r.take(1 << 20)
+        assert r.wait_until_holding(3 << 20, timeout_s=30)
+        assert r.held_bytes <= 3 << 20
+        assert r.take(4 << 20) is None  # larger than the whole reserve
+    finally:
+        r.close()
+    assert WarmReserve(0).take(1 << 20) is None
