@@ -33,13 +33,23 @@ def supported() -> bool:
     )
 
 
-def create(nbytes: int, name: str = "dataplane-chunk") -> tuple[int, np.ndarray]:
-    """A new memfd of ``nbytes`` and a writable shared view of it (pages pre-faulted)."""
+def create(
+    nbytes: int, name: str = "dataplane-chunk", *, map_populated: bool = False
+) -> tuple[int, np.ndarray]:
+    """A new memfd of ``nbytes`` with its pages allocated, and a writable shared view of it.
+
+    ``posix_fallocate`` allocates (and zeroes) the pages without holding the GIL,
+    so a background thread can do it while the owner's event loop keeps serving.
+    ``map_populated`` also pre-faults this process's mapping, worth it only when
+    this process is about to write the whole chunk itself.
+    """
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         size = max(int(nbytes), 1)
         os.ftruncate(fd, size)
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        os.posix_fallocate(fd, 0, size)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if map_populated else 0)
+        mm = mmap.mmap(fd, size, flags=flags)
     except BaseException:
         os.close(fd)
         raise

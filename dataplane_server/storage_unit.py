@@ -171,7 +171,7 @@ class StorageUnit:
         await self._reserve(need, sample_ids)
         fields, chunks = {}, {}
         for name, enc in encoded.items():
-            chunk_id = chunks[name] = self._new_chunk(enc.nbytes)
+            chunk_id = chunks[name] = self._new_chunk(enc.nbytes, touched_here=not header_only)
             nbytes = enc.row_nbytes()
             offs = np.zeros(len(nbytes), dtype=np.int64)
             if len(nbytes) > 1:
@@ -185,13 +185,19 @@ class StorageUnit:
         self._expire_stale_stages()
         return chunks
 
-    def _new_chunk(self, nbytes: int) -> int:
-        """An arena chunk: shared memory (memfd) when the platform has it, else private heap."""
+    def _new_chunk(self, nbytes: int, touched_here: bool) -> int:
+        """An arena chunk: shared memory (memfd) when the platform has it, else private heap.
+
+        ``touched_here``: this process copies the bytes in (the Ray path), so its own
+        mapping is pre-faulted; on the same-node path only the client writes.
+        """
         chunk_id = self.next_chunk
         self.next_chunk += 1
         if self.use_shm:
             warm = self.reserve.take(nbytes)
-            fd, buf = warm if warm else shm.create(nbytes, f"dataplane-u{self.index}-c{chunk_id}")
+            fd, buf = warm or shm.create(
+                nbytes, f"dataplane-u{self.index}-c{chunk_id}", map_populated=touched_here
+            )
             self.chunks[chunk_id] = _Chunk(buf[:nbytes], 0, fd)
         else:
             self.chunks[chunk_id] = _Chunk(np.empty(nbytes, dtype=np.uint8), 0)
