@@ -347,8 +347,14 @@ def test_connect_to_a_missing_service_is_a_typed_error(ray_session):
 
 
 def _unit_rss(handle, index=0) -> int:
-    """Private memory of the unit process (USS): the object store's shared pages excluded."""
-    return psutil.Process(ray.get(handle.units[index].ping.remote())["pid"]).memory_full_info().uss
+    """Memory the unit holds: its private pages (USS) plus the machine's shared memory.
+
+    Chunks live in memfds that the client fills, so they count as shared memory
+    (Shmem), not in the unit's own pages. Tests run one at a time, so the
+    machine-wide Shmem delta is this unit's.
+    """
+    pid = ray.get(handle.units[index].ping.remote())["pid"]
+    return psutil.Process(pid).memory_full_info().uss + psutil.virtual_memory().shared
 
 
 def test_capacity_exceeded_and_bounded_wait(ray_session):
@@ -428,7 +434,7 @@ def test_clearing_one_gigabyte_returns_unit_memory(ray_session):
         after = _unit_rss(handle)
         held = ray.get(handle.units[0].metrics_snapshot.remote())["warm_reserve_bytes"]
         print(
-            f"unit USS MiB: baseline {baseline / 2**20:.0f}, holding 1 GiB {full / 2**20:.0f}, "
+            f"unit memory (USS + Shmem) MiB: baseline {baseline / 2**20:.0f}, holding 1 GiB {full / 2**20:.0f}, "
             f"after clear {after / 2**20:.0f} (of which warm reserve {held / 2**20:.0f})"
         )
         assert held <= reserve
