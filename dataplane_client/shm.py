@@ -33,21 +33,27 @@ def supported() -> bool:
     )
 
 
+_ZEROS = bytes(4 << 20)
+
+
 def create(
     nbytes: int, name: str = "dataplane-chunk", *, map_populated: bool = False
 ) -> tuple[int, np.ndarray]:
-    """A new memfd of ``nbytes`` with its pages allocated, and a writable shared view of it.
+    """A new memfd of ``nbytes`` with every page allocated and cleared, and a writable view.
 
-    ``posix_fallocate`` allocates (and zeroes) the pages without holding the GIL,
-    so a background thread can do it while the owner's event loop keeps serving.
-    ``map_populated`` also pre-faults this process's mapping, worth it only when
-    this process is about to write the whole chunk itself.
+    The pages are written with ``pwrite`` (which releases the GIL), so the
+    kernel's allocate-and-zero work on first touch is done here, and a
+    background thread can do it while the owner's event loop keeps serving;
+    whoever maps the chunk later finds its pages ready. ``map_populated`` also
+    pre-faults this process's mapping, worth it when this process writes the
+    chunk itself.
     """
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         size = max(int(nbytes), 1)
         os.ftruncate(fd, size)
-        os.posix_fallocate(fd, 0, size)
+        for offset in range(0, size, len(_ZEROS)):
+            os.pwrite(fd, memoryview(_ZEROS)[: min(len(_ZEROS), size - offset)], offset)
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if map_populated else 0)
         mm = mmap.mmap(fd, size, flags=flags)
     except BaseException:
