@@ -59,6 +59,15 @@ def start_ray(num_cpus: int, object_store_bytes: int) -> None:
     )
 
 
+def start_service(name: str, namespace: str, **overrides: Any) -> Any:
+    """A data-plane service for one benchmark section (no admin endpoint, no metrics)."""
+    from dataplane_client.config import DataPlaneConfig
+    from dataplane_server.service import start
+
+    cfg = {"num_storage_units": 2, "admin_enabled": False, "metrics_enabled": False, **overrides}
+    return start(DataPlaneConfig(name=name, namespace=namespace, **cfg))
+
+
 def serialized_nbytes(value: Any) -> int:
     """Bytes Ray's serializer produces for ``value`` (in-band pickle + out-of-band buffers)."""
     try:

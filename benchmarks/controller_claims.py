@@ -21,7 +21,7 @@ from typing import Any
 import ray
 import torch
 
-from benchmarks.common import Options, Section, Table, Target, median, percentile
+from benchmarks.common import Options, Section, Table, Target, median, percentile, start_service
 
 SERVICE_NAME = "bench-ctl"
 NAMESPACE = "bench"
@@ -130,22 +130,12 @@ def _controller_claim_cost(controller: Any, partition: str, task: str, trials: i
 
 
 def run(opts: Options) -> Section:
-    from dataplane_client.config import DataPlaneConfig
-    from dataplane_server.service import start
 
     section = Section("controller")
     per_claimer = 5 if opts.quick else 40
     puts_per_writer = 10 if opts.quick else 100
     wake_trials = 3 if opts.quick else 20
-    handle = start(
-        DataPlaneConfig(
-            name=SERVICE_NAME,
-            namespace=NAMESPACE,
-            num_storage_units=2,
-            admin_enabled=False,
-            metrics_enabled=False,
-        )
-    )
+    handle = start_service(SERVICE_NAME, NAMESPACE)
     n_actors = QUICK_CLAIMER_ACTORS if opts.quick else CLAIMER_ACTORS
     tasks_per_actor = CLAIMERS // n_actors
     actors = [LoadActor.remote(SERVICE_NAME, NAMESPACE) for _ in range(n_actors)]

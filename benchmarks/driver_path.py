@@ -35,6 +35,7 @@ from benchmarks.common import (
     Target,
     median,
     ratio,
+    start_service,
 )
 
 SERVICE_NAME = "bench-driver"
@@ -246,22 +247,12 @@ def _check_same(
 
 
 def run(opts: Options) -> Section:
-    from dataplane_client.config import DataPlaneConfig
-    from dataplane_server.service import start
 
     section = Section("driver")
     batches = QUICK_BATCHES if opts.quick else FULL_BATCHES
     max_len = QUICK_MAX_LEN if opts.quick else FULL_MAX_LEN
     repeats = max(1, min(opts.repeats, 3))  # each pass is seconds of compute on 2 cores
-    handle = start(
-        DataPlaneConfig(
-            name=SERVICE_NAME,
-            namespace=NAMESPACE,
-            num_storage_units=2,
-            admin_enabled=False,
-            metrics_enabled=False,
-        )
-    )
+    handle = start_service(SERVICE_NAME, NAMESPACE)
     policy = None
     results = []
     try:

@@ -20,7 +20,16 @@ import psutil
 import ray
 import torch
 
-from benchmarks.common import MiB, Options, Section, Table, Target, median, percentile
+from benchmarks.common import (
+    MiB,
+    Options,
+    Section,
+    Table,
+    Target,
+    median,
+    percentile,
+    start_service,
+)
 
 SERVICE_NAME = "bench-scale"
 NAMESPACE = "bench"
@@ -86,23 +95,13 @@ def _write(client: Any, start: int, end: int, chunk: int) -> float:
 
 
 def run(opts: Options) -> Section:
-    from dataplane_client.config import DataPlaneConfig
-    from dataplane_server.service import start
 
     section = Section("scale")
     n = QUICK_SAMPLES if opts.quick else FULL_SAMPLES
     chunk = 5_000 if opts.quick else 10_000
     trials = 20 if opts.quick else 100
     rng = random.Random(0)
-    handle = start(
-        DataPlaneConfig(
-            name=SERVICE_NAME,
-            namespace=NAMESPACE,
-            num_storage_units=2,
-            admin_enabled=False,
-            metrics_enabled=False,
-        )
-    )
+    handle = start_service(SERVICE_NAME, NAMESPACE)
     try:
         client = handle.client()
         client.register_partition(PARTITION, fields=["x"])
