@@ -455,3 +455,29 @@ def test_a_large_put_splits_over_units_and_reads_back_exactly(client):
     assert len(set(units)) == 2  # both units hold part of the batch
     got = client.get_samples(ids, pid, ["x"])["x"].unbind()
     assert all(torch.equal(a, b) for a, b in zip(got, rows))
+
+
+def test_zero_copy_reads_are_private_copies_on_write(ray_session):
+    """A same-node get maps the unit's bytes copy-on-write: writing the tensor never
+    changes the store, and clearing the store never changes a tensor already read."""
+    handle = start(DataPlaneConfig(name="dp-cow", num_storage_units=1, admin_enabled=False))
+    try:
+        client = handle.client()
+        assert client._transport.shared == [True]  # same node: the shared-memory path
+        client.register_partition("p", fields=["x"])
+        ids = [f"z{i}" for i in range(8)]
+        original = torch.arange(8 * 1024, dtype=torch.float32).reshape(8, 1024)
+        client.put_samples(ids, "p", {"x": original})
+        first = client.get_samples(ids, "p", ["x"])["x"]
+        first.mul_(-1)  # the caller owns its tensor
+        again = client.get_samples(ids, "p", ["x"])["x"]
+        assert torch.equal(again, original)
+        client.clear_samples(None, "p")
+        assert torch.equal(again, original)  # still readable after the unit freed its chunk
+        assert torch.equal(first, -original)
+        # Rows out of order are gathered into a fresh buffer instead; same bytes.
+        client.put_samples(ids, "p", {"x": original})
+        shuffled = client.get_samples(ids[::-1], "p", ["x"])["x"]
+        assert torch.equal(shuffled, original.flip(0))
+    finally:
+        handle.shutdown()
