@@ -358,34 +358,6 @@ def take_rows(
     )
 
 
-def concat_rows(parts: list[EncodedField], order: np.ndarray | None = None) -> EncodedField:
-    """Concatenate encoded parts row-wise, then optionally permute rows.
-
-    ``order[j]`` is the index (into the concatenation) of output row j. The
-    bytes are copied exactly once, straight into the output buffer.
-    """
-    first = parts[0]
-    n = sum(p.num_rows for p in parts)
-    if order is None:
-        order = np.arange(n, dtype=np.int64)
-    which = np.concatenate([np.full(p.num_rows, i, dtype=np.int64) for i, p in enumerate(parts)])
-    local_offs = [row_byte_offsets(p) for p in parts]
-    starts = np.concatenate([o[:-1] for o in local_offs])
-    ends = np.concatenate([o[1:] for o in local_offs])
-    values = gather_bytes([p.values for p in parts], which[order], starts[order], ends[order])
-    lengths = None
-    if first.kind != DENSE:
-        lengths = np.concatenate([p.lengths for p in parts])[order]
-    return EncodedField(
-        kind=first.kind,
-        dtype=first.dtype,
-        shape=first.shape,
-        values=values,
-        lengths=lengths,
-        num_rows=n,
-    )
-
-
 # ---------------------------------------------------------------------------
 # self-describing byte string (non-Ray paths, persistence, tests)
 

@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 
 from dataplane_client.codec import (
     DTYPES,
-    concat_rows,
     decode_field,
     decode_fields,
     encode_field,
@@ -18,6 +17,7 @@ from dataplane_client.codec import (
     unpack,
 )
 from dataplane_client.errors import CorruptPayload, InvalidBatch, SchemaConflict
+from dataplane_client.transport import assemble
 
 TRAINING_DTYPES = [
     torch.float32,
@@ -115,7 +115,9 @@ def test_round_trip_is_bit_exact_through_the_byte_format(batch):
 
 @settings(max_examples=40, deadline=None)
 @given(batches(), st.randoms(use_true_random=False))
-def test_take_and_concat_rows_preserve_every_row(batch, rnd):
+def test_split_rows_reassemble_in_request_order(batch, rnd):
+    """take_rows splits a batch the way a put splits it over units; assemble joins
+    the parts back in request order the way a get does."""
     n, fields = batch
     enc = encode_fields(fields)
     perm = list(range(n))
@@ -128,9 +130,8 @@ def test_take_and_concat_rows_preserve_every_row(batch, rnd):
         )
         # order[j] = position in (a ++ b) of original row j
         order = np.argsort(np.array(perm))
-        back = concat_rows([a, b], order)
         direct = decode_field(e, writable=True)
-        again = decode_field(back, writable=True)
+        again = assemble([a, b], order)
         if isinstance(direct, list):
             assert again == direct
         elif direct.is_nested:
