@@ -30,7 +30,7 @@ from dataplane_client.codec import (
     encode_fields,
 )
 from dataplane_client.errors import DataPlaneError, InvalidBatch, SamplesLost, ServiceUnavailable
-from dataplane_client.meta import KVBatchMeta
+from dataplane_client.meta import KVBatchMeta, duplicated
 from dataplane_client.transport import SharedMemoryUnavailable, Transport, assemble
 
 Flow = Generator[list, list, Any]
@@ -125,10 +125,6 @@ class DataPlaneClient:
         ] = {}  # (partition, sample) -> unit, learnt from puts/gets
 
     # ---- helpers ------------------------------------------------------------------
-    @property
-    def num_units(self) -> int:
-        return len(self._alive)
-
     def _remember(self, partition_id: str, sample_ids: Sequence[str], units: Sequence[int]) -> None:
         if len(self._routes) > _ROUTE_CACHE_LIMIT:
             self._routes.clear()
@@ -206,9 +202,8 @@ class DataPlaneClient:
             raise InvalidBatch(
                 "sample ids must be non-empty str", ids=bad, partition_id=partition_id
             )
-        if len(set(sample_ids)) != n:
-            seen: set[str] = set()
-            dups = sorted({s for s in sample_ids if s in seen or seen.add(s)})
+        dups = duplicated(sample_ids)
+        if dups:
             raise InvalidBatch(
                 "duplicate sample ids in one put", ids=dups, partition_id=partition_id
             )
@@ -218,14 +213,7 @@ class DataPlaneClient:
                 raise InvalidBatch(
                     f"{len(tags)} tags for {n} sample ids", partition_id=partition_id
                 )
-        encoded = encode_fields(fields)
-        for name, enc in encoded.items():
-            if enc.num_rows != n:
-                raise InvalidBatch(
-                    f"field has {enc.num_rows} rows for {n} sample ids",
-                    fields=[name],
-                    partition_id=partition_id,
-                )
+        encoded = encode_fields(fields, num_rows=n)
         seq_lens = _sequence_lengths(encoded, fields)
         schemas = {name: enc.schema for name, enc in encoded.items()}
 
@@ -288,8 +276,9 @@ class DataPlaneClient:
                 raise
             if result["rerouted"]:
                 yield [self._transport.discard(u, write_id) for u in staged]
+                position = {s: i for i, s in enumerate(sample_ids)}
                 for s, u in result["rerouted"].items():
-                    units[sample_ids.index(s)] = u
+                    units[position[s]] = u
                 continue
             self._remember(partition_id, sample_ids, units)
             return KVBatchMeta(
@@ -359,10 +348,9 @@ class DataPlaneClient:
         except OSError:
             # A chunk was freed between our validation and our mapping (a concurrent
             # clear or overwrite): read through Ray, which re-validates on the unit.
-            results = yield [
-                self._transport.units[u].read.remote(partition_id, ids, fields)
-                for u, ids in by_unit.items()
-            ]
+            results = yield from self._transport.read_flow(
+                partition_id, by_unit, fields, via_ray=True
+            )
             for r in results:
                 if isinstance(r, BaseException):
                     raise r from None

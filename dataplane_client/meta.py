@@ -16,6 +16,17 @@ from typing import Any
 from dataplane_client.errors import InvalidBatch
 
 
+def duplicated(ids: Sequence[str]) -> list[str]:
+    """The ids that occur more than once, each listed once, in first-repeat order."""
+    seen: set[str] = set()
+    dups: dict[str, None] = {}
+    for s in ids:
+        if s in seen:
+            dups[s] = None
+        seen.add(s)
+    return list(dups)
+
+
 @dataclass
 class KVBatchMeta:
     partition_id: str
@@ -116,9 +127,8 @@ class KVBatchMeta:
                     f"{self.partition_id!r} and {m.partition_id!r}"
                 )
         ids = [s for m in metas for s in m.sample_ids]
-        if len(set(ids)) != len(ids):
-            seen: set[str] = set()
-            dups = [s for s in ids if s in seen or seen.add(s)]
+        dups = duplicated(ids)
+        if dups:
             raise InvalidBatch("concat would duplicate sample ids", ids=dups)
         lens = None
         if all(m.sequence_lengths is not None for m in metas):

@@ -86,11 +86,20 @@ class Transport:
         return self.units[unit].discard.remote(write_id)
 
     # ---- reads --------------------------------------------------------------------
-    def read_flow(self, partition_id: str, plan: dict[int, list[str]], fields: list[str]) -> Flow:
-        """Per unit of ``plan``: {field: EncodedField | SharedRows} (or the error)."""
+    def read_flow(
+        self,
+        partition_id: str,
+        plan: dict[int, list[str]],
+        fields: list[str],
+        via_ray: bool = False,
+    ) -> Flow:
+        """Per unit of ``plan``: {field: EncodedField | SharedRows} (or the error).
+
+        ``via_ray`` forces the Ray path (the fallback when a mapping failed).
+        """
         refs = [
             self.units[u].read_shm.remote(partition_id, ids, fields)
-            if self.shared[u]
+            if self.shared[u] and not via_ray
             else self.units[u].read.remote(partition_id, ids, fields)
             for u, ids in plan.items()
         ]

@@ -384,7 +384,7 @@ class Controller:
         }
 
     def lookup_units(self, partition_id: str, sample_ids: list[str]) -> list[int]:
-        """Recorded unit per sample (-1 = not written yet); used by writers to route."""
+        """Recorded unit per sample (-1 = not written yet), for inspection and tests."""
         part = self._part(partition_id)
         return [
             int(part.unit[r]) if (r := part.row_of.get(s)) is not None else -1 for s in sample_ids
