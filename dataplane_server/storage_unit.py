@@ -77,7 +77,7 @@ class _Partition:
 class _Staged:
     partition_id: str
     sample_ids: list
-    fields: dict  # name -> (schema, chunk_id, row offsets, row nbytes, lengths)
+    fields: dict  # name -> (schema, chunk_id, row offsets, row nbytes, row lengths | None)
     nbytes: int
     created: float
 
@@ -268,7 +268,7 @@ class StorageUnit:
             self._drop_staged(st)
 
     def _drop_staged(self, st: _Staged) -> None:
-        self._free_chunks([c for (_, c, *_rest) in st.fields.values() if c is not None])
+        self._free_chunks([chunk_id for (_, chunk_id, *_rest) in st.fields.values()])
 
     def _expire_stale_stages(self) -> None:
         cutoff = time.time() - STAGE_TTL_S
