@@ -269,20 +269,18 @@ class Controller:
                 ids=[s for s, u in zip(sample_ids, units) if u in dead_units],
                 partition_id=partition_id,
             )
-        if tags is not None and part.group_size is not None:
-            missing = [s for s, t in zip(sample_ids, tags) if "group_id" not in (t or {})]
-            if missing and (~old).any():
+        if part.group_size is not None:
+            ungrouped = [
+                s
+                for i, s in enumerate(sample_ids)
+                if not old[i] and "group_id" not in ((tags[i] if tags else None) or {})
+            ]
+            if ungrouped:
                 raise InvalidBatch(
                     "partition has group_size: every new sample needs a group_id tag",
-                    ids=missing,
+                    ids=ungrouped,
                     partition_id=partition_id,
                 )
-        elif part.group_size is not None and (~old).any():
-            raise InvalidBatch(
-                "partition has group_size: new samples need tags with group_id",
-                ids=[s for s, o in zip(sample_ids, old) if not o],
-                partition_id=partition_id,
-            )
 
         # Everything is checked: reserve the cells, publish the bytes, then make them visible.
         new_idx = np.nonzero(~old)[0]
