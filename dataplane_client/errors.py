@@ -5,6 +5,13 @@ carries the offending ``ids`` / ``fields`` (when there are any) both as
 attributes and in its message, and pickles cleanly so an error raised inside a
 Ray actor reaches the caller as the same class (the client unwraps Ray's task
 error; see ``dataplane_client.client``).
+
+NeMo-RL callers catch built-in exceptions, so each class is also the matching
+built-in: not found / not produced / unknown task -> ``KeyError``; invalid
+argument or batch -> ``ValueError``; wrong type -> ``TypeError``; a claim or
+capacity wait that ran out -> ``TimeoutError``; a service that cannot be
+reached -> ``ConnectionError``. Errors a caller may simply retry derive from
+:class:`RetryableError`.
 """
 
 from __future__ import annotations
@@ -45,6 +52,10 @@ class DataPlaneError(Exception):
             parts.append(f"fields={_preview(self.fields)}")
         super().__init__("; ".join(parts))
 
+    def __str__(self) -> str:
+        # KeyError would repr() its argument; every data-plane error reads the same.
+        return str(self.args[0]) if self.args else self.message
+
     def __reduce__(self):
         return (
             _rebuild,
@@ -56,65 +67,88 @@ def _rebuild(cls, message, ids, fields, partition_id):
     return cls(message, ids=ids or None, fields=fields or None, partition_id=partition_id)
 
 
-class UnknownPartition(DataPlaneError):
-    """The partition was never registered or has been dropped."""
+class RetryableError(DataPlaneError):
+    """Nothing was changed and the same call may succeed if simply retried."""
 
 
-class PartitionExists(DataPlaneError):
-    """register_partition was called twice with an incompatible schema."""
+class UnknownPartition(DataPlaneError, KeyError):
+    """The partition was never registered or has been deleted."""
 
 
-class FieldNotProduced(DataPlaneError):
+class UnknownTask(DataPlaneError, KeyError):
+    """A consumer task that was not registered for the partition."""
+
+
+class FieldNotProduced(DataPlaneError, KeyError):
     """A read asked for a field some samples have not produced (yet)."""
 
 
-class SamplesNotFound(DataPlaneError):
+class SamplesNotFound(DataPlaneError, KeyError):
     """Sample ids unknown to the partition (never written, or cleared)."""
 
 
-class FieldAlreadyProduced(DataPlaneError):
-    """A write targets a (sample, field) that already holds bytes, without overwrite=True."""
-
-
-class SchemaConflict(DataPlaneError):
-    """A field was written with a dtype / trailing shape / layout other than its first write."""
-
-
-class InvalidBatch(DataPlaneError):
-    """The batch itself is malformed: length mismatch, duplicate ids, unsupported value."""
-
-
-class CapacityExceeded(DataPlaneError):
-    """A storage unit has no room for the write (and the bounded wait, if any, ran out)."""
-
-
-class ClaimTimeout(DataPlaneError):
-    """A blocking claim_meta found too few ready samples within its timeout."""
-
-
-class SamplesLost(DataPlaneError):
+class SamplesLost(DataPlaneError, KeyError):
     """The storage unit (or node) holding these samples is gone; the rest stays readable."""
 
 
-class CorruptPayload(DataPlaneError):
-    """Encoded bytes are truncated or corrupted."""
+class FieldAlreadyProduced(DataPlaneError, ValueError):
+    """A write targets a (sample, field) that already holds bytes, without overwrite=True."""
 
 
-class ServiceUnavailable(DataPlaneError):
-    """No data-plane service under that name, or it is shutting down."""
+class SchemaConflict(DataPlaneError, ValueError):
+    """A field was written with a dtype / trailing shape / layout other than its first write."""
+
+
+class InvalidBatch(DataPlaneError, ValueError):
+    """An argument or the batch itself is malformed: length mismatch, duplicate ids, bad value."""
+
+
+class CorruptPayload(DataPlaneError, ValueError):
+    """Encoded bytes are truncated, corrupted or describe an impossible layout."""
+
+
+class PartitionExists(DataPlaneError, ValueError):
+    """Transitional: re-registering now overwrites (the contract); removed with the controller rework."""
+
+
+class ConfigError(DataPlaneError, ValueError):
+    """A configuration value is unknown, of the wrong type or out of range."""
+
+
+class NonTensorField(DataPlaneError, TypeError):
+    """A field value that is not a tensor, in a field not declared for objects or enums."""
+
+
+class CapacityExceeded(DataPlaneError, TimeoutError):
+    """A storage unit has no room for the write (and the bounded wait, if any, ran out)."""
+
+
+class ClaimTimeout(DataPlaneError, TimeoutError):
+    """A blocking claim_meta found too few ready samples within its timeout."""
+
+
+class ServiceUnavailable(RetryableError, ConnectionError):
+    """No data-plane service under that name, or it is restarting or shutting down."""
+
+
+class RoutingUnstable(RetryableError, ConnectionError):
+    """Samples kept moving between storage units while a write was in flight."""
 
 
 ALL_ERRORS: tuple[type[DataPlaneError], ...] = (
     UnknownPartition,
-    PartitionExists,
+    UnknownTask,
     FieldNotProduced,
     SamplesNotFound,
+    SamplesLost,
     FieldAlreadyProduced,
     SchemaConflict,
     InvalidBatch,
+    CorruptPayload,
+    ConfigError,
+    NonTensorField,
     CapacityExceeded,
     ClaimTimeout,
-    SamplesLost,
-    CorruptPayload,
     ServiceUnavailable,
+    RoutingUnstable,
 )
