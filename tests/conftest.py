@@ -16,6 +16,13 @@ import pytest  # noqa: E402
 RAY_NUM_CPUS = 8  # logical: actors need slots even when idle; the machine has 2 cores
 
 
+def pytest_collection_modifyitems(items):
+    """Mark every test that needs the session's Ray as `ray`, so `make test-fast` can skip them."""
+    for item in items:
+        if "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     import ray
