@@ -119,11 +119,10 @@ def _controller_claim_cost(controller: Any, partition: str, task: str, trials: i
     def measure(self, pid, task, trials):
         import time as _t
 
-        part = self._part(pid)
+        part = self.keys.partition(pid)
         t0 = _t.perf_counter()
         for _ in range(trials):
-            rows = self._pick(part, self._ready_rows(part, task, ["x"]), 4)
-            _ = [part.ids[r] for r in rows.tolist()]
+            self.keys.ready_count(part, task, ["x"], 4)
         return (_t.perf_counter() - t0) / trials
 
     return ray.get(controller.__ray_call__.remote(measure, partition, task, trials))
@@ -216,7 +215,7 @@ def run(opts: Options) -> Section:
         for trial in range(wake_trials):
             ref = actors[0].blocking_claim.remote("wake", "w", CLAIM_BATCH)
             deadline = time.time() + 30
-            while ray.get(handle.controller.metrics_snapshot.remote())["claims_waiting"] < 1:
+            while ray.get(handle.controller.metrics_snapshot.remote()).claims_waiting < 1:
                 if time.time() > deadline:
                     raise RuntimeError("the blocking claim never started waiting")
                 time.sleep(0.002)

@@ -160,7 +160,7 @@ class StoreBenchClient:
         return touch(self.client.get_samples(self.keys, partition, fields))
 
     def clear_ours(self, partition: str) -> None:
-        self.client.clear_samples(None, partition)
+        self.client.clear_samples(self.keys, partition)  # None would delete the partition
 
     def profile_put_ours(self, partition: str) -> dict[str, Any]:
         """Client-side cProfile of one put plus the encode step timed alone."""

@@ -1,9 +1,11 @@
 """DataPlaneClient: what rollout actors, drivers and workers import.
 
-Every verb is written once, as a *flow*: a generator that yields lists of Ray
-ObjectRefs and receives their results (an exception in place of a result that
-failed). ``_run_sync`` drives a flow with ``ray.get``; ``_run_async`` with
-``await``, so the ``*_async`` twins never block an event loop.
+Every verb is written once and gets its ``*_async`` twin from ``_Verb``. A
+verb of several steps (put, get) is a *flow*: a generator that yields lists of
+Ray ObjectRefs and receives their results (an exception in place of a result
+that failed); ``_run_sync`` drives it with ``ray.get``, ``_run_async`` with
+``await``, so the twins never block an event loop. A verb of one controller
+call just returns that call's ObjectRef.
 
 Data path of a put: encode (zero-copy views of the caller's tensors) -> split
 rows by storage unit -> stage bytes on the units in parallel -> one commit to
@@ -15,6 +17,7 @@ the units -> rows reassembled in request order with one copy per field.
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 import zlib
 from collections.abc import Generator, Mapping, Sequence
@@ -24,13 +27,27 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from dataplane_client import arguments
 from dataplane_client.codec import (
     JAGGED,
     EncodedField,
     encode_fields,
 )
-from dataplane_client.errors import DataPlaneError, InvalidBatch, SamplesLost, ServiceUnavailable
-from dataplane_client.meta import KVBatchMeta, duplicated
+from dataplane_client.errors import (
+    DataPlaneError,
+    InvalidBatch,
+    RoutingUnstable,
+    SamplesLost,
+    ServiceUnavailable,
+)
+from dataplane_client.messages import (
+    ClearResult,
+    CommitRequest,
+    PartitionDescription,
+    ServiceInfo,
+    TaskConsumption,
+)
+from dataplane_client.meta import KVBatchMeta
 from dataplane_client.transport import SharedMemoryUnavailable, Transport, assemble
 
 Flow = Generator[list, list, Any]
@@ -80,6 +97,55 @@ async def _run_async(flow: Flow) -> Any:
         return stop.value
 
 
+def _get_sync(ref: Any) -> Any:
+    try:
+        return ray.get(ref)
+    except Exception as e:  # noqa: BLE001 - re-raised, as the typed error when it is one
+        raise _unwrap(e) from None
+
+
+async def _get_async(ref: Any) -> Any:
+    try:
+        return await ref
+    except Exception as e:  # noqa: BLE001 - re-raised, as the typed error when it is one
+        raise _unwrap(e) from None
+
+
+class _Verb:
+    """A client verb written once: the class gets ``name`` and its awaitable ``name_async``.
+
+    ``body`` takes the verb's arguments and returns what ``run_sync`` /
+    ``run_async`` complete: a flow, or one ObjectRef.
+    """
+
+    def __init__(self, body, run_sync, run_async):
+        self.body, self.run_sync, self.run_async = body, run_sync, run_async
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        body, run_sync, run_async = self.body, self.run_sync, self.run_async
+
+        @functools.wraps(body)
+        def sync(self, *args, **kwargs):
+            return run_sync(body(self, *args, **kwargs))
+
+        @functools.wraps(body)
+        async def twin(self, *args, **kwargs):
+            return await run_async(body(self, *args, **kwargs))
+
+        twin.__name__ = f"{name}_async"
+        twin.__qualname__ = f"{owner.__qualname__}.{name}_async"
+        setattr(owner, name, sync)
+        setattr(owner, twin.__name__, twin)
+
+
+def _flow_verb(body):
+    return _Verb(body, _run_sync, _run_async)
+
+
+def _rpc_verb(body):
+    return _Verb(body, _get_sync, _get_async)
+
+
 def _one(results: list) -> Any:
     """The single result of a one-ref step, raising it if it failed."""
     (r,) = results
@@ -114,21 +180,24 @@ class DataPlaneClient:
         self._controller = controller
         routing = ray.get(controller.routing.remote())
         self._transport = Transport(
-            routing["units"],
-            routing["nodes"],
-            routing["shm"],
-            ray.get_runtime_context().get_node_id(),
+            routing.units, routing.nodes, routing.shm, ray.get_runtime_context().get_node_id()
         )
-        self._alive = list(routing["alive"])
-        self._routes: dict[
-            tuple[str, str], int
-        ] = {}  # (partition, sample) -> unit, learnt from puts/gets
+        self._alive = list(routing.alive)
+        # (partition, sample) -> unit, learnt from puts and gets: a hint the controller checks.
+        self._routes: dict[tuple[str, str], int] = {}
 
     # ---- helpers ------------------------------------------------------------------
     def _remember(self, partition_id: str, sample_ids: Sequence[str], units: Sequence[int]) -> None:
         if len(self._routes) > _ROUTE_CACHE_LIMIT:
             self._routes.clear()
         self._routes.update(zip(((partition_id, s) for s in sample_ids), (int(u) for u in units)))
+
+    def _forget(self, partition_id: str, sample_ids: Sequence[str] | None) -> None:
+        if sample_ids is None:
+            self._routes = {k: v for k, v in self._routes.items() if k[0] != partition_id}
+        else:
+            for s in sample_ids:
+                self._routes.pop((partition_id, s), None)
 
     def _assign_new(self, sample_ids: Sequence[str], idx: np.ndarray) -> np.ndarray:
         """Units for samples never written: contiguous chunks over the live units.
@@ -148,72 +217,65 @@ class DataPlaneClient:
         """Tell the controller a unit failed; refresh our view of who is alive."""
         yield [self._controller.mark_unit_lost.remote(unit)]
         routing = _one((yield [self._controller.routing.remote()]))
-        self._alive = list(routing["alive"])
+        self._alive = list(routing.alive)
 
     # ---- partitions ---------------------------------------------------------------
-    def _register_flow(self, partition_id, fields, num_samples, consumer_tasks, group_size) -> Flow:
-        _one(
-            (
-                yield [
-                    self._controller.register_partition.remote(
-                        partition_id, list(fields), num_samples, list(consumer_tasks), group_size
-                    )
-                ]
-            )
-        )
-
+    @_rpc_verb
     def register_partition(
         self,
         partition_id: str,
-        *,
         fields: Sequence[str] = (),
         num_samples: int | None = None,
         consumer_tasks: Sequence[str] = (),
-        group_size: int | None = None,
+        grpo_group_size: int | None = None,
+        enums: Mapping[str, Sequence[str]] | None = None,
+        *,
+        task_leases: Mapping[str, float] | None = None,
     ) -> None:
-        """Declare a partition (idempotent for the same declaration)."""
-        return _run_sync(
-            self._register_flow(partition_id, fields, num_samples, consumer_tasks, group_size)
+        """Declare a partition; one of the same id is replaced (its samples deleted).
+
+        ``task_leases`` (ours, opt-in) maps a consumer task to a lease in seconds:
+        that task's claims must be acknowledged with ``ack``, and samples whose
+        lease runs out are handed out again.
+        """
+        if enums:
+            raise InvalidBatch(
+                "enums are not supported by this service yet",
+                fields=list(enums),
+                partition_id=partition_id,
+            )
+        self._forget(partition_id, None)
+        return self._controller.register_partition.remote(
+            partition_id,
+            arguments.name_list(fields, "fields", allow_empty=True),
+            num_samples,
+            arguments.name_list(consumer_tasks, "consumer_tasks", allow_empty=True),
+            grpo_group_size,
+            dict(task_leases or {}),
         )
 
-    async def register_partition_async(
-        self,
-        partition_id: str,
-        *,
-        fields: Sequence[str] = (),
-        num_samples: int | None = None,
-        consumer_tasks: Sequence[str] = (),
-        group_size: int | None = None,
-    ) -> None:
-        return await _run_async(
-            self._register_flow(partition_id, fields, num_samples, consumer_tasks, group_size)
-        )
+    @_rpc_verb
+    def delete_partition(self, partition_id: str) -> ClearResult:
+        """Delete the partition: its samples, bytes and declaration."""
+        self._forget(partition_id, None)
+        return self._controller.delete_partition.remote(partition_id)
 
     # ---- put ----------------------------------------------------------------------
-    def _put_flow(self, sample_ids, partition_id, fields, tags, overwrite) -> Flow:
-        sample_ids = list(sample_ids)
-        n = len(sample_ids)
-        if n == 0:
-            raise InvalidBatch(
-                "put_samples needs at least one sample id", partition_id=partition_id
-            )
-        bad = [s for s in sample_ids if not isinstance(s, str) or not s]
-        if bad:
-            raise InvalidBatch(
-                "sample ids must be non-empty str", ids=bad, partition_id=partition_id
-            )
-        dups = duplicated(sample_ids)
-        if dups:
-            raise InvalidBatch(
-                "duplicate sample ids in one put", ids=dups, partition_id=partition_id
-            )
-        if tags is not None:
-            tags = [dict(t) if t else {} for t in tags]
-            if len(tags) != n:
-                raise InvalidBatch(
-                    f"{len(tags)} tags for {n} sample ids", partition_id=partition_id
-                )
-        encoded = encode_fields(fields, num_rows=n)
+    @_flow_verb
+    def put_samples(
+        self,
+        sample_ids: Sequence[str],
+        partition_id: str,
+        fields: Mapping[str, Any],
+        tags: Sequence[dict] | None = None,
+        overwrite: bool = False,
+    ) -> Flow:
+        """Write fields of samples (new samples, or new fields of existing ones)."""
+        sample_ids = arguments.id_list(sample_ids, partition_id=partition_id)
+        tags = arguments.tag_list(tags, len(sample_ids), partition_id=partition_id)
+        if not isinstance(overwrite, bool):
+            raise InvalidBatch(f"overwrite must be a bool, got {overwrite!r}")
+        encoded = encode_fields(fields, num_rows=len(sample_ids))
         seq_lens = _sequence_lengths(encoded, fields)
         schemas = {name: enc.schema for name, enc in encoded.items()}
 
@@ -253,31 +315,26 @@ class DataPlaneClient:
                     )
                 units[np.isin(units, died)] = -1
                 continue
+            request = CommitRequest(
+                partition_id=partition_id,
+                write_id=write_id,
+                sample_ids=sample_ids,
+                units=units.tolist(),
+                schemas=schemas,
+                sequence_lengths=seq_lens,
+                tags=tags,
+                overwrite=overwrite,
+                staged_units=staged,
+            )
             try:
-                result = _one(
-                    (
-                        yield [
-                            self._controller.commit.remote(
-                                partition_id,
-                                write_id,
-                                sample_ids,
-                                units.tolist(),
-                                schemas,
-                                seq_lens,
-                                tags,
-                                bool(overwrite),
-                                staged,
-                            )
-                        ]
-                    )
-                )
+                result = _one((yield [self._controller.commit.remote(request)]))
             except BaseException:
                 yield [self._transport.discard(u, write_id) for u in staged]
                 raise
-            if result["rerouted"]:
+            if result.rerouted:
                 yield [self._transport.discard(u, write_id) for u in staged]
                 position = {s: i for i, s in enumerate(sample_ids)}
-                for s, u in result["rerouted"].items():
+                for s, u in result.rerouted.items():
                     units[position[s]] = u
                 continue
             self._remember(partition_id, sample_ids, units)
@@ -285,47 +342,46 @@ class DataPlaneClient:
                 partition_id=partition_id,
                 sample_ids=sample_ids,
                 fields=list(encoded),
-                sequence_lengths=result["sequence_lengths"],
+                sequence_lengths=result.sequence_lengths,
                 tags=tags,
             )
-        raise InvalidBatch(
+        raise RoutingUnstable(
             "samples kept moving between units while writing; retry",
-            ids=sample_ids[:10],
+            ids=sample_ids,
             partition_id=partition_id,
         )
 
-    def put_samples(
-        self,
-        sample_ids: Sequence[str],
-        partition_id: str,
-        fields: Mapping[str, Any],
-        tags: Sequence[dict] | None = None,
-        overwrite: bool = False,
-    ) -> KVBatchMeta:
-        """Write fields of samples (new samples, or new fields of existing ones)."""
-        return _run_sync(self._put_flow(sample_ids, partition_id, fields, tags, overwrite))
-
-    async def put_samples_async(
-        self,
-        sample_ids: Sequence[str],
-        partition_id: str,
-        fields: Mapping[str, Any],
-        tags: Sequence[dict] | None = None,
-        overwrite: bool = False,
-    ) -> KVBatchMeta:
-        return await _run_async(self._put_flow(sample_ids, partition_id, fields, tags, overwrite))
-
     # ---- get ----------------------------------------------------------------------
-    def _get_flow(self, sample_ids, partition_id, select_fields) -> Flow:
-        sample_ids = list(sample_ids)
-        if not sample_ids:
-            raise InvalidBatch("get needs at least one sample id", partition_id=partition_id)
-        fields = None if select_fields is None else list(select_fields)
-        where = _one((yield [self._controller.locate.remote(partition_id, sample_ids, fields)]))
-        fields, units = where["fields"], np.asarray(where["units"], dtype=np.int64)
-        self._remember(partition_id, sample_ids, units)
+    @_flow_verb
+    def get_samples(
+        self, sample_ids: Sequence[str], partition_id: str, select_fields: Sequence[str]
+    ) -> Flow:
+        """Read fields of samples, in the order of ``sample_ids`` (touches no cursor)."""
+        return self._read(sample_ids, partition_id, select_fields)
+
+    @_flow_verb
+    def get_data(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None) -> Flow:
+        """Read the samples a meta names: ``select_fields``, else the meta's fields."""
+        fields = select_fields if select_fields is not None else meta.fields
         if not fields:
-            return {}
+            raise InvalidBatch(
+                "get_data needs select_fields or meta.fields: say which fields to fetch",
+                partition_id=meta.partition_id,
+            )
+        return self._read(meta.sample_ids, meta.partition_id, fields)
+
+    def _read(self, sample_ids: Sequence[str], partition_id: str, fields: Sequence[str]) -> Flow:
+        """The get flow, once its arguments are valid (checked before anything is sent)."""
+        return self._get_flow(
+            arguments.id_list(sample_ids, partition_id=partition_id),
+            partition_id,
+            arguments.name_list(fields, "select_fields"),
+        )
+
+    def _get_flow(self, sample_ids: list[str], partition_id: str, fields: list[str]) -> Flow:
+        where = _one((yield [self._controller.locate.remote(partition_id, sample_ids, fields)]))
+        units = np.asarray(where.units, dtype=np.int64)
+        self._remember(partition_id, sample_ids, units)
         plan = {int(u): np.nonzero(units == u)[0] for u in np.unique(units)}
         by_unit = {u: [sample_ids[i] for i in rows] for u, rows in plan.items()}
         results = yield from self._transport.read_flow(partition_id, by_unit, fields)
@@ -356,56 +412,8 @@ class DataPlaneClient:
                     raise r from None
             return {name: assemble([r[name] for r in results], order) for name in fields}
 
-    def get_samples(
-        self,
-        sample_ids: Sequence[str],
-        partition_id: str,
-        select_fields: Sequence[str] | None = None,
-    ) -> dict[str, Any]:
-        """Read fields of samples, in the order of ``sample_ids``."""
-        return _run_sync(self._get_flow(sample_ids, partition_id, select_fields))
-
-    async def get_samples_async(
-        self,
-        sample_ids: Sequence[str],
-        partition_id: str,
-        select_fields: Sequence[str] | None = None,
-    ) -> dict[str, Any]:
-        return await _run_async(self._get_flow(sample_ids, partition_id, select_fields))
-
-    def get_data(
-        self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None
-    ) -> dict[str, Any]:
-        """Read the samples a meta names (``select_fields``, else the meta's fields)."""
-        return self.get_samples(meta.sample_ids, meta.partition_id, select_fields or meta.fields)
-
-    async def get_data_async(
-        self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None
-    ) -> dict[str, Any]:
-        return await self.get_samples_async(
-            meta.sample_ids, meta.partition_id, select_fields or meta.fields
-        )
-
-    # ---- claims and status --------------------------------------------------------
-    def _claim_flow(
-        self, partition_id, task_name, required_fields, batch_size, dp_rank, blocking, timeout_s
-    ) -> Flow:
-        return _one(
-            (
-                yield [
-                    self._controller.claim_meta.remote(
-                        partition_id,
-                        task_name,
-                        list(required_fields),
-                        int(batch_size),
-                        dp_rank,
-                        bool(blocking),
-                        float(timeout_s),
-                    )
-                ]
-            )
-        )
-
+    # ---- claims and consumption ---------------------------------------------------
+    @_rpc_verb
     def claim_meta(
         self,
         partition_id: str,
@@ -414,81 +422,74 @@ class DataPlaneClient:
         batch_size: int,
         dp_rank: int | None = None,
         blocking: bool = True,
-        timeout_s: float = 60,
+        timeout_s: float = 60.0,
     ) -> KVBatchMeta | None:
         """Claim up to ``batch_size`` ready samples the task has not consumed yet."""
-        return _run_sync(
-            self._claim_flow(
-                partition_id, task_name, required_fields, batch_size, dp_rank, blocking, timeout_s
+        return self._controller.claim_meta.remote(
+            partition_id,
+            task_name,
+            arguments.name_list(required_fields, "required_fields", allow_empty=True),
+            arguments.count(batch_size, "batch_size", minimum=1),
+            dp_rank,
+            bool(blocking),
+            arguments.seconds(timeout_s, "timeout_s"),
+        )
+
+    @_rpc_verb
+    def ack(self, meta: KVBatchMeta) -> int:
+        """Acknowledge a leased claim (or a slice of it): its samples are done for its task."""
+        lease_id = meta.extra_info.get("lease_id")
+        if lease_id is None or meta.task_name is None:
+            raise InvalidBatch(
+                "this meta holds no lease: only claims of a leased task are acknowledged",
+                partition_id=meta.partition_id,
             )
+        return self._controller.ack.remote(
+            meta.partition_id, meta.task_name, list(meta.sample_ids), lease_id
         )
 
-    async def claim_meta_async(
-        self,
-        partition_id: str,
-        task_name: str,
-        required_fields: Sequence[str],
-        batch_size: int,
-        dp_rank: int | None = None,
-        blocking: bool = True,
-        timeout_s: float = 60,
-    ) -> KVBatchMeta | None:
-        return await _run_async(
-            self._claim_flow(
-                partition_id, task_name, required_fields, batch_size, dp_rank, blocking, timeout_s
-            )
+    @_rpc_verb
+    def reset_consumption(self, partition_id: str, task_name: str) -> None:
+        """Make every sample of the partition claimable again by the task."""
+        return self._controller.reset_consumption.remote(partition_id, task_name)
+
+    @_rpc_verb
+    def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool:
+        """True iff every named task has consumed every sample of the partition."""
+        return self._controller.check_consumption_status.remote(
+            partition_id, arguments.name_list(task_names, "task_names")
         )
 
-    def _call_flow(self, method: str, *args) -> Flow:
-        return _one((yield [getattr(self._controller, method).remote(*args)]))
-
-    def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> dict:
-        """Per task: consumed / total / expected samples and whether it is done."""
-        return _run_sync(
-            self._call_flow("check_consumption_status", partition_id, list(task_names))
-        )
-
-    async def check_consumption_status_async(
+    @_rpc_verb
+    def consumption_detail(
         self, partition_id: str, task_names: Sequence[str]
-    ) -> dict:
-        return await _run_async(
-            self._call_flow("check_consumption_status", partition_id, list(task_names))
+    ) -> list[TaskConsumption]:
+        """Per task: consumed / total / expected, held leases and redeliveries."""
+        return self._controller.consumption_detail.remote(
+            partition_id, arguments.name_list(task_names, "task_names")
         )
 
-    def describe_partition(self, partition_id: str) -> dict:
-        return _run_sync(self._call_flow("describe_partition", partition_id))
+    @_rpc_verb
+    def describe_partition(self, partition_id: str) -> PartitionDescription:
+        return self._controller.describe_partition.remote(partition_id)
 
-    async def describe_partition_async(self, partition_id: str) -> dict:
-        return await _run_async(self._call_flow("describe_partition", partition_id))
-
-    def service_info(self) -> dict:
+    @_rpc_verb
+    def service_info(self) -> ServiceInfo:
         """Units, bytes held and capacity (rollout actors back off on this)."""
-        return _run_sync(self._call_flow("service_info"))
-
-    async def service_info_async(self) -> dict:
-        return await _run_async(self._call_flow("service_info"))
+        return self._controller.service_info.remote()
 
     # ---- clear --------------------------------------------------------------------
-    def _clear_flow(self, sample_ids, partition_id) -> Flow:
-        ids = None if sample_ids is None else list(sample_ids)
-        result = _one((yield [self._controller.clear.remote(partition_id, ids)]))
-        if ids is None:
-            self._routes = {k: v for k, v in self._routes.items() if k[0] != partition_id}
-        else:
-            for s in ids:
-                self._routes.pop((partition_id, s), None)
-        return result
-
-    def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> dict:
-        """Forget samples and free their bytes (``None`` = the whole partition)."""
-        return _run_sync(self._clear_flow(sample_ids, partition_id))
-
-    async def clear_samples_async(
-        self, sample_ids: Sequence[str] | None, partition_id: str
-    ) -> dict:
-        return await _run_async(self._clear_flow(sample_ids, partition_id))
+    @_rpc_verb
+    def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> ClearResult:
+        """Forget samples and free their bytes; ``None`` deletes the whole partition."""
+        ids = (
+            None if sample_ids is None else arguments.id_list(sample_ids, partition_id=partition_id)
+        )
+        self._forget(partition_id, ids)
+        return self._controller.clear.remote(partition_id, ids)
 
     def close(self) -> None:
+        """Release the handles; idempotent."""
         self._routes.clear()
         self._controller = None
         self._transport = None

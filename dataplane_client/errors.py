@@ -107,10 +107,6 @@ class CorruptPayload(DataPlaneError, ValueError):
     """Encoded bytes are truncated, corrupted or describe an impossible layout."""
 
 
-class PartitionExists(DataPlaneError, ValueError):
-    """Transitional: re-registering now overwrites (the contract); removed with the controller rework."""
-
-
 class ConfigError(DataPlaneError, ValueError):
     """A configuration value is unknown, of the wrong type or out of range."""
 
@@ -125,6 +121,10 @@ class CapacityExceeded(DataPlaneError, TimeoutError):
 
 class ClaimTimeout(DataPlaneError, TimeoutError):
     """A blocking claim_meta found too few ready samples within its timeout."""
+
+
+class LeaseExpired(DataPlaneError, TimeoutError):
+    """An ack for leased samples that another claim holds now (the lease ran out first)."""
 
 
 class ServiceUnavailable(RetryableError, ConnectionError):
@@ -149,6 +149,7 @@ ALL_ERRORS: tuple[type[DataPlaneError], ...] = (
     NonTensorField,
     CapacityExceeded,
     ClaimTimeout,
+    LeaseExpired,
     ServiceUnavailable,
     RoutingUnstable,
 )

@@ -43,6 +43,14 @@ class UnitSnapshot:
     stats: dict[str, Any] = field(default_factory=dict)  # Stats.snapshot()
 
 
+def as_message(cls: type, answer: Any) -> Any:
+    """A unit's ``ping`` / ``metrics_snapshot`` answer as its message.
+
+    Transitional: units answer dicts until they build UnitInfo / UnitSnapshot themselves.
+    """
+    return cls(**answer) if isinstance(answer, dict) else answer
+
+
 # ---- controller: wiring and the data path --------------------------------------------
 
 
@@ -54,6 +62,26 @@ class Routing:
     alive: list[bool]
     nodes: list[str]
     shm: list[bool]
+
+
+@dataclass(frozen=True)
+class CommitRequest:
+    """A writer's commit: its bytes are staged under ``write_id`` on ``staged_units``.
+
+    ``units[i]`` is where sample ``sample_ids[i]`` was staged; ``schemas`` maps
+    each written field to its (layout, dtype, trailing shape); ``tags`` holds one
+    dict per sample (or None).
+    """
+
+    partition_id: str
+    write_id: str
+    sample_ids: list[str]
+    units: list[int]
+    schemas: dict[str, tuple]
+    sequence_lengths: list[int] | None
+    tags: list[dict] | None
+    overwrite: bool
+    staged_units: list[int]
 
 
 @dataclass(frozen=True)
@@ -82,3 +110,121 @@ class Location:
 class ClearResult:
     cleared: int
     bytes_freed: int
+
+
+@dataclass(frozen=True)
+class TaskConsumption:
+    """How far one consumer task got through a partition.
+
+    ``consumed`` counts live samples the task is done with (for a leased task:
+    acknowledged); ``leased`` counts those it holds under an unexpired lease.
+    ``done`` is True when ``consumed`` reaches ``expected`` (or every live
+    sample when the partition's size was not declared).
+    """
+
+    task: str
+    consumed: int
+    total: int
+    expected: int | None
+    done: bool
+    leased: int = 0
+    lease_s: float | None = None
+    redeliveries: int = 0
+
+
+# ---- controller: admin views ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnitStatus:
+    index: int
+    node_id: str
+    node_ip: str
+    alive: bool
+    bytes: int
+    samples: int
+    capacity_bytes: int
+
+
+@dataclass(frozen=True)
+class ServiceInfo:
+    name: str
+    namespace: str
+    version: str
+    started_at: float
+    uptime_s: float
+    draining: bool
+    num_partitions: int
+    num_samples: int
+    bytes: int
+    capacity_bytes: int
+    units: list[UnitStatus]
+
+
+@dataclass(frozen=True)
+class PartitionSummary:
+    partition_id: str
+    num_samples: int
+    bytes: int
+    fields: list[str]
+    consumer_tasks: list[str]
+    created_at: float
+
+
+@dataclass(frozen=True)
+class FieldSummary:
+    name: str
+    dtype: str  # "" until the field's first write
+    layout: str  # "dense" | "jagged" | "object" | ""
+    trailing_shape: list[int]
+    produced: int
+
+
+@dataclass(frozen=True)
+class PartitionDescription:
+    partition_id: str
+    num_samples: int
+    expected_samples: int | None
+    group_size: int | None
+    created_at: float
+    fields: list[FieldSummary]
+    consumption: list[TaskConsumption]
+    pending_claims: int
+    bytes_per_unit: list[int]  # index = unit
+
+
+@dataclass(frozen=True)
+class SampleStatus:
+    """One sample as the admin endpoint shows it; ``redeliveries`` counts, over
+    every leased task, the times it was handed out again after a lease expired."""
+
+    sample_id: str
+    fields: list[str]
+    sequence_length: int
+    unit: int
+    consumed_by: list[str]
+    tags: dict[str, Any]
+    lost: bool
+    redeliveries: int = 0
+
+
+@dataclass(frozen=True)
+class SamplePage:
+    samples: list[SampleStatus]
+    total: int
+    next_offset: int | None
+
+
+@dataclass(frozen=True)
+class PartitionStats:
+    partition_id: str
+    num_samples: int
+
+
+@dataclass(frozen=True)
+class ControllerSnapshot:
+    """The controller's figures for metrics: counters, waiting claims, live partitions."""
+
+    stats: dict[str, Any]  # Stats.snapshot()
+    claims_waiting: int
+    partitions: list[PartitionStats]

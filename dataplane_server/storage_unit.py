@@ -226,6 +226,7 @@ class StorageUnit:
                 f"({self.used_bytes} of {self.capacity_bytes} used)",
                 ids=sample_ids,
             )
+        self.stats.inc("put_waits_total")  # observable: a put is waiting for room
         async with self._space:
             try:
                 await asyncio.wait_for(

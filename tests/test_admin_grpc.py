@@ -273,8 +273,11 @@ def test_clear_partition_without_token_on_loopback(stub, client, no_env_token):
     got = stub.ClearPartition(admin_pb2.ClearPartitionRequest(partition_id=pid), timeout=TIMEOUT)
     assert (got.partition_id, got.cleared_samples) == (pid, 3)
     assert got.bytes_freed > 0
-    page = stub.ListSamples(admin_pb2.ListSamplesRequest(partition_id=pid), timeout=TIMEOUT)
-    assert page.total == 0
+    # Clearing a whole partition deletes it (the NeMo-RL contract of clear_samples(None, p)).
+    listed = stub.ListPartitions(admin_pb2.ListPartitionsRequest(), timeout=TIMEOUT).partitions
+    assert pid not in {p.partition_id for p in listed}
+    request = admin_pb2.ListSamplesRequest(partition_id=pid)
+    assert _code(stub.ListSamples, request) == grpc.StatusCode.NOT_FOUND
     request = admin_pb2.ClearPartitionRequest(partition_id="no-such-partition")
     assert _code(stub.ClearPartition, request) == grpc.StatusCode.NOT_FOUND
 
@@ -310,7 +313,7 @@ def test_token_guards_mutations_only(secured, client):
     bare = [("authorization", TOKEN)]  # no "Bearer " scheme
     assert _code(secured.ClearPartition, clear, metadata=bare) == grpc.StatusCode.UNAUTHENTICATED
     # Refused calls changed nothing.
-    assert client.describe_partition(pid)["num_samples"] == 1
+    assert client.describe_partition(pid).num_samples == 1
     right = [("authorization", f"Bearer {TOKEN}")]
     got = secured.ClearPartition(clear, metadata=right, timeout=TIMEOUT)
     assert got.cleared_samples == 1

@@ -1,6 +1,7 @@
 """The service end to end on a real local Ray: every client verb and every typed error."""
 
 import asyncio
+import time
 import uuid
 
 import numpy as np
@@ -16,7 +17,6 @@ from dataplane_client.errors import (
     FieldAlreadyProduced,
     FieldNotProduced,
     InvalidBatch,
-    PartitionExists,
     SamplesNotFound,
     SchemaConflict,
     ServiceUnavailable,
@@ -193,12 +193,29 @@ def test_schema_conflict_on_dtype_shape_or_layout(client):
         )
 
 
-def test_register_is_idempotent_but_rejects_a_different_declaration(client):
+def test_registering_again_overwrites_the_partition_and_frees_its_bytes(service, client):
     pid = _pid()
-    client.register_partition(pid, fields=["a"], num_samples=4)
-    client.register_partition(pid, fields=["a"], num_samples=4, consumer_tasks=["t"])
-    with pytest.raises(PartitionExists):
-        client.register_partition(pid, fields=["b"], num_samples=4)
+    client.register_partition(pid, ["a"], 4, ["t"])
+    client.put_samples(["s0", "s1"], pid, {"a": torch.ones(2, 256)})
+    held = sum(info.partition_bytes.get(pid, 0) for info in _unit_snapshots(service))
+    assert held >= 2 * 256 * 4
+    client.register_partition(pid, ["b"], 2, ["u"])  # a retry that changed its mind
+    assert sum(info.partition_bytes.get(pid, 0) for info in _unit_snapshots(service)) == 0
+    with pytest.raises(SamplesNotFound):
+        client.get_samples(["s0"], pid, ["a"])
+    d = client.describe_partition(pid)
+    assert (d.num_samples, d.expected_samples, [c.task for c in d.consumption]) == (0, 2, ["u"])
+    client.put_samples(["s0"], pid, {"b": torch.zeros(1)})  # the id starts clean
+    assert client.get_samples(["s0"], pid, ["b"])["b"].tolist() == [0.0]
+
+
+def _unit_snapshots(service):
+    from dataplane_client.messages import UnitSnapshot, as_message
+
+    return [
+        as_message(UnitSnapshot, s)
+        for s in ray.get([u.metrics_snapshot.remote() for u in service.units])
+    ]
 
 
 def test_claims_consume_per_task_and_need_required_fields(client):
@@ -215,30 +232,44 @@ def test_claims_consume_per_task_and_need_required_fields(client):
     # Another task sees everything again; a required field narrows the set.
     m3 = client.claim_meta(pid, "ref", ["x", "y"], 8, blocking=False)
     assert m3.sample_ids == ids[:4]
-    status = client.check_consumption_status(pid, ["lp", "ref"])
-    assert status["lp"]["consumed"] == 8 and status["lp"]["done"]
-    assert status["ref"]["consumed"] == 4 and not status["ref"]["done"]
+    assert client.check_consumption_status(pid, ["lp"]) is True
+    assert client.check_consumption_status(pid, ["lp", "ref"]) is False
+    lp, ref = client.consumption_detail(pid, ["lp", "ref"])
+    assert (lp.consumed, lp.done, ref.consumed, ref.done) == (8, True, 4, False)
 
 
 def test_blocking_claim_times_out_with_a_typed_error(client):
     pid = _pid()
-    client.register_partition(pid, fields=["x"])
+    client.register_partition(pid, ["x"], None, ["t"])
     client.put_samples(["a"], pid, {"x": torch.zeros(1)})
     with pytest.raises(ClaimTimeout, match="only 1 of 2"):
         client.claim_meta(pid, "t", ["x"], 2, timeout_s=0.3)
 
 
+def _wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
+    """Poll observable state until ``condition()`` holds (a deadline, never a fixed sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)  # poll interval, not synchronisation
+
+
+def _claims_waiting(service) -> int:
+    return ray.get(service.controller.metrics_snapshot.remote()).claims_waiting
+
+
 def test_blocking_claim_wakes_on_commit_and_never_stalls_other_callers(service, client):
     pid = _pid()
-    client.register_partition(pid, fields=["x"])
+    client.register_partition(pid, ["x"], None, ["t", "other"])
 
     @ray.remote
     def claimer(name, namespace, pid):
         c = connect(name, namespace)
         return c.claim_meta(pid, "t", ["x"], 4, timeout_s=60).sample_ids
 
+    before = _claims_waiting(service)
     ref = claimer.remote(service.config.name, service.config.namespace, pid)
-    ray.wait([ref], timeout=0.5)  # give it time to block; correctness does not depend on it
+    _wait_until(lambda: _claims_waiting(service) > before, "the claim to block")
     # While that claim waits, the controller keeps serving: puts, gets and other claims go through.
     client.put_samples(["a", "b"], pid, {"x": torch.zeros(2)})
     assert client.get_samples(["a"], pid, ["x"])["x"].shape == (1,)
@@ -251,7 +282,7 @@ def test_blocking_claim_wakes_on_commit_and_never_stalls_other_callers(service, 
 
 def test_known_size_partition_releases_its_tail(client):
     pid = _pid()
-    client.register_partition(pid, fields=["x"], num_samples=5)
+    client.register_partition(pid, ["x"], 5, ["t"])
     client.put_samples([f"k{i}" for i in range(5)], pid, {"x": torch.zeros(5)})
     assert len(client.claim_meta(pid, "t", ["x"], 4).sample_ids) == 4
     assert client.claim_meta(pid, "t", ["x"], 4, timeout_s=5).sample_ids == ["k4"]
@@ -259,7 +290,7 @@ def test_known_size_partition_releases_its_tail(client):
 
 def test_group_claims_release_only_complete_groups(client):
     pid = _pid()
-    client.register_partition(pid, fields=["x"], group_size=3)
+    client.register_partition(pid, ["x"], None, ["t"], grpo_group_size=3)
     with pytest.raises(InvalidBatch, match="group_id"):
         client.put_samples(["z"], pid, {"x": torch.zeros(1)})
     # group g0 complete, g1 has 2 of 3, g2 complete
@@ -288,17 +319,20 @@ def test_clear_samples_and_partition(client):
     assert torch.equal(client.get_samples(ids[2:], pid, ["x"])["x"], torch.arange(2.0, 6.0))
     with pytest.raises(SamplesNotFound):
         client.clear_samples(["nope"], pid)
-    client.clear_samples(None, pid)
-    with pytest.raises(SamplesNotFound):
+    done = client.clear_samples(None, pid)
+    assert done.cleared == 4 and done.bytes_freed > 0
+    # None deletes the partition (the contract): the next register of the id starts clean.
+    with pytest.raises(UnknownPartition):
         client.get_samples(ids[2:], pid, ["x"])
-    # The partition stays registered and usable, ids can be reused.
+    assert pid not in {p.partition_id for p in ray.get(client._controller.list_partitions.remote())}
+    client.register_partition(pid, ["x"])
     client.put_samples(ids[:1], pid, {"x": torch.ones(1)})
     assert client.get_samples(ids[:1], pid, ["x"])["x"].item() == 1.0
 
 
 def test_a_writer_that_never_commits_leaves_nothing_visible(service, client):
     pid = _pid()
-    client.register_partition(pid, fields=["x"])
+    client.register_partition(pid, ["x"], None, ["t"])
     from dataplane_client.codec import encode_fields
 
     unit = service.units[0]
@@ -322,7 +356,7 @@ def test_async_twins(service):
             self.c = connect(name, namespace)
 
         async def run(self, pid):
-            await self.c.register_partition_async(pid, fields=["x"])
+            await self.c.register_partition_async(pid, ["x"], 4, ["t"])
             ids = [f"{pid}-{i}" for i in range(4)]
             await asyncio.gather(
                 *[
@@ -332,12 +366,12 @@ def test_async_twins(service):
             )
             meta = await self.c.claim_meta_async(pid, "t", ["x"], 4)
             data = await self.c.get_data_async(meta)
-            status = await self.c.check_consumption_status_async(pid, ["t"])
+            done = await self.c.check_consumption_status_async(pid, ["t"])
             await self.c.clear_samples_async(None, pid)
-            return sorted(meta.sample_ids) == ids, data["x"].sum().item(), status["t"]["consumed"]
+            return sorted(meta.sample_ids) == ids, data["x"].sum().item(), done
 
     actor = Rollout.remote(service.config.name, service.config.namespace)
-    assert ray.get(actor.run.remote(pid), timeout=60) == (True, 12.0, 4)
+    assert ray.get(actor.run.remote(pid), timeout=60) == (True, 12.0, True)
     ray.kill(actor)
 
 
@@ -382,6 +416,12 @@ def test_capacity_exceeded_and_bounded_wait(ray_session):
         handle.shutdown()
 
 
+def _puts_waiting(handle) -> float:
+    snapshot = ray.get(handle.units[0].metrics_snapshot.remote())
+    stats = snapshot["stats"] if isinstance(snapshot, dict) else snapshot.stats
+    return stats["counters"].get("put_waits_total", 0)
+
+
 def test_a_waiting_put_proceeds_when_room_is_freed(ray_session):
     handle = start(
         DataPlaneConfig(
@@ -406,7 +446,9 @@ def test_a_waiting_put_proceeds_when_room_is_freed(ray_session):
             )
 
         ref = writer.remote()
-        assert not ray.wait([ref], timeout=0.3)[0]  # blocked on capacity
+        # The writer is blocked on capacity once the unit counts a waiting put.
+        _wait_until(lambda: _puts_waiting(handle) >= 1, "the put to wait for room")
+        assert not ray.wait([ref], timeout=0)[0]
         c.clear_samples(["a"], "p")
         assert ray.get(ref, timeout=30) == ["b"]
         assert c.get_samples(["b"], "p", ["x"])["x"].sum().item() == 768

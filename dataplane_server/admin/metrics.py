@@ -82,10 +82,10 @@ class DataPlaneCollector(Collector):
             return
         up.add_metric([], 1)
         yield up
-        ctrl = pull.controller or {}
+        ctrl = pull.controller
 
         claims = GaugeMetricFamily("dataplane_claims_waiting", "claim_meta calls blocked now.")
-        claims.add_metric([], float(ctrl.get("claims_waiting") or 0))
+        claims.add_metric([], float(ctrl.claims_waiting))
         yield claims
 
         p_samples = GaugeMetricFamily(
@@ -95,8 +95,8 @@ class DataPlaneCollector(Collector):
             "dataplane_partition_bytes", "Bytes held for the partition.", labels=["partition"]
         )
         for p in pull.partitions():
-            p_samples.add_metric([p["partition_id"]], float(p["num_samples"]))
-            p_bytes.add_metric([p["partition_id"]], float(p["bytes"]))
+            p_samples.add_metric([p.partition_id], float(p.num_samples))
+            p_bytes.add_metric([p.partition_id], float(p.bytes))
         yield p_samples
         yield p_bytes
 
@@ -120,20 +120,20 @@ class DataPlaneCollector(Collector):
             "Typed data-plane errors raised, by class.",
             labels=["type", "actor"],
         )
-        for kind, n in ((ctrl.get("stats") or {}).get("errors") or {}).items():
+        for kind, n in (ctrl.stats.get("errors") or {}).items():
             errors.add_metric([kind, "controller"], float(n))
 
         for position, snap in enumerate(pull.units):
             if snap is None:
                 u_up.add_metric([str(position), ""], 0)
                 continue
-            unit = str(snap.get("index", position))
-            labels = [unit, str(snap.get("node_id") or "")]
+            unit = str(snap.index)
+            labels = [unit, snap.node_id]
             u_up.add_metric(labels, 1)
-            u_bytes.add_metric(labels, float(snap.get("bytes") or 0))
-            u_samples.add_metric(labels, float(snap.get("samples") or 0))
-            u_cap.add_metric(labels, float(snap.get("capacity_bytes") or 0))
-            stats = snap.get("stats") or {}
+            u_bytes.add_metric(labels, float(snap.bytes))
+            u_samples.add_metric(labels, float(snap.samples))
+            u_cap.add_metric(labels, float(snap.capacity_bytes))
+            stats = snap.stats
             for key, family in counters.items():
                 family.add_metric([unit], counter(stats, key))
             for name, family in histograms.items():
@@ -147,7 +147,7 @@ class DataPlaneCollector(Collector):
         yield from histograms.values()
         yield errors
 
-        ctrl_stats = ctrl.get("stats") or {}
+        ctrl_stats = ctrl.stats
         events = CounterMetricFamily(
             "dataplane_controller_events", "The controller's own counters.", labels=["event"]
         )

@@ -1,7 +1,8 @@
 """The AdminService RPCs: ask the actors, answer in protobuf.
 
-Every RPC is a read of plain builtins from the controller or a unit, turned
-into a message field by field; nothing a caller sends is unpickled. Data-plane
+Every RPC reads a typed message (``dataplane_client.messages``) from the
+controller, or plain builtins from a unit's preview, and turns it into a
+protobuf message field by field; nothing a caller sends is unpickled. Data-plane
 errors map onto gRPC status codes (unknown partition -> NOT_FOUND, bad
 argument -> INVALID_ARGUMENT, actor gone -> UNAVAILABLE, ...), with the typed
 error's message, which names the offending partition / ids / fields.
@@ -20,7 +21,7 @@ import grpc
 from google.protobuf import struct_pb2
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from dataplane_client import errors
+from dataplane_client import errors, messages
 from dataplane_server.admin.sources import DEFAULT_TIMEOUT_S, ActorSources, StatsPull, counter
 from dataplane_server.admin_pb import admin_pb2, admin_pb2_grpc
 
@@ -100,16 +101,6 @@ def _unary(fn):
     return wrapper
 
 
-def _int(d: dict, key: str) -> int:
-    value = d.get(key)
-    return int(value) if value is not None else 0
-
-
-def _float(d: dict, key: str) -> float:
-    value = d.get(key)
-    return float(value) if value is not None else 0.0
-
-
 def _require(value: str, what: str) -> str:
     if not value:
         raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} is required")
@@ -128,15 +119,15 @@ def _struct(mapping: dict | None) -> struct_pb2.Struct:
     return out
 
 
-def sample_message(sample: dict) -> admin_pb2.SampleInfo:
+def sample_message(sample: messages.SampleStatus) -> admin_pb2.SampleInfo:
     return admin_pb2.SampleInfo(
-        sample_id=str(sample.get("sample_id", "")),
-        fields=[str(f) for f in sample.get("fields") or ()],
-        sequence_length=_int(sample, "sequence_length"),
-        unit=_int(sample, "unit"),
-        consumed_by=[str(t) for t in sample.get("consumed_by") or ()],
-        tags=_struct(sample.get("tags")),
-        lost=bool(sample.get("lost", False)),
+        sample_id=sample.sample_id,
+        fields=sample.fields,
+        sequence_length=sample.sequence_length,
+        unit=sample.unit,
+        consumed_by=sample.consumed_by,
+        tags=_struct(sample.tags),
+        lost=sample.lost,
     )
 
 
@@ -157,26 +148,25 @@ def preview_message(name: str, raw: dict) -> admin_pb2.FieldPreview:
 
 def stats_message(pull: StatsPull) -> admin_pb2.StatsSnapshot:
     """One WatchStats message from a round of actor snapshots."""
-    ctrl = pull.controller or {}
     partitions = pull.partitions()
     errors_by_type: dict[str, int] = {}
-    for stats in [ctrl.get("stats")] + [(u or {}).get("stats") for u in pull.units]:
-        for kind, n in ((stats or {}).get("errors") or {}).items():
+    for stats in [pull.controller.stats] + [u.stats for u in pull.units if u is not None]:
+        for kind, n in (stats.get("errors") or {}).items():
             errors_by_type[kind] = errors_by_type.get(kind, 0) + int(n)
     units = []
     for position, snap in enumerate(pull.units):
         if snap is None:
             units.append(admin_pb2.UnitStats(index=position, alive=False))
             continue
-        stats = snap.get("stats")
+        stats = snap.stats
         units.append(
             admin_pb2.UnitStats(
-                index=int(snap.get("index", position)),
-                node_id=str(snap.get("node_id", "")),
+                index=snap.index,
+                node_id=snap.node_id,
                 alive=True,
-                bytes=_int(snap, "bytes"),
-                samples=_int(snap, "samples"),
-                capacity_bytes=_int(snap, "capacity_bytes"),
+                bytes=snap.bytes,
+                samples=snap.samples,
+                capacity_bytes=snap.capacity_bytes,
                 put_bytes_total=int(counter(stats, "put_bytes_total")),
                 get_bytes_total=int(counter(stats, "get_bytes_total")),
                 put_requests_total=int(counter(stats, "put_requests_total")),
@@ -185,9 +175,9 @@ def stats_message(pull: StatsPull) -> admin_pb2.StatsSnapshot:
         )
     return admin_pb2.StatsSnapshot(
         timestamp=pull.timestamp,
-        claims_waiting=_int(ctrl, "claims_waiting"),
-        num_samples=sum(_int(p, "num_samples") for p in partitions),
-        bytes=sum(_int(p, "bytes") for p in partitions),
+        claims_waiting=pull.controller.claims_waiting,
+        num_samples=sum(p.num_samples for p in partitions),
+        bytes=sum(p.bytes for p in partitions),
         put_bytes_total=sum(u.put_bytes_total for u in units),
         get_bytes_total=sum(u.get_bytes_total for u in units),
         put_requests_total=sum(u.put_requests_total for u in units),
@@ -195,9 +185,7 @@ def stats_message(pull: StatsPull) -> admin_pb2.StatsSnapshot:
         errors=errors_by_type,
         partitions=[
             admin_pb2.PartitionStats(
-                partition_id=str(p.get("partition_id", "")),
-                num_samples=_int(p, "num_samples"),
-                bytes=_int(p, "bytes"),
+                partition_id=p.partition_id, num_samples=p.num_samples, bytes=p.bytes
             )
             for p in partitions
         ],
@@ -233,27 +221,27 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def GetServiceInfo(self, request, context):
         info = self.sources.call("service_info", timeout_s=self._timeout(context))
         return admin_pb2.ServiceInfo(
-            name=str(info.get("name", "")),
-            namespace=str(info.get("namespace", "")),
-            version=str(info.get("version", "")),
-            started_at=_float(info, "started_at"),
-            uptime_s=_float(info, "uptime_s"),
-            draining=bool(info.get("draining", False)),
-            num_partitions=_int(info, "num_partitions"),
-            num_samples=_int(info, "num_samples"),
-            bytes=_int(info, "bytes"),
-            capacity_bytes=_int(info, "capacity_bytes"),
+            name=info.name,
+            namespace=info.namespace,
+            version=info.version,
+            started_at=info.started_at,
+            uptime_s=info.uptime_s,
+            draining=info.draining,
+            num_partitions=info.num_partitions,
+            num_samples=info.num_samples,
+            bytes=info.bytes,
+            capacity_bytes=info.capacity_bytes,
             units=[
                 admin_pb2.UnitInfo(
-                    index=_int(u, "index"),
-                    node_id=str(u.get("node_id") or ""),
-                    node_ip=str(u.get("node_ip") or ""),
-                    alive=bool(u.get("alive", False)),
-                    bytes=_int(u, "bytes"),
-                    samples=_int(u, "samples"),
-                    capacity_bytes=_int(u, "capacity_bytes"),
+                    index=u.index,
+                    node_id=u.node_id,
+                    node_ip=u.node_ip,
+                    alive=u.alive,
+                    bytes=u.bytes,
+                    samples=u.samples,
+                    capacity_bytes=u.capacity_bytes,
                 )
-                for u in info.get("units") or ()
+                for u in info.units
             ],
         )
 
@@ -263,12 +251,12 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.ListPartitionsResponse(
             partitions=[
                 admin_pb2.PartitionSummary(
-                    partition_id=str(p.get("partition_id", "")),
-                    num_samples=_int(p, "num_samples"),
-                    bytes=_int(p, "bytes"),
-                    fields=[str(f) for f in p.get("fields") or ()],
-                    consumer_tasks=[str(t) for t in p.get("consumer_tasks") or ()],
-                    created_at=_float(p, "created_at"),
+                    partition_id=p.partition_id,
+                    num_samples=p.num_samples,
+                    bytes=p.bytes,
+                    fields=p.fields,
+                    consumer_tasks=p.consumer_tasks,
+                    created_at=p.created_at,
                 )
                 for p in rows
             ]
@@ -279,33 +267,31 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         pid = _require(request.partition_id, "partition_id")
         d = self.sources.call("describe_partition", pid, timeout_s=self._timeout(context))
         out = admin_pb2.PartitionDescription(
-            partition_id=str(d.get("partition_id", pid)),
-            num_samples=_int(d, "num_samples"),
-            created_at=_float(d, "created_at"),
+            partition_id=d.partition_id,
+            num_samples=d.num_samples,
+            created_at=d.created_at,
             fields=[
                 admin_pb2.FieldInfo(
-                    name=str(f.get("name", "")),
-                    dtype=str(f.get("dtype") or ""),
-                    layout=LAYOUTS.get(str(f.get("layout")), admin_pb2.LAYOUT_UNSPECIFIED),
-                    trailing_shape=[int(x) for x in f.get("trailing_shape") or ()],
-                    produced=_int(f, "produced"),
+                    name=f.name,
+                    dtype=f.dtype,
+                    layout=LAYOUTS.get(f.layout, admin_pb2.LAYOUT_UNSPECIFIED),
+                    trailing_shape=f.trailing_shape,
+                    produced=f.produced,
                 )
-                for f in d.get("fields") or ()
+                for f in d.fields
             ],
             consumption=[
-                admin_pb2.TaskConsumption(task=str(c.get("task", "")), consumed=_int(c, "consumed"))
-                for c in d.get("consumption") or ()
+                admin_pb2.TaskConsumption(task=c.task, consumed=c.consumed) for c in d.consumption
             ],
-            pending_claims=_int(d, "pending_claims"),
+            pending_claims=d.pending_claims,
             bytes_per_unit=[
-                admin_pb2.UnitBytes(unit=_int(b, "unit"), bytes=_int(b, "bytes"))
-                for b in d.get("bytes_per_unit") or ()
+                admin_pb2.UnitBytes(unit=i, bytes=b) for i, b in enumerate(d.bytes_per_unit)
             ],
         )
-        if d.get("expected_samples") is not None:
-            out.expected_samples = int(d["expected_samples"])
-        if d.get("group_size") is not None:
-            out.group_size = int(d["group_size"])
+        if d.expected_samples is not None:
+            out.expected_samples = d.expected_samples
+        if d.group_size is not None:
+            out.group_size = d.group_size
         return out
 
     @_unary
@@ -332,11 +318,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             limit,
             timeout_s=self._timeout(context),
         )
-        next_offset = page.get("next_offset")
         return admin_pb2.ListSamplesResponse(
-            samples=[sample_message(s) for s in page.get("samples") or ()],
-            total=_int(page, "total"),
-            next_page_token=str(int(next_offset)) if next_offset is not None else "",
+            samples=[sample_message(s) for s in page.samples],
+            total=page.total,
+            next_page_token=str(page.next_offset) if page.next_offset is not None else "",
         )
 
     @_unary
@@ -349,11 +334,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         timeout = self._timeout(context)
         sample = self.sources.call("sample_status", pid, sid, timeout_s=timeout)
         out = admin_pb2.GetSampleResponse(partition_id=pid, sample=sample_message(sample))
-        if sample.get("lost"):
+        if sample.lost:
             return out  # its bytes are gone with its unit: nothing to preview
         fields = list(request.fields) or None
         raw = self.sources.call_unit(
-            _int(sample, "unit"), "preview", pid, sid, fields, max_elems, timeout_s=timeout
+            sample.unit, "preview", pid, sid, fields, max_elems, timeout_s=timeout
         )
         for name in fields or list(raw):
             if name in raw:
@@ -363,12 +348,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     @_unary
     def ClearPartition(self, request, context):
         pid = _require(request.partition_id, "partition_id")
-        done = self.sources.client().clear_samples(None, pid) or {}
-        logger.warning("admin: cleared partition %r: %s", pid, done)
+        done = self.sources.client().clear_samples(None, pid)
+        logger.warning("admin: deleted partition %r: %s", pid, done)
         return admin_pb2.ClearPartitionResponse(
-            partition_id=pid,
-            cleared_samples=_int(done, "cleared"),
-            bytes_freed=_int(done, "bytes_freed"),
+            partition_id=pid, cleared_samples=done.cleared, bytes_freed=done.bytes_freed
         )
 
     def WatchStats(self, request, context):

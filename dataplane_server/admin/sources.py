@@ -16,6 +16,8 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from dataplane_client.messages import ControllerSnapshot, UnitSnapshot, as_message
+
 DEFAULT_TIMEOUT_S = 10.0
 
 
@@ -25,31 +27,31 @@ def unwrap(exc: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else exc
 
 
+@dataclass(frozen=True)
+class PartitionFigures:
+    partition_id: str
+    num_samples: int
+    bytes: int  # summed over the units that answered
+
+
 @dataclass
 class StatsPull:
     """One round of snapshots: the controller's, and each unit's (None = unreachable)."""
 
     timestamp: float
-    controller: dict[str, Any]
-    units: list[dict[str, Any] | None]
+    controller: ControllerSnapshot
+    units: list[UnitSnapshot | None]
 
-    def partitions(self) -> list[dict[str, Any]]:
-        """{"partition_id", "num_samples", "bytes"} per partition; bytes summed over the
-        units' ``partition_bytes`` when the controller does not report them itself."""
-        rows = []
-        for p in (self.controller or {}).get("partitions") or ():
-            pid = str(p.get("partition_id", ""))
-            held = p.get("bytes")
-            if held is None:
-                held = sum(((u or {}).get("partition_bytes") or {}).get(pid, 0) for u in self.units)
-            rows.append(
-                {
-                    "partition_id": pid,
-                    "num_samples": int(p.get("num_samples") or 0),
-                    "bytes": int(held),
-                }
+    def partitions(self) -> list[PartitionFigures]:
+        """Every live partition with its samples and the bytes the units hold for it."""
+        return [
+            PartitionFigures(
+                partition_id=p.partition_id,
+                num_samples=p.num_samples,
+                bytes=sum(u.partition_bytes.get(p.partition_id, 0) for u in self.units if u),
             )
-        return rows
+            for p in self.controller.partitions
+        ]
 
 
 class ActorSources:
@@ -103,12 +105,14 @@ class ActorSources:
         units = self.units(timeout_s)
         unit_refs = [u.metrics_snapshot.remote() for u in units]
         controller = self.call("metrics_snapshot", timeout_s=max(0.0, deadline - time.monotonic()))
-        unit_snaps: list[dict[str, Any] | None] = []
+        unit_snaps: list[UnitSnapshot | None] = []
         for ref in unit_refs:
             try:
-                unit_snaps.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+                answer = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except (RayActorError, RayTaskError, GetTimeoutError):
                 unit_snaps.append(None)
+                continue
+            unit_snaps.append(as_message(UnitSnapshot, answer))
         return StatsPull(timestamp=time.time(), controller=controller, units=unit_snaps)
 
 

@@ -39,7 +39,7 @@ def main() -> None:
     units = [ray.get(u.ping.remote()) for u in handle.units]
     out["unit_nodes"] = [u["node_id"] for u in units]
     c = handle.client()
-    c.register_partition("p", fields=["x"])
+    c.register_partition("p", ["x"], None, ["t"])
     ids = [f"s{i}" for i in range(40)]
     rows = [torch.arange(i + 1, dtype=torch.float32) for i in range(40)]
     c.put_samples(ids, "p", {"x": rows})

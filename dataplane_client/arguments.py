@@ -1,0 +1,121 @@
+"""Argument checks shared by the client (before anything is staged) and the controller.
+
+Each check raises the typed error a caller should see (``InvalidBatch`` is a
+``ValueError``), naming what was wrong, and returns the value in the form the
+rest of the code relies on (a list, an int, a float).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+
+from dataplane_client.errors import InvalidBatch
+from dataplane_client.meta import duplicated
+
+MAX_ID_BYTES = 1024
+
+
+def id_list(ids: Any, what: str = "sample ids", *, partition_id: str | None = None) -> list[str]:
+    """A non-empty list/tuple of distinct non-empty str, each at most MAX_ID_BYTES long."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+        raise InvalidBatch(
+            f"{what} must be a list or tuple of str, got {type(ids).__name__}",
+            partition_id=partition_id,
+        )
+    ids = list(ids)
+    if not ids:
+        raise InvalidBatch(f"{what}: at least one is needed", partition_id=partition_id)
+    bad = [s for s in ids if not isinstance(s, str) or not s]
+    if bad:
+        raise InvalidBatch(f"{what} must be non-empty str", ids=bad, partition_id=partition_id)
+    long = [s[:40] + "..." for s in ids if len(s.encode()) > MAX_ID_BYTES]
+    if long:
+        raise InvalidBatch(
+            f"{what} must be at most {MAX_ID_BYTES} bytes", ids=long, partition_id=partition_id
+        )
+    dups = duplicated(ids)
+    if dups:
+        raise InvalidBatch(f"duplicate {what}", ids=dups, partition_id=partition_id)
+    return ids
+
+
+def partition_name(partition_id: Any) -> str:
+    if not isinstance(partition_id, str) or not partition_id:
+        raise InvalidBatch(f"partition_id must be a non-empty str, got {partition_id!r}")
+    if len(partition_id.encode()) > MAX_ID_BYTES:
+        raise InvalidBatch(f"partition_id must be at most {MAX_ID_BYTES} bytes")
+    return partition_id
+
+
+def name_list(names: Any, what: str, *, allow_empty: bool = False) -> list[str]:
+    """Field or task names: a list/tuple of non-empty str (a bare str is rejected)."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, (list, tuple)):
+        raise InvalidBatch(f"{what} must be a list or tuple of str, got {type(names).__name__}")
+    names = list(names)
+    if not names and not allow_empty:
+        raise InvalidBatch(f"{what} must name at least one", fields=[])
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+        raise InvalidBatch(f"{what} must be non-empty str, got {bad!r}")
+    return names
+
+
+def count(value: Any, what: str, *, minimum: int) -> int:
+    """An int (bool and float rejected) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidBatch(f"{what} must be an int, got {value!r}")
+    if value < minimum:
+        raise InvalidBatch(f"{what} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def optional_count(value: Any, what: str, *, minimum: int) -> int | None:
+    return None if value is None else count(value, what, minimum=minimum)
+
+
+def seconds(value: Any, what: str) -> float:
+    """A finite, non-negative number of seconds (NaN and inf rejected)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidBatch(f"{what} must be a number of seconds, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise InvalidBatch(f"{what} must be finite and >= 0, got {value}")
+    return value
+
+
+def tag_list(tags: Any, n: int, *, partition_id: str | None = None) -> list[dict] | None:
+    """One dict of msgpack-able values per sample; a group_id must be hashable."""
+    if tags is None:
+        return None
+    if isinstance(tags, (str, bytes, dict)) or not isinstance(tags, Sequence):
+        raise InvalidBatch(
+            "tags must be a list of dicts, one per sample", partition_id=partition_id
+        )
+    if len(tags) != n:
+        raise InvalidBatch(f"{len(tags)} tags for {n} sample ids", partition_id=partition_id)
+    out = []
+    for i, t in enumerate(tags):
+        if t is not None and not isinstance(t, dict):
+            raise InvalidBatch(f"tags[{i}] must be a dict, got {type(t).__name__}")
+        t = dict(t or {})
+        if "group_id" in t:
+            try:
+                hash(t["group_id"])
+            except TypeError:
+                raise InvalidBatch(
+                    f"tags[{i}]['group_id'] must be hashable, got {type(t['group_id']).__name__}",
+                    partition_id=partition_id,
+                ) from None
+        try:
+            msgpack.packb(t)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InvalidBatch(
+                f"tags[{i}] must hold msgpack-able values (str, numbers, lists, dicts): {e}",
+                partition_id=partition_id,
+            ) from None
+        out.append(t)
+    return out

@@ -1,0 +1,526 @@
+"""The key space: partitions, rows, produced bits, consumption and leases. No Ray, no asyncio.
+
+Per partition the metadata is columnar (numpy arrays grown geometrically, one
+entry per row): live bit, sequence length, storage unit, one produced bit per
+field, and per consumer task a consumed bit (plus, for a leased task, the
+lease's deadline, its holder and how often the row was handed out). Rows are
+never reused; a cleared row is only marked not live.
+
+A write is checked (``check_commit``: a pure function of the state, returning
+a plan or raising a typed error), its bytes are published on the units by the
+caller, then ``apply_commit`` makes it visible in one synchronous step, so the
+columns are consistent whenever the caller awaits. Time comes from an
+injected clock, so leases are tested without sleeping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dataplane_client.errors import (
+    FieldAlreadyProduced,
+    FieldNotProduced,
+    InvalidBatch,
+    LeaseExpired,
+    SamplesLost,
+    SamplesNotFound,
+    SchemaConflict,
+    UnknownPartition,
+    UnknownTask,
+)
+from dataplane_client.messages import CommitRequest, CommitResult, Location, TaskConsumption
+from dataplane_client.meta import KVBatchMeta
+from dataplane_server.columns import grown
+
+NO_LEASE = 0  # holder id of a row nobody holds
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """What ``register_partition`` said about a partition."""
+
+    fields: list[str]
+    expected_samples: int | None
+    consumer_tasks: list[str]
+    group_size: int | None
+    task_leases: dict[str, float] = field(default_factory=dict)  # task -> lease seconds
+
+
+class Partition:
+    """One partition's columns. Row r is sample ``ids[r]`` (None once cleared)."""
+
+    def __init__(self, partition_id: str, declaration: Declaration, created_at: float):
+        self.partition_id = partition_id
+        self.declaration = declaration
+        self.created_at = created_at
+        self.schema: dict[str, tuple] = {}  # field -> (layout, dtype, trailing shape)
+        self.row_of: dict[str, int] = {}
+        self.ids: list[str | None] = []
+        self.tags: list[dict | None] = []
+        self.group_of: list[Any] = []  # row -> group_id | None
+        self.group_rows: dict[Any, list[int]] = {}  # group_id -> live rows
+        self.n_rows = 0
+        self.live = np.zeros(0, dtype=bool)
+        self.seq_len = np.zeros(0, dtype=np.int32)
+        self.unit = np.zeros(0, dtype=np.int16)
+        self.produced: dict[str, np.ndarray] = {}
+        self.consumed: dict[str, np.ndarray] = {t: self.live.copy() for t in self.tasks}
+        self.lease_until: dict[str, np.ndarray] = {}  # leased task -> deadline per row
+        self.holder: dict[str, np.ndarray] = {}  # leased task -> claim id per row
+        self.deliveries: dict[str, np.ndarray] = {}  # leased task -> times handed out
+        self.waiting_claims = 0
+
+    @property
+    def tasks(self) -> list[str]:
+        return self.declaration.consumer_tasks
+
+    @property
+    def group_size(self) -> int | None:
+        return self.declaration.group_size
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.row_of)
+
+    def column(self, table: dict[str, np.ndarray], name: str, dtype=bool, fill=False):
+        """``table[name]`` with an entry for every row (created or grown on demand)."""
+        arr = table.get(name)
+        if arr is None or len(arr) < len(self.live):
+            arr = table[name] = grown(
+                arr if arr is not None else np.zeros(0, dtype=dtype), len(self.live), fill
+            )
+        return arr
+
+    def rows_of(self, sample_ids: list[str]) -> np.ndarray:
+        """Row per id, -1 for ids the partition does not hold."""
+        get = self.row_of.get
+        return np.fromiter((get(s, -1) for s in sample_ids), dtype=np.int64, count=len(sample_ids))
+
+    def existing_rows(self, sample_ids: list[str], why: str) -> np.ndarray:
+        """Row per id; SamplesNotFound naming the ids the partition does not hold."""
+        rows = self.rows_of(sample_ids)
+        if (rows < 0).any():
+            raise SamplesNotFound(
+                why,
+                ids=[s for s, r in zip(sample_ids, rows) if r < 0],
+                partition_id=self.partition_id,
+            )
+        return rows
+
+    def add_rows(self, sample_ids: list[str], units: np.ndarray) -> np.ndarray:
+        start, end = self.n_rows, self.n_rows + len(sample_ids)
+        self.live = grown(self.live, end, False)
+        self.seq_len = grown(self.seq_len, end, -1)
+        self.unit = grown(self.unit, end, -1)
+        self.row_of.update(zip(sample_ids, range(start, end)))
+        self.ids.extend(sample_ids)
+        self.tags.extend([None] * len(sample_ids))
+        self.group_of.extend([None] * len(sample_ids))
+        self.live[start:end] = True
+        self.unit[start:end] = units
+        self.n_rows = end
+        return np.arange(start, end, dtype=np.int64)
+
+    def forget(self, rows: list[int]) -> None:
+        for r in rows:
+            sid = self.ids[r]
+            if sid is not None:
+                self.row_of.pop(sid, None)
+                self.ids[r] = None
+            self.live[r] = False
+            gid = self.group_of[r]
+            if gid is not None and r in self.group_rows.get(gid, ()):
+                self.group_rows[gid].remove(r)
+
+    def fields_of(self, row: int) -> list[str]:
+        return [f for f, col in self.produced.items() if len(col) > row and col[row]]
+
+
+@dataclass(frozen=True)
+class CommitPlan:
+    """A checked commit: apply it after the units published its bytes."""
+
+    partition: Partition
+    request: CommitRequest
+    rows: np.ndarray  # -1 for samples the commit creates
+
+
+def _produced_everywhere(part: Partition, names: list[str], rows: np.ndarray) -> list[str]:
+    return [f for f in names if f in part.produced and part.produced[f][rows].all()]
+
+
+class KeySpace:
+    """Every partition of one service, and which storage units are alive."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.partitions: dict[str, Partition] = {}
+        self.unit_alive: list[bool] = []
+        # (partition, sample) -> (unit, fields) of commits publishing right now.
+        self._in_flight: dict[tuple[str, str], tuple[int, set[str]]] = {}
+        self._next_claim_id = NO_LEASE + 1
+        self.redeliveries_total = 0
+
+    # ---- partitions ---------------------------------------------------------------
+    def partition(self, partition_id: str) -> Partition:
+        part = self.partitions.get(partition_id)
+        if part is None:
+            raise UnknownPartition("no such partition", partition_id=partition_id)
+        return part
+
+    def register(self, partition_id: str, declaration: Declaration) -> Partition | None:
+        """Create the partition, replacing any of that id; returns the replaced one."""
+        unknown = sorted(set(declaration.task_leases) - set(declaration.consumer_tasks))
+        if unknown:
+            raise UnknownTask(
+                f"task_leases names tasks that are not consumer tasks: {unknown}",
+                partition_id=partition_id,
+            )
+        old = self.partitions.pop(partition_id, None)
+        self.partitions[partition_id] = Partition(partition_id, declaration, time.time())
+        return old
+
+    def delete(self, partition_id: str) -> Partition:
+        part = self.partition(partition_id)
+        del self.partitions[partition_id]
+        return part
+
+    def task_of(self, part: Partition, task: str) -> str:
+        if task not in part.tasks:
+            raise UnknownTask(
+                f"task {task!r} is not a consumer task of this partition "
+                f"(registered: {part.tasks})",
+                partition_id=part.partition_id,
+            )
+        return task
+
+    # ---- commit -------------------------------------------------------------------
+    def check_commit(self, req: CommitRequest) -> CommitPlan | CommitResult:
+        """A plan for the commit, or a CommitResult naming samples to re-route; changes nothing
+        but the reservation of the plan's cells (release it with ``release``)."""
+        part = self.partition(req.partition_id)
+        pid, names, ids = req.partition_id, list(req.schemas), req.sample_ids
+        for name, schema in req.schemas.items():
+            known = part.schema.get(name)
+            if known is not None and tuple(known) != tuple(schema):
+                raise SchemaConflict(
+                    f"field is {tuple(known)}, this write has {tuple(schema)}",
+                    fields=[name],
+                    partition_id=pid,
+                )
+        rows = part.rows_of(ids)
+        units = np.asarray(req.units, dtype=np.int64)
+        # Where each sample lives: its row, else a commit creating it right now.
+        home = np.where(rows >= 0, part.unit[np.maximum(rows, 0)] if part.n_rows else -1, -1)
+        busy: list[str] = []
+        for i, s in enumerate(ids):
+            flight = self._in_flight.get((pid, s))
+            if flight is not None:
+                if rows[i] < 0:
+                    home[i] = flight[0]
+                if flight[1] & set(names):
+                    busy.append(s)
+        moved = np.nonzero((home >= 0) & (home != units))[0]
+        if len(moved):
+            return CommitResult(rerouted={ids[i]: int(home[i]) for i in moved})
+        old = rows >= 0
+        dead = [ids[i] for i in np.nonzero(old)[0] if not self.unit_alive[part.unit[rows[i]]]]
+        dead += [s for s, u in zip(ids, req.units) if not self.unit_alive[u] and s not in dead]
+        if dead:
+            raise SamplesLost("their storage unit is gone", ids=dead, partition_id=pid)
+        if not req.overwrite and old.any():
+            for name in names:
+                col = part.produced.get(name)
+                hit = [ids[i] for i in np.nonzero(old)[0] if col is not None and col[rows[i]]]
+                if hit:
+                    raise FieldAlreadyProduced(
+                        "field already produced (pass overwrite=True to replace it)",
+                        ids=hit,
+                        fields=[name],
+                        partition_id=pid,
+                    )
+        if busy:
+            raise FieldAlreadyProduced(
+                "another writer is committing these cells right now",
+                ids=busy,
+                fields=names,
+                partition_id=pid,
+            )
+        if part.group_size is not None:
+            tags = req.tags or [{}] * len(ids)
+            ungrouped = [s for i, s in enumerate(ids) if not old[i] and "group_id" not in tags[i]]
+            if ungrouped:
+                raise InvalidBatch(
+                    "partition has group_size: every new sample needs a group_id tag",
+                    ids=ungrouped,
+                    partition_id=pid,
+                )
+        for s, u in zip(ids, req.units):
+            unit, fields = self._in_flight.setdefault((pid, s), (u, set()))
+            fields.update(names)
+        return CommitPlan(part, req, rows)
+
+    def release(self, plan: CommitPlan) -> None:
+        """Drop the plan's reservation (after apply, or when publishing failed)."""
+        pid, names = plan.request.partition_id, set(plan.request.schemas)
+        for s in plan.request.sample_ids:
+            flight = self._in_flight.get((pid, s))
+            if flight is not None:
+                flight[1].difference_update(names)
+                if not flight[1]:
+                    del self._in_flight[(pid, s)]
+
+    def apply_commit(self, plan: CommitPlan) -> CommitResult:
+        """Make a published write visible. Raises (changing nothing) when its partition was
+        deleted or some of its existing samples were cleared while it was publishing."""
+        req, part = plan.request, plan.partition
+        self.release(plan)
+        if self.partitions.get(req.partition_id) is not part:
+            raise UnknownPartition(
+                "partition deleted while the write was in flight", partition_id=req.partition_id
+            )
+        rows = plan.rows.copy()
+        vanished = [s for s, r in zip(req.sample_ids, rows) if r >= 0 and not part.live[r]]
+        if vanished:
+            raise SamplesNotFound(
+                "samples cleared while the write was in flight",
+                ids=vanished,
+                partition_id=req.partition_id,
+            )
+        new = np.nonzero(rows < 0)[0]
+        if len(new):
+            units = np.asarray(req.units, dtype=np.int16)[new]
+            rows[new] = part.add_rows([req.sample_ids[i] for i in new], units)
+        for name, schema in req.schemas.items():
+            part.schema.setdefault(name, tuple(schema))
+            part.column(part.produced, name)[rows] = True
+        if req.sequence_lengths is not None:
+            lengths = np.asarray(req.sequence_lengths, dtype=np.int32)
+            unset = part.seq_len[rows] < 0
+            part.seq_len[rows[unset]] = lengths[unset]
+        for r, t in zip(rows.tolist(), req.tags or ()):
+            if t:
+                merged = part.tags[r] = {**(part.tags[r] or {}), **t}
+                gid = merged.get("group_id")
+                if gid is not None and part.group_of[r] is None:
+                    part.group_of[r] = gid
+                    part.group_rows.setdefault(gid, []).append(r)
+        return CommitResult(sequence_lengths=part.seq_len[rows].tolist())
+
+    # ---- reads --------------------------------------------------------------------
+    def locate(self, partition_id: str, sample_ids: list[str], fields: list[str]) -> Location:
+        """Validate a read; say where each sample's bytes live."""
+        part = self.partition(partition_id)
+        rows = part.existing_rows(sample_ids, "unknown or cleared samples")
+        units = part.unit[rows]
+        lost = ~np.asarray(self.unit_alive, dtype=bool)[units]
+        if lost.any():
+            raise SamplesLost(
+                "their storage unit is gone",
+                ids=[s for s, x in zip(sample_ids, lost) if x],
+                partition_id=partition_id,
+            )
+        for name in fields:
+            col = part.produced.get(name)
+            ok = col[rows] if col is not None else np.zeros(len(rows), dtype=bool)
+            if not ok.all():
+                raise FieldNotProduced(
+                    "field not produced for these samples",
+                    ids=[s for s, x in zip(sample_ids, ok) if not x],
+                    fields=[name],
+                    partition_id=partition_id,
+                )
+        return Location(fields=list(fields), units=units.tolist())
+
+    def lookup_units(self, partition_id: str, sample_ids: list[str]) -> list[int]:
+        """Recorded unit per sample (-1 = not written yet)."""
+        part = self.partition(partition_id)
+        return [int(part.unit[r]) if r >= 0 else -1 for r in part.rows_of(sample_ids)]
+
+    # ---- claims -------------------------------------------------------------------
+    def _claimable(self, part: Partition, task: str, required: list[str]) -> np.ndarray:
+        n = part.n_rows
+        ok = part.live[:n].copy()
+        for name in required:
+            col = part.produced.get(name)
+            if col is None:
+                return np.zeros(0, dtype=np.int64)
+            ok &= col[:n]
+        ok &= ~part.column(part.consumed, task)[:n]
+        if task in part.declaration.task_leases:
+            ok &= part.column(part.lease_until, task, np.float64, 0.0)[:n] <= self.clock()
+        ok &= np.asarray(self.unit_alive, dtype=bool)[part.unit[:n]]
+        return np.nonzero(ok)[0]
+
+    def _pick(self, part: Partition, ready: np.ndarray, batch_size: int) -> np.ndarray:
+        """Up to ``batch_size`` ready rows in row order; whole complete groups only."""
+        if part.group_size is None:
+            return ready[:batch_size]
+        ready_set = set(ready.tolist())
+        chosen: list[int] = []
+        seen: set = set()
+        for r in ready.tolist():
+            gid = part.group_of[r]
+            if gid is None or gid in seen:
+                continue
+            seen.add(gid)
+            members = part.group_rows[gid]
+            if len(members) == part.group_size and ready_set.issuperset(members):
+                if len(chosen) + len(members) > batch_size:
+                    break
+                chosen.extend(sorted(members))
+        return np.asarray(chosen, dtype=np.int64)
+
+    def ready_count(self, part: Partition, task: str, required: list[str], batch_size: int) -> int:
+        return len(self._pick(part, self._claimable(part, task, required), batch_size))
+
+    def claim(
+        self,
+        part: Partition,
+        task: str,
+        required: list[str],
+        batch_size: int,
+        *,
+        partial_ok: bool,
+        dp_rank: int | None = None,
+    ) -> KVBatchMeta | None:
+        """Hand out a batch (marking it consumed or leased), or None when none is due yet.
+
+        A full batch is always due; so is the tail of a partition of known size;
+        anything non-empty is due when ``partial_ok``.
+        """
+        self.task_of(part, task)
+        if part.group_size and batch_size % part.group_size:
+            raise InvalidBatch(
+                f"batch_size {batch_size} is not a multiple of group_size "
+                f"{part.group_size}; groups are never split",
+                partition_id=part.partition_id,
+            )
+        rows = self._pick(part, self._claimable(part, task, required), batch_size)
+        expected = part.declaration.expected_samples
+        left = None if expected is None else expected - self._consumed_or_held(part, task)
+        tail = left is not None and 0 < len(rows) >= min(batch_size, left)
+        if not (len(rows) >= batch_size or tail or (partial_ok and len(rows))):
+            return None
+        extra: dict[str, Any] = {} if dp_rank is None else {"dp_rank": dp_rank}
+        lease = part.declaration.task_leases.get(task)
+        if lease is None:
+            part.column(part.consumed, task)[rows] = True
+        else:
+            claim_id = self._next_claim_id
+            self._next_claim_id += 1
+            part.column(part.lease_until, task, np.float64, 0.0)[rows] = self.clock() + lease
+            part.column(part.holder, task, np.int64, NO_LEASE)[rows] = claim_id
+            deliveries = part.column(part.deliveries, task, np.int32, 0)
+            self.redeliveries_total += int((deliveries[rows] > 0).sum())
+            deliveries[rows] += 1
+            extra["lease_id"] = claim_id
+        tags = [part.tags[r] or {} for r in rows.tolist()]
+        return KVBatchMeta(
+            partition_id=part.partition_id,
+            task_name=task,
+            sample_ids=[part.ids[r] for r in rows.tolist()],
+            fields=_produced_everywhere(part, list(part.schema), rows),
+            sequence_lengths=part.seq_len[rows].tolist(),
+            extra_info=extra,
+            tags=tags if any(tags) else None,
+        )
+
+    def _consumed_or_held(self, part: Partition, task: str) -> int:
+        n = part.n_rows
+        done = part.column(part.consumed, task)[:n].copy()
+        if task in part.declaration.task_leases:
+            done |= part.column(part.lease_until, task, np.float64, 0.0)[:n] > self.clock()
+        return int(done.sum())
+
+    def next_lease_expiry(self, part: Partition, task: str) -> float | None:
+        """When the earliest lease of the task runs out (None: no lease held)."""
+        if task not in part.declaration.task_leases:
+            return None
+        n = part.n_rows
+        held = part.column(part.lease_until, task, np.float64, 0.0)[:n]
+        held = held[(held > self.clock()) & ~part.column(part.consumed, task)[:n]]
+        return float(held.min()) if len(held) else None
+
+    def ack(self, partition_id: str, task: str, sample_ids: list[str], claim_id: int) -> int:
+        """Acknowledge leased samples: they are done for the task. Returns how many.
+
+        An ack after the lease expired is harmless while nobody re-claimed the
+        samples (the work was done once); if another claim holds them now, the
+        ack is refused (LeaseExpired) and changes nothing: the new holder owns them.
+        """
+        part = self.partition(partition_id)
+        self.task_of(part, task)
+        if task not in part.declaration.task_leases:
+            raise InvalidBatch(
+                f"task {task!r} has no lease: its claims need no ack", partition_id=partition_id
+            )
+        rows = part.existing_rows(sample_ids, "unknown or cleared samples")
+        holder = part.column(part.holder, task, np.int64, NO_LEASE)
+        consumed = part.column(part.consumed, task)
+        stolen = [s for s, r in zip(sample_ids, rows) if holder[r] != claim_id and not consumed[r]]
+        if stolen:
+            raise LeaseExpired(
+                f"lease {claim_id} of task {task!r} expired and another claim holds these now",
+                ids=stolen,
+                partition_id=partition_id,
+            )
+        fresh = rows[~consumed[rows]]
+        consumed[fresh] = True
+        part.column(part.lease_until, task, np.float64, 0.0)[fresh] = 0.0
+        return len(fresh)
+
+    def reset_consumption(self, partition_id: str, task: str) -> None:
+        """Re-open the partition for the task: every live sample is claimable again."""
+        part = self.partition(partition_id)
+        self.task_of(part, task)
+        for table in (part.consumed, part.lease_until, part.holder):
+            if task in table:
+                table[task][:] = 0
+
+    def consumption(self, part: Partition, task: str) -> TaskConsumption:
+        self.task_of(part, task)
+        n = part.n_rows
+        live = part.live[:n]
+        consumed = int((part.column(part.consumed, task)[:n] & live).sum())
+        total = int(live.sum())
+        expected = part.declaration.expected_samples
+        lease = part.declaration.task_leases.get(task)
+        leased = redelivered = 0
+        if lease is not None:
+            held = part.column(part.lease_until, task, np.float64, 0.0)[:n] > self.clock()
+            leased = int((held & live & ~part.column(part.consumed, task)[:n]).sum())
+            extra = part.column(part.deliveries, task, np.int32, 0)[:n] - 1
+            redelivered = int(np.clip(extra[live], 0, None).sum())
+        return TaskConsumption(
+            task=task,
+            consumed=consumed,
+            total=total,
+            expected=expected,
+            done=consumed >= (expected if expected is not None else total),
+            leased=leased,
+            lease_s=lease,
+            redeliveries=redelivered,
+        )
+
+    def redeliveries_of(self, part: Partition, row: int) -> int:
+        return sum(max(int(col[row]) - 1, 0) for col in part.deliveries.values() if len(col) > row)
+
+    # ---- clearing -----------------------------------------------------------------
+    def clear_samples(self, partition_id: str, sample_ids: list[str]) -> dict[int, list[str]]:
+        """Forget samples (clearing acknowledges them); returns their ids per live unit."""
+        part = self.partition(partition_id)
+        rows = part.existing_rows(sample_ids, "cannot clear unknown samples")
+        by_unit: dict[int, list[str]] = {}
+        for s, r in zip(sample_ids, rows.tolist()):
+            by_unit.setdefault(int(part.unit[r]), []).append(s)
+        part.forget(rows.tolist())
+        return {u: ids for u, ids in by_unit.items() if self.unit_alive[u]}
+
+    def live_units(self) -> list[int]:
+        return [u for u, ok in enumerate(self.unit_alive) if ok]

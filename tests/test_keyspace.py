@@ -1,0 +1,361 @@
+"""The key space without Ray: commit check/apply, claims, groups, leases, clearing.
+
+Every test runs in milliseconds; time is an injected clock, never a sleep.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dataplane_client.errors import (
+    DataPlaneError,
+    FieldAlreadyProduced,
+    FieldNotProduced,
+    InvalidBatch,
+    LeaseExpired,
+    SamplesLost,
+    SamplesNotFound,
+    SchemaConflict,
+    UnknownPartition,
+    UnknownTask,
+)
+from dataplane_client.messages import CommitRequest, CommitResult
+from dataplane_server.keyspace import CommitPlan, Declaration, KeySpace
+
+DENSE_F32 = ("dense", "float32", ())
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def _space(units=2, clock=None) -> KeySpace:
+    ks = KeySpace(clock or Clock())
+    ks.unit_alive = [True] * units
+    return ks
+
+
+def _register(ks, pid="p", tasks=("t",), group_size=None, num_samples=None, leases=None):
+    ks.register(
+        pid,
+        Declaration(
+            fields=["x"],
+            expected_samples=num_samples,
+            consumer_tasks=list(tasks),
+            group_size=group_size,
+            task_leases=dict(leases or {}),
+        ),
+    )
+    return ks.partition(pid)
+
+
+def _request(ids, pid="p", units=None, fields=("x",), tags=None, overwrite=False):
+    units = list(units) if units is not None else [0] * len(ids)
+    return CommitRequest(
+        partition_id=pid,
+        write_id="w",
+        sample_ids=list(ids),
+        units=units,
+        schemas={f: DENSE_F32 for f in fields},
+        sequence_lengths=None,
+        tags=tags,
+        overwrite=overwrite,
+        staged_units=sorted(set(units)),
+    )
+
+
+def _write(ks, ids, **kw):
+    plan = ks.check_commit(_request(ids, **kw))
+    assert isinstance(plan, CommitPlan)
+    return ks.apply_commit(plan)
+
+
+def test_a_checked_commit_is_invisible_until_applied():
+    ks = _space()
+    part = _register(ks)
+    plan = ks.check_commit(_request(["a", "b"]))
+    assert part.n_rows == 0  # nothing added while the bytes are being published
+    assert ks.claim(part, "t", ["x"], 2, partial_ok=True) is None
+    ks.apply_commit(plan)
+    assert ks.claim(part, "t", ["x"], 2, partial_ok=False).sample_ids == ["a", "b"]
+
+
+def test_concurrent_commits_of_the_same_cells_conflict_and_the_loser_reroutes():
+    ks = _space()
+    _register(ks)
+    first = ks.check_commit(_request(["a"], units=[0]))
+    with pytest.raises(FieldAlreadyProduced, match="committing these cells"):
+        ks.check_commit(_request(["a"], units=[0]))
+    # Another field of the same new sample staged on another unit: sent where the first went.
+    moved = ks.check_commit(_request(["a"], units=[1], fields=("y",)))
+    assert moved == CommitResult(rerouted={"a": 0})
+    ks.apply_commit(first)
+    with pytest.raises(FieldAlreadyProduced, match="overwrite"):
+        ks.check_commit(_request(["a"]))
+    _write(ks, ["a"], overwrite=True)
+
+
+def test_schema_conflict_and_dead_units_are_rejected_without_changes():
+    ks = _space()
+    part = _register(ks)
+    _write(ks, ["a"])
+    bad = CommitRequest("p", "w", ["b"], [0], {"x": ("dense", "int64", ())}, None, None, False, [0])
+    with pytest.raises(SchemaConflict):
+        ks.check_commit(bad)
+    ks.unit_alive[1] = False
+    with pytest.raises(SamplesLost):
+        ks.check_commit(_request(["c"], units=[1]))
+    assert part.num_samples == 1
+
+
+def test_apply_after_delete_or_clear_raises_typed_and_adds_nothing():
+    ks = _space()
+    _register(ks)
+    plan = ks.check_commit(_request(["a"]))
+    ks.delete("p")
+    with pytest.raises(UnknownPartition):
+        ks.apply_commit(plan)
+    part = _register(ks)
+    _write(ks, ["a"])
+    plan = ks.check_commit(_request(["a"], fields=("y",)))
+    ks.clear_samples("p", ["a"])
+    with pytest.raises(SamplesNotFound):
+        ks.apply_commit(plan)
+    assert part.num_samples == 0 and "y" not in part.produced
+
+
+def test_locate_names_the_missing_samples_and_fields():
+    ks = _space()
+    _register(ks)
+    _write(ks, ["a", "b"], units=[0, 1])
+    assert ks.locate("p", ["b", "a"], ["x"]).units == [1, 0]
+    with pytest.raises(SamplesNotFound) as e:
+        ks.locate("p", ["a", "zz"], ["x"])
+    assert e.value.ids == ["zz"]
+    with pytest.raises(FieldNotProduced) as e:
+        ks.locate("p", ["a"], ["y"])
+    assert e.value.fields == ["y"]
+
+
+def test_unknown_task_is_a_key_error_naming_the_task():
+    ks = _space()
+    part = _register(ks, tasks=["train"])
+    with pytest.raises(UnknownTask, match="trian") as e:
+        ks.claim(part, "trian", ["x"], 1, partial_ok=True)
+    assert isinstance(e.value, KeyError)
+
+
+def test_group_claims_take_whole_complete_groups():
+    ks = _space()
+    part = _register(ks, group_size=2)
+    with pytest.raises(InvalidBatch, match="group_id"):
+        ks.check_commit(_request(["z"]))
+    tags = [{"group_id": g} for g in ["g0", "g1", "g0"]]
+    _write(ks, ["a", "b", "c"], tags=tags)
+    with pytest.raises(InvalidBatch, match="multiple of group_size"):
+        ks.claim(part, "t", ["x"], 3, partial_ok=True)
+    assert ks.claim(part, "t", ["x"], 4, partial_ok=True).sample_ids == ["a", "c"]
+    assert ks.claim(part, "t", ["x"], 2, partial_ok=True) is None
+
+
+def test_known_size_partition_releases_its_tail():
+    ks = _space()
+    part = _register(ks, num_samples=3)
+    _write(ks, ["a", "b", "c"])
+    assert ks.claim(part, "t", ["x"], 2, partial_ok=False).size == 2
+    assert ks.claim(part, "t", ["x"], 2, partial_ok=False).sample_ids == ["c"]
+
+
+def test_register_again_replaces_the_partition():
+    ks = _space()
+    _register(ks)
+    _write(ks, ["a"])
+    old = ks.register("p", Declaration(["y"], None, ["u"], None))
+    assert old is not None and old.num_samples == 1
+    assert ks.partition("p").num_samples == 0 and ks.partition("p").tasks == ["u"]
+
+
+def test_consumption_is_a_per_task_bool_over_every_sample():
+    ks = _space()
+    part = _register(ks, tasks=["lp", "ref"])
+    _write(ks, ["a", "b"])
+    ks.claim(part, "lp", ["x"], 2, partial_ok=True)
+    assert ks.consumption(part, "lp").done and not ks.consumption(part, "ref").done
+    with pytest.raises(UnknownTask):
+        ks.consumption(part, "nope")
+
+
+# ---- leases ------------------------------------------------------------------------
+
+
+def test_an_expired_lease_hands_the_samples_out_once_more():
+    clock = Clock()
+    ks = _space(clock=clock)
+    part = _register(ks, tasks=["train"], leases={"train": 30.0})
+    _write(ks, ["a", "b"])
+    first = ks.claim(part, "train", ["x"], 2, partial_ok=True)
+    assert first.sample_ids == ["a", "b"]
+    assert ks.claim(part, "train", ["x"], 2, partial_ok=True) is None  # held
+    assert ks.next_lease_expiry(part, "train") == clock.now + 30.0
+    clock.now += 30.0
+    second = ks.claim(part, "train", ["x"], 2, partial_ok=True)
+    assert second.sample_ids == ["a", "b"]
+    assert ks.claim(part, "train", ["x"], 2, partial_ok=True) is None  # never two holders
+    assert ks.redeliveries_total == 2
+    assert ks.redeliveries_of(part, part.row_of["a"]) == 1
+    # The first holder lost them: its ack is refused and changes nothing.
+    with pytest.raises(LeaseExpired) as e:
+        ks.ack("p", "train", ["a"], first.extra_info["lease_id"])
+    assert e.value.ids == ["a"]
+    assert ks.ack("p", "train", ["a", "b"], second.extra_info["lease_id"]) == 2
+    clock.now += 100.0
+    assert ks.claim(part, "train", ["x"], 2, partial_ok=True) is None  # acked: done
+    assert ks.consumption(part, "train").done
+
+
+def test_a_late_ack_is_harmless_while_nobody_reclaimed():
+    clock = Clock()
+    ks = _space(clock=clock)
+    part = _register(ks, tasks=["train"], leases={"train": 5.0})
+    _write(ks, ["a"])
+    meta = ks.claim(part, "train", ["x"], 1, partial_ok=True)
+    clock.now += 10.0
+    assert ks.ack("p", "train", ["a"], meta.extra_info["lease_id"]) == 1
+    assert ks.claim(part, "train", ["x"], 1, partial_ok=True) is None
+
+
+def test_unacked_leased_samples_are_not_consumed_and_reset_reopens():
+    ks = _space()
+    part = _register(ks, tasks=["train", "ref"], leases={"train": 5.0})
+    _write(ks, ["a"])
+    ks.claim(part, "train", ["x"], 1, partial_ok=True)
+    detail = ks.consumption(part, "train")
+    assert (detail.consumed, detail.leased, detail.done) == (0, 1, False)
+    ks.claim(part, "ref", ["x"], 1, partial_ok=True)
+    ks.reset_consumption("p", "ref")
+    assert ks.claim(part, "ref", ["x"], 1, partial_ok=True).sample_ids == ["a"]
+
+
+def test_clearing_leased_samples_acknowledges_them():
+    clock = Clock()
+    ks = _space(clock=clock)
+    part = _register(ks, tasks=["train"], leases={"train": 5.0})
+    _write(ks, ["a", "b"])
+    ks.claim(part, "train", ["x"], 2, partial_ok=True)
+    ks.clear_samples("p", ["a", "b"])
+    clock.now += 10.0
+    assert ks.claim(part, "train", ["x"], 2, partial_ok=True) is None
+
+
+def test_leases_name_registered_tasks_only():
+    ks = _space()
+    with pytest.raises(UnknownTask):
+        _register(ks, tasks=["train"], leases={"trian": 5.0})
+
+
+# ---- properties --------------------------------------------------------------------
+
+_IDS = [f"s{i}" for i in range(12)]
+_op = st.one_of(
+    st.tuples(
+        st.just("commit"),
+        st.lists(st.sampled_from(_IDS), min_size=1, max_size=4, unique=True),
+        st.sampled_from(["x", "y"]),
+        st.integers(0, 1),
+        st.sampled_from(["g0", "g1", "g2"]),
+    ),
+    st.tuples(st.just("claim"), st.sampled_from(["a", "b"]), st.integers(1, 6), st.booleans()),
+    st.tuples(st.just("clear"), st.lists(st.sampled_from(_IDS), min_size=1, max_size=3)),
+    st.tuples(st.just("tick"), st.floats(0, 20)),
+    st.tuples(st.just("ack"), st.integers(0, 5)),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(_op, max_size=40), group=st.sampled_from([None, 2]))
+def test_random_commits_claims_clears_keep_every_invariant(ops, group):
+    clock = Clock()
+    ks = _space(clock=clock)
+    part = _register(ks, tasks=["a", "b"], group_size=group, leases={"b": 5.0})
+    rows_to_a: list[int] = []  # rows are never reused, so a row is one sample's one life
+    held_until: dict[int, float] = {}  # task b's lease per row
+    acked: set[int] = set()
+    metas = []
+    for op in ops:
+        try:
+            if op[0] == "commit":
+                _, ids, name, unit, gid = op
+                tags = [{"group_id": gid}] * len(ids)
+                plan = ks.check_commit(
+                    _request(ids, units=[unit] * len(ids), fields=(name,), tags=tags)
+                )
+                if isinstance(plan, CommitPlan):
+                    ks.apply_commit(plan)
+            elif op[0] == "claim":
+                _, task, size, partial = op
+                size = size * group if group else size
+                meta = ks.claim(part, task, ["x"], size, partial_ok=partial)
+                if meta is None:
+                    continue
+                rows = [part.row_of[s] for s in meta.sample_ids]
+                # Only rows whose required field is produced, and never a split group.
+                assert part.produced["x"][rows].all()
+                if group:
+                    gids = [part.group_of[r] for r in rows]
+                    assert all(gids.count(g) == group for g in set(gids))
+                if task == "a":
+                    rows_to_a.extend(rows)
+                else:  # never two holders at once; never again once acknowledged
+                    assert all(clock.now >= held_until.get(r, -1.0) for r in rows)
+                    assert not acked & set(rows)
+                    held_until.update(dict.fromkeys(rows, clock.now + 5.0))
+                metas.append(meta)
+            elif op[0] == "clear":
+                ks.clear_samples("p", sorted(set(op[1])))
+            elif op[0] == "tick":
+                clock.now += op[1]
+            elif op[0] == "ack" and metas:
+                meta = metas[op[1] % len(metas)]
+                if meta.task_name == "b":
+                    ks.ack("p", "b", meta.sample_ids, meta.extra_info["lease_id"])
+                    acked.update(part.row_of[s] for s in meta.sample_ids)
+        except DataPlaneError:
+            pass  # typed refusals are fine; anything else fails the test
+    assert len(rows_to_a) == len(set(rows_to_a))  # without a lease: at most once
+    n = part.n_rows
+    assert len(part.live) >= n and len(part.unit) >= n and len(part.seq_len) >= n
+    assert all((part.ids[r] is None) != bool(part.live[r]) for r in range(n))
+    assert set(part.row_of) == {s for s in part.ids if s is not None}
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    batches=st.lists(
+        st.lists(st.sampled_from(_IDS), min_size=1, max_size=5, unique=True), max_size=8
+    ),
+    sizes=st.lists(st.integers(1, 5), max_size=10),
+)
+def test_without_a_lease_each_sample_reaches_a_task_at_most_once(batches, sizes):
+    ks = _space()
+    part = _register(ks)
+    for ids in batches:
+        fresh = [s for s in ids if s not in part.row_of]
+        if fresh:
+            _write(ks, fresh)
+    handed = []
+    for size in sizes:
+        meta = ks.claim(part, "t", ["x"], size, partial_ok=True)
+        if meta is not None:
+            handed.extend(meta.sample_ids)
+    assert len(handed) == len(set(handed))
+    assert set(handed) <= set(part.row_of)
+    consumed = part.column(part.consumed, "t")[: part.n_rows]
+    assert int(consumed.sum()) == len(handed)
+    assert np.array_equal(
+        np.sort(np.nonzero(consumed)[0]), np.sort([part.row_of[s] for s in handed])
+    )
