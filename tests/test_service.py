@@ -523,3 +523,178 @@ def test_zero_copy_reads_are_private_copies_on_write(ray_session):
         assert torch.equal(shuffled, original.flip(0))
     finally:
         handle.shutdown()
+
+
+# ---- the NeMo-RL contract, leases, validation ------------------------------------------
+
+
+def test_unknown_task_is_a_key_error_naming_it(client):
+    pid = _pid()
+    client.register_partition(pid, ["x"], None, ["train"])
+    client.put_samples(["a"], pid, {"x": torch.zeros(1)})
+    with pytest.raises(KeyError, match="trian"):
+        client.claim_meta(pid, "trian", ["x"], 1, blocking=False)
+    with pytest.raises(KeyError, match="trian"):
+        client.check_consumption_status(pid, ["trian"])
+    assert client.claim_meta(pid, "train", ["x"], 1, blocking=False).sample_ids == ["a"]
+
+
+def test_get_needs_fields_named(client):
+    pid = _pid()
+    client.register_partition(pid, ["x"], None, ["t"])
+    meta = client.put_samples(["a"], pid, {"x": torch.zeros(1)})
+    no_fields = KVBatchMeta(partition_id=pid, task_name=None, sample_ids=["a"])
+    with pytest.raises(ValueError, match="fields"):
+        client.get_data(no_fields)
+    with pytest.raises(ValueError, match="select_fields"):
+        client.get_samples(["a"], pid, [])
+    assert client.get_data(meta)["x"].tolist() == [0.0]  # meta.fields is enough
+
+
+def test_deleting_a_partition_fails_its_waiting_claims_and_drops_it_everywhere(service, client):
+    pid = _pid()
+    client.register_partition(pid, ["x"], None, ["t"])
+    client.put_samples(["a"], pid, {"x": torch.zeros(1)})
+
+    @ray.remote
+    def claimer(name, namespace, pid):
+        try:
+            connect(name, namespace).claim_meta(pid, "t", ["x"], 4, timeout_s=60)
+        except UnknownPartition as e:
+            return f"UnknownPartition: {e}"
+        return "claimed"
+
+    before = _claims_waiting(service)
+    ref = claimer.remote(service.config.name, service.config.namespace, pid)
+    _wait_until(lambda: _claims_waiting(service) > before, "the claim to block")
+    assert client.delete_partition(pid).cleared == 1
+    assert "deleted while the claim waited" in ray.get(ref, timeout=30)
+    snapshot = ray.get(service.controller.metrics_snapshot.remote())
+    assert pid not in {p.partition_id for p in snapshot.partitions}
+    assert client.service_info().num_partitions == len(snapshot.partitions)
+    with pytest.raises(UnknownPartition):
+        client.put_samples(["b"], pid, {"x": torch.zeros(1)})
+
+
+def test_a_killed_consumer_loses_nothing_for_a_leased_task(service, client):
+    pid = _pid()
+    lease_s = 1.0
+    client.register_partition(pid, ["x"], 8, ["train"], task_leases={"train": lease_s})
+    ids = [f"L{i}" for i in range(8)]
+    client.put_samples(ids, pid, {"x": torch.arange(8.0)})
+
+    @ray.remote
+    class Consumer:
+        def __init__(self, name, namespace):
+            self.c = connect(name, namespace)
+
+        def claim(self, pid, n):
+            return self.c.claim_meta(pid, "train", ["x"], n, timeout_s=30).sample_ids
+
+    doomed = Consumer.remote(service.config.name, service.config.namespace)
+    held = ray.get(doomed.claim.remote(pid, 4), timeout=30)
+    ray.kill(doomed)  # dies holding its claim, never acknowledging it
+    got = []
+    while len(got) < 8:  # the other 4 at once; the dead consumer's 4 when its lease runs out
+        meta = client.claim_meta(pid, "train", ["x"], 4, timeout_s=30)
+        assert not set(meta.sample_ids) & set(got)  # never two holders at once
+        got.extend(meta.sample_ids)
+        assert client.ack(meta) == meta.size
+    assert sorted(got) == sorted(ids)
+    assert client.check_consumption_status(pid, ["train"]) is True
+    redelivered = [ray.get(service.controller.sample_status.remote(pid, s)) for s in held]
+    assert [s.redeliveries for s in redelivered] == [1] * 4
+    (detail,) = client.consumption_detail(pid, ["train"])
+    assert (detail.consumed, detail.leased, detail.redeliveries) == (8, 0, 4)
+    stats = ray.get(service.controller.metrics_snapshot.remote()).stats
+    assert stats["counters"]["redeliveries_total"] >= 4
+    # reset_consumption re-opens the partition for the task.
+    client.reset_consumption(pid, "train")
+    assert client.claim_meta(pid, "train", ["x"], 8, blocking=False).size == 8
+
+
+@pytest.mark.parametrize(
+    ("call", "needle"),
+    [
+        (lambda c, p: c.put_samples("ab", p, {"x": torch.zeros(2)}), "list or tuple"),
+        (lambda c, p: c.put_samples(["a" * 2000], p, {"x": torch.zeros(1)}), "1024 bytes"),
+        (lambda c, p: c.put_samples([""], p, {"x": torch.zeros(1)}), "non-empty"),
+        (
+            lambda c, p: c.put_samples(["a"], p, {"x": torch.zeros(1)}, tags=[{"group_id": [1]}]),
+            "hashable",
+        ),
+        (
+            lambda c, p: c.put_samples(["a"], p, {"x": torch.zeros(1)}, tags=[{"k": object()}]),
+            "msgpack",
+        ),
+        (lambda c, p: c.claim_meta(p, "t", ["x"], 2.7), "int"),
+        (lambda c, p: c.claim_meta(p, "t", ["x"], True), "int"),
+        (lambda c, p: c.claim_meta(p, "t", ["x"], 0), ">= 1"),
+        (lambda c, p: c.claim_meta(p, "t", ["x"], 1, timeout_s=float("nan")), "finite"),
+        (lambda c, p: c.claim_meta(p, "t", "x", 1), "list or tuple"),
+        (lambda c, p: c.get_samples(["a"], p, "x"), "list or tuple"),
+        (lambda c, p: c.clear_samples("a", p), "list or tuple"),
+        (lambda c, p: c.register_partition(p, ["x"], 2.5, ["t"]), "int"),
+        (lambda c, p: c.register_partition(p, ["x"], None, ["t"], task_leases={"t": -1}), ">= 0"),
+    ],
+)
+def test_bad_arguments_are_typed_errors_that_change_nothing(client, call, needle):
+    pid = _pid()
+    client.register_partition(pid, ["x"], None, ["t"], grpo_group_size=1)
+    with pytest.raises(InvalidBatch, match=needle):
+        call(client, pid)
+    d = client.describe_partition(pid)
+    assert d.num_samples == 0 and d.group_size == 1
+    assert ray.get(client._controller.list_samples.remote(pid)).total == 0
+
+
+def test_concurrent_commits_and_claims_never_raise_an_untyped_error(service):
+    """Many writers and claimers at once on one controller: only typed errors, no lost rows."""
+    pid = _pid()
+
+    @ray.remote
+    class Mixer:
+        def __init__(self, name, namespace):
+            self.c = connect(name, namespace)
+
+        async def run(self, pid, seed):
+            import random
+
+            from dataplane_client.errors import DataPlaneError
+
+            rng = random.Random(seed)
+            untyped, claimed = [], []
+
+            async def one(i):
+                try:
+                    if rng.random() < 0.5:
+                        ids = [f"{seed}-{i}-{j}" for j in range(rng.randint(1, 6))]
+                        await self.c.put_samples_async(ids, pid, {"x": torch.zeros(len(ids), 2)})
+                        await self.c.put_samples_async(ids, pid, {"y": torch.ones(len(ids))})
+                    else:
+                        meta = await self.c.claim_meta_async(
+                            pid, "t", ["x", "y"], rng.randint(1, 5), blocking=False
+                        )
+                        claimed.extend(meta.sample_ids if meta else [])
+                except DataPlaneError:
+                    pass
+                except Exception as e:  # noqa: BLE001 - exactly what this test looks for
+                    untyped.append(repr(e))
+
+            await asyncio.gather(*[one(i) for i in range(150)])
+            return untyped, claimed
+
+    c = service.client()
+    c.register_partition(pid, ["x", "y"], None, ["t"])
+    mixers = [Mixer.remote(service.config.name, service.config.namespace) for _ in range(3)]
+    try:
+        outs = ray.get([m.run.remote(pid, k) for k, m in enumerate(mixers)], timeout=300)
+    finally:
+        for m in mixers:
+            ray.kill(m)
+    assert [u for untyped, _ in outs for u in untyped] == []
+    claimed = [s for _, ids in outs for s in ids]
+    assert len(claimed) == len(set(claimed))
+    rest = c.claim_meta(pid, "t", ["x", "y"], 10_000, blocking=False)
+    everything = claimed + (rest.sample_ids if rest else [])
+    assert len(everything) == len(set(everything)) == c.describe_partition(pid).num_samples
