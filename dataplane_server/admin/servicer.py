@@ -10,6 +10,7 @@ error's message, which names the offending partition / ids / fields.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -119,16 +120,20 @@ def _struct(mapping: dict | None) -> struct_pb2.Struct:
     return out
 
 
+def _proto(cls, message: Any, **overrides: Any):
+    """Protobuf ``cls`` from a message's attributes of the same names (None = unset)."""
+    names = cls.DESCRIPTOR.fields_by_name
+    values = {
+        f.name: getattr(message, f.name)
+        for f in dataclasses.fields(message)
+        if f.name in names and f.name not in overrides
+    }
+    values.update(overrides)
+    return cls(**{k: v for k, v in values.items() if v is not None})
+
+
 def sample_message(sample: messages.SampleStatus) -> admin_pb2.SampleInfo:
-    return admin_pb2.SampleInfo(
-        sample_id=sample.sample_id,
-        fields=sample.fields,
-        sequence_length=sample.sequence_length,
-        unit=sample.unit,
-        consumed_by=sample.consumed_by,
-        tags=_struct(sample.tags),
-        lost=sample.lost,
-    )
+    return _proto(admin_pb2.SampleInfo, sample, tags=_struct(sample.tags))
 
 
 def preview_message(name: str, raw: dict) -> admin_pb2.FieldPreview:
@@ -220,79 +225,39 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     @_unary
     def GetServiceInfo(self, request, context):
         info = self.sources.call("service_info", timeout_s=self._timeout(context))
-        return admin_pb2.ServiceInfo(
-            name=info.name,
-            namespace=info.namespace,
-            version=info.version,
-            started_at=info.started_at,
-            uptime_s=info.uptime_s,
-            draining=info.draining,
-            num_partitions=info.num_partitions,
-            num_samples=info.num_samples,
-            bytes=info.bytes,
-            capacity_bytes=info.capacity_bytes,
-            units=[
-                admin_pb2.UnitInfo(
-                    index=u.index,
-                    node_id=u.node_id,
-                    node_ip=u.node_ip,
-                    alive=u.alive,
-                    bytes=u.bytes,
-                    samples=u.samples,
-                    capacity_bytes=u.capacity_bytes,
-                )
-                for u in info.units
-            ],
+        return _proto(
+            admin_pb2.ServiceInfo,
+            info,
+            units=[_proto(admin_pb2.UnitInfo, u) for u in info.units],
         )
 
     @_unary
     def ListPartitions(self, request, context):
         rows = self.sources.call("list_partitions", timeout_s=self._timeout(context))
         return admin_pb2.ListPartitionsResponse(
-            partitions=[
-                admin_pb2.PartitionSummary(
-                    partition_id=p.partition_id,
-                    num_samples=p.num_samples,
-                    bytes=p.bytes,
-                    fields=p.fields,
-                    consumer_tasks=p.consumer_tasks,
-                    created_at=p.created_at,
-                )
-                for p in rows
-            ]
+            partitions=[_proto(admin_pb2.PartitionSummary, p) for p in rows]
         )
 
     @_unary
     def DescribePartition(self, request, context):
         pid = _require(request.partition_id, "partition_id")
         d = self.sources.call("describe_partition", pid, timeout_s=self._timeout(context))
-        out = admin_pb2.PartitionDescription(
-            partition_id=d.partition_id,
-            num_samples=d.num_samples,
-            created_at=d.created_at,
+        return _proto(
+            admin_pb2.PartitionDescription,
+            d,
             fields=[
-                admin_pb2.FieldInfo(
-                    name=f.name,
-                    dtype=f.dtype,
+                _proto(
+                    admin_pb2.FieldInfo,
+                    f,
                     layout=LAYOUTS.get(f.layout, admin_pb2.LAYOUT_UNSPECIFIED),
-                    trailing_shape=f.trailing_shape,
-                    produced=f.produced,
                 )
                 for f in d.fields
             ],
-            consumption=[
-                admin_pb2.TaskConsumption(task=c.task, consumed=c.consumed) for c in d.consumption
-            ],
-            pending_claims=d.pending_claims,
+            consumption=[_proto(admin_pb2.TaskConsumption, c) for c in d.consumption],
             bytes_per_unit=[
                 admin_pb2.UnitBytes(unit=i, bytes=b) for i, b in enumerate(d.bytes_per_unit)
             ],
         )
-        if d.expected_samples is not None:
-            out.expected_samples = d.expected_samples
-        if d.group_size is not None:
-            out.group_size = d.group_size
-        return out
 
     @_unary
     def ListSamples(self, request, context):
