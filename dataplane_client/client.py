@@ -437,7 +437,11 @@ class DataPlaneClient:
 
     @_rpc_verb
     def ack(self, meta: KVBatchMeta) -> int:
-        """Acknowledge a leased claim (or a slice of it): its samples are done for its task."""
+        """Acknowledge a leased claim (or a slice of it): its samples are done for its task.
+
+        Late acks are harmless while nobody re-claimed the samples; once another
+        claim holds them, the ack raises LeaseExpired and changes nothing.
+        """
         lease_id = meta.extra_info.get("lease_id")
         if lease_id is None or meta.task_name is None:
             raise InvalidBatch(

@@ -698,3 +698,20 @@ def test_concurrent_commits_and_claims_never_raise_an_untyped_error(service):
     rest = c.claim_meta(pid, "t", ["x", "y"], 10_000, blocking=False)
     everything = claimed + (rest.sample_ids if rest else [])
     assert len(everything) == len(set(everything)) == c.describe_partition(pid).num_samples
+
+
+@pytest.mark.slow
+def test_three_hundred_steps_leave_the_partition_count_where_it_began(service, client):
+    def counts():
+        snapshot = ray.get(service.controller.metrics_snapshot.remote())
+        return len(snapshot.partitions), client.service_info().num_partitions
+
+    before = counts()
+    for step in range(300):
+        pid = f"step-{uuid.uuid4().hex[:6]}-{step}"
+        client.register_partition(pid, ["x"], 2, ["train"])
+        client.put_samples(["a", "b"], pid, {"x": torch.zeros(2)})
+        client.check_consumption_status(pid, ["train"])
+        assert client.claim_meta(pid, "train", ["x"], 2).size == 2
+        client.clear_samples(None, pid)
+    assert counts() == before
