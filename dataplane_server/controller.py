@@ -189,10 +189,11 @@ class Controller:
                 partition_id=request.partition_id,
             )
         try:
-            result = self.keys.apply_commit(plan)
+            result, cleared_meanwhile = self.keys.apply_commit(plan)
         except UnknownPartition:
             await self._unpublish(request, request.staged_units)
             raise
+        await self._free_on_units(request.partition_id, cleared_meanwhile)
         self.stats.inc("commits_total")
         self.stats.inc("committed_samples_total", len(request.sample_ids))
         await self._wake(request.partition_id)

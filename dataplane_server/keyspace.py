@@ -275,42 +275,56 @@ class KeySpace:
                 if not flight[1]:
                     del self._in_flight[(pid, s)]
 
-    def apply_commit(self, plan: CommitPlan) -> CommitResult:
-        """Make a published write visible. Raises (changing nothing) when its partition was
-        deleted or some of its existing samples were cleared while it was publishing."""
+    def apply_commit(self, plan: CommitPlan) -> tuple[CommitResult, dict[int, list[str]]]:
+        """Make a published write visible.
+
+        Also returns, per unit, the samples a concurrent clear removed while the
+        write was publishing: the write counts as done before that clear, so the
+        caller frees their freshly published bytes. Raises UnknownPartition,
+        changing nothing, when the partition itself was deleted meanwhile.
+        """
         req, part = plan.request, plan.partition
         self.release(plan)
         if self.partitions.get(req.partition_id) is not part:
             raise UnknownPartition(
                 "partition deleted while the write was in flight", partition_id=req.partition_id
             )
-        rows = plan.rows.copy()
-        vanished = [s for s, r in zip(req.sample_ids, rows) if r >= 0 and not part.live[r]]
-        if vanished:
-            raise SamplesNotFound(
-                "samples cleared while the write was in flight",
-                ids=vanished,
-                partition_id=req.partition_id,
-            )
-        new = np.nonzero(rows < 0)[0]
+        # A sample the plan found may have been cleared since; one it did not find may have
+        # been created since by a commit of other fields (on the same unit: check_commit sends
+        # every commit of a sample in flight to one unit).
+        rows = part.rows_of(req.sample_ids)
+        gone = (plan.rows >= 0) & (rows != plan.rows)
+        cleared: dict[int, list[str]] = {}
+        for i in np.nonzero(gone)[0].tolist():
+            cleared.setdefault(req.units[i], []).append(req.sample_ids[i])
+        new = np.nonzero((rows < 0) & ~gone)[0]
         if len(new):
             units = np.asarray(req.units, dtype=np.int16)[new]
             rows[new] = part.add_rows([req.sample_ids[i] for i in new], units)
+        keep = np.nonzero(~gone)[0]
+        written = rows[keep]
         for name, schema in req.schemas.items():
             part.schema.setdefault(name, tuple(schema))
-            part.column(part.produced, name)[rows] = True
+            part.column(part.produced, name)[written] = True
         if req.sequence_lengths is not None:
-            lengths = np.asarray(req.sequence_lengths, dtype=np.int32)
-            unset = part.seq_len[rows] < 0
-            part.seq_len[rows[unset]] = lengths[unset]
-        for r, t in zip(rows.tolist(), req.tags or ()):
-            if t:
-                merged = part.tags[r] = {**(part.tags[r] or {}), **t}
-                gid = merged.get("group_id")
-                if gid is not None and part.group_of[r] is None:
-                    part.group_of[r] = gid
-                    part.group_rows.setdefault(gid, []).append(r)
-        return CommitResult(sequence_lengths=part.seq_len[rows].tolist())
+            given = np.asarray(req.sequence_lengths, dtype=np.int32)[keep]
+            unset = part.seq_len[written] < 0
+            part.seq_len[written[unset]] = given[unset]
+        for i in keep.tolist():
+            tag = req.tags[i] if req.tags else None
+            if tag:
+                self._merge_tags(part, int(rows[i]), tag)
+        lengths = np.full(len(rows), -1, dtype=np.int64)
+        lengths[keep] = part.seq_len[written]
+        return CommitResult(sequence_lengths=lengths.tolist()), cleared
+
+    @staticmethod
+    def _merge_tags(part: Partition, row: int, tag: dict) -> None:
+        merged = part.tags[row] = {**(part.tags[row] or {}), **tag}
+        gid = merged.get("group_id")
+        if gid is not None and part.group_of[row] is None:
+            part.group_of[row] = gid
+            part.group_rows.setdefault(gid, []).append(row)
 
     # ---- reads --------------------------------------------------------------------
     def locate(self, partition_id: str, sample_ids: list[str], fields: list[str]) -> Location:

@@ -72,7 +72,9 @@ def _request(ids, pid="p", units=None, fields=("x",), tags=None, overwrite=False
 def _write(ks, ids, **kw):
     plan = ks.check_commit(_request(ids, **kw))
     assert isinstance(plan, CommitPlan)
-    return ks.apply_commit(plan)
+    result, cleared = ks.apply_commit(plan)
+    assert cleared == {}
+    return result
 
 
 def test_a_checked_commit_is_invisible_until_applied():
@@ -113,20 +115,36 @@ def test_schema_conflict_and_dead_units_are_rejected_without_changes():
     assert part.num_samples == 1
 
 
-def test_apply_after_delete_or_clear_raises_typed_and_adds_nothing():
+def test_apply_after_delete_raises_typed_and_adds_nothing():
     ks = _space()
     _register(ks)
     plan = ks.check_commit(_request(["a"]))
     ks.delete("p")
     with pytest.raises(UnknownPartition):
         ks.apply_commit(plan)
+    assert ks.register("p", Declaration(["x"], None, ["t"], None)) is None
+
+
+def test_a_clear_during_publish_wins_and_its_fresh_bytes_are_handed_back():
+    ks = _space()
     part = _register(ks)
-    _write(ks, ["a"])
-    plan = ks.check_commit(_request(["a"], fields=("y",)))
+    _write(ks, ["a", "b"], units=[0, 1])
+    plan = ks.check_commit(_request(["a", "b"], units=[0, 1], fields=("y",)))
     ks.clear_samples("p", ["a"])
-    with pytest.raises(SamplesNotFound):
-        ks.apply_commit(plan)
-    assert part.num_samples == 0 and "y" not in part.produced
+    result, cleared = ks.apply_commit(plan)
+    assert cleared == {0: ["a"]}  # published for a sample that is gone: free it on unit 0
+    assert "a" not in part.row_of and result.sequence_lengths[0] == -1
+    assert ks.locate("p", ["b"], ["x", "y"]).units == [1]
+
+
+def test_two_commits_of_one_new_sample_in_flight_make_one_row():
+    ks = _space()
+    part = _register(ks)
+    first = ks.check_commit(_request(["a"], units=[1]))
+    second = ks.check_commit(_request(["a"], units=[1], fields=("y",)))
+    ks.apply_commit(first)
+    ks.apply_commit(second)
+    assert part.n_rows == 1 and ks.locate("p", ["a"], ["x", "y"]).units == [1]
 
 
 def test_locate_names_the_missing_samples_and_fields():
@@ -295,7 +313,7 @@ def test_random_commits_claims_clears_keep_every_invariant(ops, group):
                     _request(ids, units=[unit] * len(ids), fields=(name,), tags=tags)
                 )
                 if isinstance(plan, CommitPlan):
-                    ks.apply_commit(plan)
+                    assert ks.apply_commit(plan)[1] == {}
             elif op[0] == "claim":
                 _, task, size, partial = op
                 size = size * group if group else size
