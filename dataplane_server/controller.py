@@ -121,9 +121,9 @@ class Controller:
     ) -> None:
         """Declare a partition; an existing one of that id is deleted first (bytes freed)."""
         arguments.partition_name(partition_id)
+        # Lease keys must be consumer tasks: the key space says which are not (UnknownTask).
         leases = {
-            arguments.name_list([t], "task_leases keys")[0]: arguments.seconds(s, f"lease of {t!r}")
-            for t, s in (task_leases or {}).items()
+            t: arguments.seconds(s, f"lease of {t!r}") for t, s in (task_leases or {}).items()
         }
         if any(s <= 0 for s in leases.values()):
             raise InvalidBatch("a lease must be longer than 0 s", partition_id=partition_id)
@@ -311,13 +311,16 @@ class Controller:
     @counts_errors
     def check_consumption_status(self, partition_id: str, task_names: list[str]) -> bool:
         """True iff every named task has consumed every sample of the partition."""
-        return all(t.done for t in self.consumption_detail(partition_id, task_names))
+        return all(t.done for t in self._consumption(partition_id, task_names))
 
     @counts_errors
     def consumption_detail(self, partition_id: str, task_names: list[str]) -> list[TaskConsumption]:
+        """Per task: consumed / total / expected, leases held and redeliveries."""
+        return self._consumption(partition_id, task_names)
+
+    def _consumption(self, partition_id: str, task_names: list[str]) -> list[TaskConsumption]:
         part = self.keys.partition(partition_id)
-        tasks = arguments.name_list(task_names, "task_names")
-        return [self.keys.consumption(part, t) for t in tasks]
+        return [self.keys.consumption(part, t) for t in arguments.name_list(task_names, "tasks")]
 
     # ---- clearing -----------------------------------------------------------------
     @counts_errors
