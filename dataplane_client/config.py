@@ -31,6 +31,9 @@ class DataPlaneConfig:
     # Pre-faulted shared memory a unit keeps ready for writes of the sizes it has seen
     # (taken off the write path; held in addition to the data). 0 disables it.
     unit_warm_reserve_bytes: int = 256 << 20
+    # Bytes staged by a put that is never committed are reclaimed after this many seconds
+    # (and at once when the writer's process dies).
+    stage_ttl_s: float = 30.0
     # Logical CPUs reserved per actor. 0 keeps the service from starving workers of
     # scheduling slots on small machines; raise it to pin resources in production.
     controller_num_cpus: float = 0.0

@@ -228,3 +228,45 @@ class ControllerSnapshot:
     stats: dict[str, Any]  # Stats.snapshot()
     claims_waiting: int
     partitions: list[PartitionStats]
+
+
+# ---- storage units: where bulk bytes sit in shared memory -----------------------------
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """How a same-node process opens one of a unit's shared-memory chunks.
+
+    ``path`` (``/proc/<unit pid>/fd/<n>``) names a descriptor number, which the
+    unit's kernel reuses once the chunk is freed; ``name`` is the chunk's memfd
+    name, unique for the life of the unit process, so whoever opens ``path``
+    checks it got this chunk and not a later one.
+    """
+
+    path: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ShmRegion:
+    """Where a same-node writer copies one field of a staged write: ``nbytes`` at ``offset``."""
+
+    chunk: ChunkRef
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SharedRows:
+    """Where a unit holds some rows of one field: row i is bytes [starts[i], ends[i])
+    of ``chunks[which[i]]``. ``header`` (an EncodedField without values) describes the field."""
+
+    header: Any
+    chunks: list[ChunkRef]
+    which: Any  # int64 ndarray
+    starts: Any  # int64 ndarray
+    ends: Any  # int64 ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int((self.ends - self.starts).sum())

@@ -1,28 +1,49 @@
 """Same-node shared memory for bulk bytes.
 
-A storage unit keeps each chunk in an anonymous ``memfd`` and never names it in
-a file system, so nothing leaks when a unit dies: the kernel frees the memory
-once the unit's descriptor and every mapping are gone. A client on the same
-node opens ``/proc/<unit pid>/fd/<n>`` (same user only) and
+A storage unit keeps its bytes in anonymous ``memfd`` chunks and never names
+them in a file system, so nothing leaks when a unit dies: the kernel frees the
+memory once the unit's descriptor and every mapping are gone. The unit holds
+exactly one descriptor per chunk and no mapping of its own (it copies with
+``pread``/``pwrite``), so its descriptors grow with the chunks it holds.
 
-- writes a put's bytes straight into the chunk the unit allocated (one copy);
+A client on the same node opens ``/proc/<unit pid>/fd/<n>`` (same user only) and
+
+- writes a put's bytes straight into the region the unit allocated (one copy);
 - reads by mapping the chunk copy-on-write: a contiguous selection becomes a
   writable tensor with no copy at all, and the mapping keeps the bytes alive
   even if the unit frees the chunk afterwards.
+
+Descriptor numbers are reused by the kernel, so what was opened is checked
+against the chunk's unique memfd name (:class:`ChunkChanged` on a mismatch).
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
+import secrets
 import sys
 from dataclasses import dataclass
 
 import numpy as np
 
-from dataplane_client.codec import EncodedField
+from dataplane_client.messages import ChunkRef
 
 PAGE = mmap.PAGESIZE
+
+# Test-only: called with a chunk's path just before a reader or writer opens it, so a
+# test can widen the window in which the unit may free the chunk. None in production.
+before_open = None
+
+# Chunk names are unique for the life of this process: a token per process, a serial per chunk.
+_PROCESS_TOKEN = secrets.token_hex(4)
+_SERIAL = itertools.count()
+_ZEROS = bytes(4 << 20)
+
+
+class ChunkChanged(OSError):
+    """The descriptor a unit named now holds another chunk (the one meant was freed)."""
 
 
 def supported() -> bool:
@@ -33,47 +54,81 @@ def supported() -> bool:
     )
 
 
-_ZEROS = bytes(4 << 20)
+@dataclass
+class MemFd:
+    """One shared-memory chunk as its owner holds it: a single descriptor, no mapping."""
+
+    fd: int
+    size: int
+    name: str
+
+    def ref(self) -> ChunkRef:
+        return ChunkRef(f"/proc/{os.getpid()}/fd/{self.fd}", self.name)
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        while len(view):
+            done = os.pwrite(self.fd, view, offset)
+            view, offset = view[done:], offset + done
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        view = memoryview(out)
+        while len(view):
+            done = os.preadv(self.fd, [view], offset)
+            if done <= 0:
+                raise OSError(f"chunk {self.name}: short read at offset {offset}")
+            view, offset = view[done:], offset + done
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
-def create(
-    nbytes: int, name: str = "dataplane-chunk", *, map_populated: bool = False
-) -> tuple[int, np.ndarray]:
-    """A new memfd of ``nbytes`` with every page allocated and cleared, and a writable view.
+def create(nbytes: int) -> MemFd:
+    """A new memfd of ``nbytes`` with every page allocated and cleared.
 
     The pages are written with ``pwrite`` (which releases the GIL), so the
     kernel's allocate-and-zero work on first touch is done here, and a
     background thread can do it while the owner's event loop keeps serving;
-    whoever maps the chunk later finds its pages ready. ``map_populated`` also
-    pre-faults this process's mapping, worth it when this process writes the
-    chunk itself.
+    whoever maps the chunk later finds its pages ready.
     """
+    name = f"dataplane-{_PROCESS_TOKEN}-{next(_SERIAL)}"
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         size = max(int(nbytes), 1)
         os.ftruncate(fd, size)
         for offset in range(0, size, len(_ZEROS)):
             os.pwrite(fd, memoryview(_ZEROS)[: min(len(_ZEROS), size - offset)], offset)
-        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if map_populated else 0)
-        mm = mmap.mmap(fd, size, flags=flags)
     except BaseException:
         os.close(fd)
         raise
-    return fd, np.frombuffer(mm, dtype=np.uint8)[: int(nbytes)]
+    return MemFd(fd, size, name)
 
 
-def path_of(fd: int, pid: int | None = None) -> str:
-    return f"/proc/{pid or os.getpid()}/fd/{fd}"
+def _open_verified(chunk: ChunkRef, flags: int, end: int) -> int:
+    """Open ``chunk.path`` and check it is that chunk (and holds ``end`` bytes)."""
+    if before_open is not None:
+        before_open(chunk.path)
+    fd = os.open(chunk.path, flags)
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+        if opened != f"/memfd:{chunk.name} (deleted)":
+            raise ChunkChanged(f"{chunk.path} is {opened!r} now, not chunk {chunk.name}")
+        if os.fstat(fd).st_size < end:  # mapping past the end would fault (SIGBUS) on access
+            raise ChunkChanged(f"chunk {chunk.name} is shorter than {end} bytes")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _map(
-    path: str, start: int, end: int, *, private: bool, writable: bool, populate: bool
+    chunk: ChunkRef, start: int, end: int, *, private: bool, writable: bool, populate: bool
 ) -> np.ndarray:
-    """Map bytes [start, end) of ``path``; offsets need not be page aligned."""
+    """Map bytes [start, end) of ``chunk``; offsets need not be page aligned."""
     if end <= start:
         return np.empty(0, dtype=np.uint8)
     base = start - start % PAGE
-    fd = os.open(path, os.O_RDWR if writable and not private else os.O_RDONLY)
+    fd = _open_verified(chunk, os.O_RDWR if writable and not private else os.O_RDONLY, end)
     try:
         flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
         if populate:  # fault every page in now, in bulk, rather than one fault per page later
@@ -85,35 +140,20 @@ def _map(
     return np.frombuffer(mm, dtype=np.uint8, count=end - start, offset=start - base)
 
 
-def map_for_write(path: str, nbytes: int) -> np.ndarray:
-    """A writable shared view of a unit's freshly allocated chunk."""
-    return _map(path, 0, nbytes, private=False, writable=True, populate=True)
+def map_for_write(chunk: ChunkRef, start: int, nbytes: int) -> np.ndarray:
+    """A writable shared view of a region a unit allocated for a staged write."""
+    return _map(chunk, start, start + nbytes, private=False, writable=True, populate=True)
 
 
-def map_for_read(path: str, start: int, end: int) -> np.ndarray:
+def map_for_read(chunk: ChunkRef, start: int, end: int) -> np.ndarray:
     """A read-only shared view of bytes a unit holds (the source of a gather)."""
-    return _map(path, start, end, private=False, writable=False, populate=True)
+    return _map(chunk, start, end, private=False, writable=False, populate=True)
 
 
-def map_private(path: str, start: int, end: int) -> np.ndarray:
+def map_private(chunk: ChunkRef, start: int, end: int) -> np.ndarray:
     """A writable copy-on-write view: reads share the unit's pages, writes stay private.
 
-    Not pre-faulted: a reader pays only for the pages it touches.
+    Not pre-faulted: a reader pays only for the pages it touches. Safe because a
+    unit never rewrites bytes it has published.
     """
-    return _map(path, start, end, private=True, writable=True, populate=False)
-
-
-@dataclass
-class SharedRows:
-    """Where a unit holds some rows of one field: row i is bytes [starts[i], ends[i])
-    of the chunk at ``paths[which[i]]``. ``header`` describes the field (no bytes)."""
-
-    header: EncodedField
-    paths: list[str]
-    which: np.ndarray
-    starts: np.ndarray
-    ends: np.ndarray
-
-    @property
-    def nbytes(self) -> int:
-        return int((self.ends - self.starts).sum())
+    return _map(chunk, start, end, private=True, writable=True, populate=False)

@@ -16,6 +16,7 @@ from collections.abc import Generator
 from typing import Any
 
 import numpy as np
+import ray
 
 from dataplane_client import shm
 from dataplane_client.codec import (
@@ -28,12 +29,18 @@ from dataplane_client.codec import (
     take_rows,
 )
 from dataplane_client.errors import DataPlaneError
+from dataplane_client.messages import ChunkRef, SharedRows
 
 Flow = Generator[list, list, Any]
 
 
 class SharedMemoryUnavailable(DataPlaneError):
     """This process cannot open a same-node unit's shared memory (it then uses Ray)."""
+
+
+class StagedRegionGone(SharedMemoryUnavailable):
+    """The region a unit staged for this write was reclaimed before the copy (the
+    stage expired); nothing of the write is visible, and the writer stages again."""
 
 
 class Transport:
@@ -50,6 +57,18 @@ class Transport:
             bool(use_shm and ok and node == local_node and local_node is not None)
             for node, ok in zip(unit_nodes, unit_shm)
         ]
+        self._owner = None
+
+    def _stage_owner(self) -> list:
+        """A boxed object this process owns: units reclaim our stages once it is gone.
+
+        Resolving it raises ``OwnerDiedError`` after this process dies, which is how
+        a unit learns of a writer's death without any other service. Boxed in a list
+        so Ray passes the reference itself, not its value.
+        """
+        if self._owner is None:
+            self._owner = ray.put(None)
+        return [self._owner]
 
     # ---- writes -------------------------------------------------------------------
     def stage_flow(
@@ -61,22 +80,25 @@ class Transport:
         plan: dict[int, np.ndarray],
     ) -> Flow:
         """Stage a write's rows on each unit of ``plan``; returns one result (or error) per unit."""
-        refs, headers = [], {}
+        refs, owner = [], self._stage_owner()
         for u, rows in plan.items():
             ids = [sample_ids[i] for i in rows]
             if self.shared[u]:
-                headers[u] = {k: take_rows(e, rows, header_only=True) for k, e in encoded.items()}
-                refs.append(self.units[u].alloc_shm.remote(partition_id, write_id, ids, headers[u]))
+                headers = {k: take_rows(e, rows, header_only=True) for k, e in encoded.items()}
+                call = self.units[u].alloc_shm.remote(partition_id, write_id, ids, headers, owner)
             else:
                 parts = {k: take_rows(e, rows) for k, e in encoded.items()}
-                refs.append(self.units[u].stage.remote(partition_id, write_id, ids, parts))
+                call = self.units[u].stage.remote(partition_id, write_id, ids, parts, owner)
+            refs.append(call)
         results = yield refs
         for i, (u, rows) in enumerate(plan.items()):
             if self.shared[u] and not isinstance(results[i], BaseException):
                 try:
-                    for name, path in results[i].items():
-                        dest = shm.map_for_write(path, headers[u][name].nbytes)
+                    for name, region in results[i].items():
+                        dest = shm.map_for_write(region.chunk, region.offset, region.nbytes)
                         take_rows(encoded[name], rows, out=dest)  # the one copy of a same-node put
+                except shm.ChunkChanged as e:
+                    results[i] = StagedRegionGone(f"unit {u}: {e}")
                 except OSError as e:
                     self.shared[u] = False  # e.g. another user's unit: fall back to Ray from now on
                     results[i] = SharedMemoryUnavailable(f"unit {u}: {e}")
@@ -107,22 +129,24 @@ class Transport:
 
 
 def _sources(
-    part: EncodedField | shm.SharedRows,
+    part: EncodedField | SharedRows,
 ) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
-    """(sources, which, starts, ends) of a part's rows; a source is an array or a shm path."""
-    if isinstance(part, shm.SharedRows):
-        return list(part.paths), part.which.astype(np.int64), part.starts, part.ends
+    """(sources, which, starts, ends) of a part's rows; a source is an array or a unit's chunk."""
+    if isinstance(part, SharedRows):
+        return list(part.chunks), part.which.astype(np.int64), part.starts, part.ends
     offs = row_byte_offsets(part)
     return [part.values], np.zeros(part.num_rows, dtype=np.int64), offs[:-1], offs[1:]
 
 
-def assemble(parts: list[EncodedField | shm.SharedRows], order: np.ndarray) -> Any:
+def assemble(parts: list[EncodedField | SharedRows], order: np.ndarray) -> Any:
     """Decode one field from the units' parts; output row j is concatenated row ``order[j]``.
 
     Same-node rows that are contiguous in one chunk come back as a copy-on-write
-    mapping (no copy); anything else is gathered once into a fresh buffer.
+    mapping (no copy); anything else is gathered once into a fresh buffer. A chunk
+    freed since the unit named it raises an ``OSError`` (``shm.ChunkChanged`` when
+    its descriptor now holds another chunk): the caller reads through Ray instead.
     """
-    headers = [p.header if isinstance(p, shm.SharedRows) else p for p in parts]
+    headers = [p.header if isinstance(p, SharedRows) else p for p in parts]
     first = headers[0]
     identity = bool((order == np.arange(len(order))).all())
     if len(parts) == 1 and identity and isinstance(parts[0], EncodedField):
@@ -143,12 +167,12 @@ def assemble(parts: list[EncodedField | shm.SharedRows], order: np.ndarray) -> A
         lengths = np.concatenate([h.lengths for h in headers])[order]
     key = which.astype(np.int64) << 48
     run_starts, _ = contiguous_runs(starts + key, ends + key)
-    if len(run_starts) == 1 and isinstance(sources[int(which[0])], str) and len(order):
+    if len(run_starts) == 1 and isinstance(sources[int(which[0])], ChunkRef) and len(order):
         values = shm.map_private(sources[int(which[0])], int(starts[0]), int(ends[-1]))
     else:
         buffers = []
         for i, src in enumerate(sources):
-            if isinstance(src, str):  # map only the span this read touches
+            if isinstance(src, ChunkRef):  # map only the span this read touches
                 mine = which == i
                 lo = int(starts[mine].min()) if mine.any() else 0
                 hi = int(ends[mine].max()) if mine.any() else 0

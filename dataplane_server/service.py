@@ -96,6 +96,7 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
                 config.unit_capacity_bytes,
                 config.put_wait_timeout_s,
                 warm_reserve_bytes=config.unit_warm_reserve_bytes,
+                stage_ttl_s=config.stage_ttl_s,
             )
         )
     # The controller sits beside whoever started the service, so losing a worker node

@@ -3,16 +3,18 @@
 Layout, per partition:
 
 - ``slot_of``: sample_id -> slot (a unit-local row number);
-- per field one :class:`_Column`: for every slot, which chunk holds its bytes,
+- per field one :class:`_Column`: for every slot, which block holds its bytes,
   at what offset, how many bytes (and, jagged, its first-dim length);
-- chunks: one flat ``uint8`` buffer per (write, field). A write of K samples is
-  one copy into one chunk; a read of K samples is a handful of range copies
-  (adjacent rows are merged), never K x fields small messages.
+- the bytes: one region per (write, field) in the unit's :class:`Arena` (small
+  regions share slabs). A write of K samples is one copy into one region; a read
+  of K samples is a handful of range copies (adjacent rows are merged), never
+  K x fields small messages.
 
 Writes are two-phase: ``stage`` copies bytes in under a write id (invisible),
 the controller's commit calls ``publish`` to make them the slots' bytes, or the
-client calls ``discard``. A chunk is freed when no slot points at it any more,
-so clearing returns its memory.
+client calls ``discard``. A stage nobody commits is reclaimed after its
+deadline, or as soon as its writer's process dies (see ``_sweep_stages``).
+Blocks are freed when nothing points into them, so clearing returns memory.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import asyncio
 import dataclasses
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import msgpack
@@ -29,24 +32,26 @@ import ray
 import torch
 
 from dataplane_client import shm
-from dataplane_client.codec import DENSE, DTYPES, JAGGED, OBJECT, EncodedField, gather_bytes
+from dataplane_client.codec import DENSE, DTYPES, JAGGED, OBJECT, EncodedField
 from dataplane_client.errors import (
     CapacityExceeded,
     FieldNotProduced,
     SamplesNotFound,
     SchemaConflict,
 )
+from dataplane_client.messages import SharedRows, ShmRegion, UnitInfo, UnitSnapshot
+from dataplane_server.arena import Arena
 from dataplane_server.columns import counts_errors, grown
 from dataplane_server.stats import Stats
 from dataplane_server.warm_reserve import WarmReserve
 
-STAGE_TTL_S = 600.0  # staged bytes of a writer that never committed are dropped after this
+_EXPIRED_REMEMBERED = 4096  # write ids of reclaimed stages kept to explain a late publish
 
 
 @dataclass
 class _Column:
     schema: tuple
-    chunk: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    chunk: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # block id
     offset: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     nbytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     length: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -56,13 +61,6 @@ class _Column:
         self.offset = grown(self.offset, n, 0)
         self.nbytes = grown(self.nbytes, n, 0)
         self.length = grown(self.length, n, 0)
-
-
-@dataclass
-class _Chunk:
-    buffer: np.ndarray
-    live_rows: int
-    fd: int = -1  # memfd holding the buffer (-1: private heap memory)
 
 
 @dataclass
@@ -77,9 +75,12 @@ class _Partition:
 class _Staged:
     partition_id: str
     sample_ids: list
-    fields: dict  # name -> (schema, chunk_id, row offsets, row nbytes, row lengths | None)
-    nbytes: int
-    created: float
+    fields: dict  # name -> (schema, block id, row offsets, row nbytes, row lengths | None)
+    deadline: float  # time.monotonic() after which the stage is reclaimed
+    owner: ray.ObjectRef | None  # owned by the writer's process: unresolvable once it died
+
+    def blocks(self) -> np.ndarray:
+        return np.array([block for (_, block, *_rest) in self.fields.values()], dtype=np.int64)
 
 
 @ray.remote
@@ -91,19 +92,21 @@ class StorageUnit:
         put_wait_timeout_s: float = 0.0,
         use_shm: bool = True,
         warm_reserve_bytes: int = 0,
+        stage_ttl_s: float = 30.0,
     ):
         self.index = index
         self.use_shm = bool(use_shm) and shm.supported()
         self.reserve = WarmReserve(warm_reserve_bytes if self.use_shm else 0)
         self.capacity_bytes = int(capacity_bytes)
+        self.arena = Arena(self.capacity_bytes, self.use_shm, self.reserve)
         self.put_wait_timeout_s = float(put_wait_timeout_s)
+        self.stage_ttl_s = float(stage_ttl_s)
         self.partitions: dict[str, _Partition] = {}
-        self.chunks: dict[int, _Chunk] = {}
         self.staged: dict[str, _Staged] = {}
-        self.next_chunk = 0
-        self.used_bytes = 0
+        self.expired: OrderedDict[str, str] = OrderedDict()  # write id -> why it was reclaimed
         self.stats = Stats()
         self._space = asyncio.Condition()
+        self._sweeper: asyncio.Task | None = None
         self.node_id = ray.get_runtime_context().get_node_id()
         # The address Ray registered for this node (127.0.0.1 on loopback clusters),
         # not the machine's default-route guess.
@@ -113,14 +116,12 @@ class StorageUnit:
         )
 
     # ---- identity / health ------------------------------------------------------
-    def ping(self) -> dict:
-        return {
-            "index": self.index,
-            "node_id": self.node_id,
-            "node_ip": self.node_ip,
-            "pid": os.getpid(),
-            "shm": self.use_shm,
-        }
+    def ping(self) -> UnitInfo:
+        return UnitInfo(self.index, self.node_id, self.node_ip, os.getpid(), self.use_shm)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.arena.used_bytes
 
     # ---- write path ---------------------------------------------------------------
     async def stage(
@@ -129,13 +130,18 @@ class StorageUnit:
         write_id: str,
         sample_ids: list[str],
         encoded: dict[str, EncodedField],
+        owner: list | None = None,
     ) -> int:
-        """Copy a write's bytes in (through Ray), invisible until publish. Returns bytes staged."""
-        chunks = await self._stage(partition_id, write_id, sample_ids, encoded, header_only=False)
+        """Copy a write's bytes in (through Ray), invisible until publish. Returns bytes staged.
+
+        ``owner``: ``[ObjectRef]`` owned by the writer's process (see ``_sweep_stages``).
+        """
+        regions = await self._stage(
+            partition_id, write_id, sample_ids, encoded, owner, header_only=False
+        )
         for name, enc in encoded.items():
-            if name in chunks:
-                self.chunks[chunks[name]].buffer[:] = enc.values  # out of the object store
-        return self.staged[write_id].nbytes
+            self.arena.write(*regions[name], enc.values)  # out of the object store
+        return sum(enc.nbytes for enc in encoded.values())
 
     async def alloc_shm(
         self,
@@ -143,20 +149,27 @@ class StorageUnit:
         write_id: str,
         sample_ids: list[str],
         headers: dict[str, EncodedField],
-    ) -> dict[str, str]:
+        owner: list | None = None,
+    ) -> dict[str, ShmRegion]:
         """Stage a same-node write whose bytes the client copies into shared memory itself.
 
-        Returns, per bulk field, the path the client opens to write the chunk.
-        The write stays invisible until the controller's commit publishes it,
-        which the client only asks for after its copy is complete.
+        Returns, per field, the region the client maps to write its bytes. The
+        write stays invisible until the controller's commit publishes it, which
+        the client only asks for after its copy is complete.
         """
-        chunks = await self._stage(partition_id, write_id, sample_ids, headers, header_only=True)
-        return {name: shm.path_of(self.chunks[c].fd) for name, c in chunks.items()}
+        regions = await self._stage(
+            partition_id, write_id, sample_ids, headers, owner, header_only=True
+        )
+        return {
+            name: ShmRegion(self.arena.ref(block), offset, headers[name].nbytes)
+            for name, (block, offset) in regions.items()
+        }
 
     @counts_errors
     async def _stage(
-        self, partition_id, write_id, sample_ids, encoded, *, header_only
-    ) -> dict[str, int]:
+        self, partition_id, write_id, sample_ids, encoded, owner, *, header_only
+    ) -> dict[str, tuple[int, int]]:
+        """Validate, wait for room, allocate one region per field: {field: (block, offset)}."""
         t0 = time.perf_counter()
         for name, enc in encoded.items():
             enc.validate(name, header_only=header_only)
@@ -165,43 +178,35 @@ class StorageUnit:
                     f"{enc.num_rows} rows for {len(sample_ids)} ids", fields=[name]
                 )
         self._check_schema(partition_id, encoded)
-        # Object fields are small Python values kept beside the arenas; capacity
-        # counts the bulk bytes.
-        need = sum(enc.nbytes for enc in encoded.values())
-        await self._reserve(need, sample_ids)
-        fields, chunks = {}, {}
-        for name, enc in encoded.items():
-            chunk_id = chunks[name] = self._new_chunk(enc.nbytes, touched_here=not header_only)
+        names = list(encoded)
+        sizes = [encoded[name].nbytes for name in names]
+        await self._wait_for_room(sizes, sample_ids)
+        try:
+            placed = self.arena.alloc(sizes)
+        except OSError as e:  # out of descriptors (EMFILE) or shared memory (ENOMEM, ENOSPC)
+            raise CapacityExceeded(
+                f"unit {self.index}: cannot allocate {sum(sizes)} bytes of shared memory "
+                f"({e.strerror or e})",
+                ids=sample_ids,
+            ) from None
+        fields = {}
+        for name, (block, offset) in zip(names, placed):
+            enc = encoded[name]
             nbytes = enc.row_nbytes()
-            offs = np.zeros(len(nbytes), dtype=np.int64)
+            offs = np.full(len(nbytes), offset, dtype=np.int64)
             if len(nbytes) > 1:
-                np.cumsum(nbytes[:-1], out=offs[1:])
+                offs[1:] += np.cumsum(nbytes[:-1])
             lengths = enc.lengths if enc.kind != DENSE else None
-            fields[name] = (enc.schema, chunk_id, offs, nbytes, lengths)
-        self.staged[write_id] = _Staged(partition_id, list(sample_ids), fields, need, time.time())
-        self.stats.inc("put_bytes_total", need)
+            fields[name] = (enc.schema, block, offs, nbytes, lengths)
+        deadline = time.monotonic() + self.stage_ttl_s
+        box = owner[0] if owner else None
+        self.discard(write_id)  # a retried stage under the same id replaces the first
+        self.staged[write_id] = _Staged(partition_id, list(sample_ids), fields, deadline, box)
+        self._start_sweeper()
+        self.stats.inc("put_bytes_total", sum(sizes))
         self.stats.inc("put_requests_total")
         self.stats.observe("put_latency_seconds", time.perf_counter() - t0)
-        self._expire_stale_stages()
-        return chunks
-
-    def _new_chunk(self, nbytes: int, touched_here: bool) -> int:
-        """An arena chunk: shared memory (memfd) when the platform has it, else private heap.
-
-        ``touched_here``: this process copies the bytes in (the Ray path), so its own
-        mapping is pre-faulted; on the same-node path only the client writes.
-        """
-        chunk_id = self.next_chunk
-        self.next_chunk += 1
-        if self.use_shm:
-            warm = self.reserve.take(nbytes)
-            fd, buf = warm or shm.create(
-                nbytes, f"dataplane-u{self.index}-c{chunk_id}", map_populated=touched_here
-            )
-            self.chunks[chunk_id] = _Chunk(buf[:nbytes], 0, fd)
-        else:
-            self.chunks[chunk_id] = _Chunk(np.empty(nbytes, dtype=np.uint8), 0)
-        return chunk_id
+        return dict(zip(names, placed))
 
     def _check_schema(self, partition_id: str, encoded: dict[str, EncodedField]) -> None:
         part = self.partitions.get(partition_id)
@@ -216,10 +221,19 @@ class StorageUnit:
                     partition_id=partition_id,
                 )
 
-    async def _reserve(self, need: int, sample_ids: list[str]) -> None:
-        if self.used_bytes + need <= self.capacity_bytes:
-            self.used_bytes += need
+    async def _wait_for_room(self, sizes: list[int], sample_ids: list[str]) -> None:
+        """Return once allocating ``sizes`` keeps the unit within capacity (or raise).
+
+        The caller allocates right after, with no await in between, so the room
+        found here is still there.
+        """
+
+        def fits() -> bool:
+            return self.used_bytes + self.arena.extra_bytes(sizes) <= self.capacity_bytes
+
+        if fits():
             return
+        need = sum(sizes)
         if need > self.capacity_bytes or self.put_wait_timeout_s <= 0:
             raise CapacityExceeded(
                 f"unit {self.index}: write of {need} bytes does not fit "
@@ -229,52 +243,45 @@ class StorageUnit:
         self.stats.inc("put_waits_total")  # observable: a put is waiting for room
         async with self._space:
             try:
-                await asyncio.wait_for(
-                    self._space.wait_for(lambda: self.used_bytes + need <= self.capacity_bytes),
-                    timeout=self.put_wait_timeout_s,
-                )
+                await asyncio.wait_for(self._space.wait_for(fits), self.put_wait_timeout_s)
             except asyncio.TimeoutError:
                 raise CapacityExceeded(
                     f"unit {self.index}: no room for {need} bytes after waiting "
                     f"{self.put_wait_timeout_s}s ({self.used_bytes} of {self.capacity_bytes} used)",
                     ids=sample_ids,
                 ) from None
-            self.used_bytes += need
 
+    @counts_errors
     def publish(self, write_id: str) -> None:
         """Make a staged write the bytes of its slots (called by the controller's commit)."""
         st = self.staged.pop(write_id, None)
         if st is None:
-            raise SamplesNotFound(f"unit {self.index}: no staged write {write_id}")
+            why = self.expired.get(write_id, "it was never staged here, or was discarded")
+            raise SamplesNotFound(
+                f"unit {self.index}: no staged write {write_id} to publish ({why}); "
+                "nothing of it became visible"
+            )
         part = self.partitions.setdefault(st.partition_id, _Partition())
         slots = self._slots_for(part, st.sample_ids)
-        freed = []
-        for name, (schema, chunk_id, offs, nbytes, lengths) in st.fields.items():
+        replaced = []
+        for name, (schema, block, offs, nbytes, lengths) in st.fields.items():
             col = part.columns.get(name)
             if col is None:
                 col = part.columns[name] = _Column(schema)
             col.ensure(part.next_slot)
-            freed.extend(self._release(col.chunk[slots]))
-            col.chunk[slots] = chunk_id
+            replaced.append(col.chunk[slots].copy())
+            col.chunk[slots] = block
             col.offset[slots] = offs
             col.nbytes[slots] = nbytes
             if lengths is not None:
                 col.length[slots] = lengths
-            self.chunks[chunk_id].live_rows += len(slots)
-        self._free_chunks(freed)
+            self.arena.hold(block, len(slots))
+        self._release([*replaced, st.blocks()])
 
     def discard(self, write_id: str) -> None:
         st = self.staged.pop(write_id, None)
         if st is not None:
-            self._drop_staged(st)
-
-    def _drop_staged(self, st: _Staged) -> None:
-        self._free_chunks([chunk_id for (_, chunk_id, *_rest) in st.fields.values()])
-
-    def _expire_stale_stages(self) -> None:
-        cutoff = time.time() - STAGE_TTL_S
-        for wid in [w for w, st in self.staged.items() if st.created < cutoff]:
-            self._drop_staged(self.staged.pop(wid))
+            self._release([st.blocks()])
 
     def _slots_for(self, part: _Partition, sample_ids: list[str]) -> np.ndarray:
         slots = np.empty(len(sample_ids), dtype=np.int64)
@@ -288,32 +295,57 @@ class StorageUnit:
             slots[i] = s
         return slots
 
-    def _release(self, chunk_ids: np.ndarray) -> list[int]:
-        """Drop one row reference from each chunk id (>= 0); return chunks now unreferenced."""
-        ids, counts = np.unique(chunk_ids[chunk_ids >= 0], return_counts=True)
-        dead = []
-        for c, n in zip(ids.tolist(), counts.tolist()):
-            ch = self.chunks[c]
-            ch.live_rows -= n
-            if ch.live_rows <= 0:
-                dead.append(c)
-        return dead
-
-    def _free_chunks(self, chunk_ids: list[int]) -> None:
-        for c in chunk_ids:
-            ch = self.chunks.pop(c, None)
-            if ch is not None:
-                self.used_bytes -= ch.buffer.nbytes
-                if ch.fd >= 0:
-                    # Readers that mapped the chunk keep their bytes; the memory goes
-                    # back to the kernel when the last mapping does.
-                    os.close(ch.fd)
-        if chunk_ids:
+    def _release(self, block_refs: list[np.ndarray]) -> None:
+        """Drop one reference per block id (-1 = none); wake writers waiting for room."""
+        before = self.used_bytes
+        self.arena.release(np.concatenate(block_refs) if block_refs else [])
+        if self.used_bytes < before:
             asyncio.get_event_loop().create_task(self._notify_space())
 
     async def _notify_space(self) -> None:
         async with self._space:
             self._space.notify_all()
+
+    # ---- reclaiming stages nobody will commit --------------------------------------
+    def _start_sweeper(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_stages())
+
+    async def _sweep_stages(self) -> None:
+        """Reclaim stages past their deadline, and those whose writer's process died.
+
+        A writer passes an object it owns with each stage; resolving it raises
+        ``OwnerDiedError`` once the owner is gone, so a killed writer's capacity
+        comes back within a sweep or two instead of a whole deadline.
+        """
+        every_s = min(self.stage_ttl_s / 4, 1.0)
+        while True:
+            await asyncio.sleep(every_s)  # a periodic timer, not synchronisation
+            now = time.monotonic()
+            for wid in [w for w, st in self.staged.items() if st.deadline <= now]:
+                self._reclaim(wid, f"its {self.stage_ttl_s}s deadline passed before its commit")
+            owned = [(w, st.owner) for w, st in self.staged.items() if st.owner is not None]
+            died = await asyncio.gather(*[self._owner_died(ref, every_s) for _, ref in owned])
+            for (wid, _), dead in zip(owned, died):
+                if dead and wid in self.staged:
+                    self._reclaim(wid, "its writer's process died before its commit")
+
+    @staticmethod
+    async def _owner_died(owner: ray.ObjectRef, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(owner, timeout_s)
+        except ray.exceptions.OwnerDiedError:
+            return True
+        except Exception:  # noqa: BLE001 - slow or unreachable is no proof of death: the deadline decides
+            return False
+        return False
+
+    def _reclaim(self, write_id: str, why: str) -> None:
+        self.expired[write_id] = why
+        while len(self.expired) > _EXPIRED_REMEMBERED:
+            self.expired.popitem(last=False)
+        self.stats.inc("stages_reclaimed_total")
+        self.discard(write_id)
 
     # ---- read path ----------------------------------------------------------------
     def _rows(self, partition_id: str, sample_ids: list[str], fields: list[str]):
@@ -364,9 +396,8 @@ class StorageUnit:
         for name, rows in self._rows(partition_id, sample_ids, fields):
             if isinstance(rows, tuple):
                 header, chunk_ids, which, starts, ends = rows
-                buffers = [self.chunks[c].buffer for c in chunk_ids]
                 rows = dataclasses.replace(
-                    header, values=gather_bytes(buffers, which, starts, ends)
+                    header, values=self.arena.gather(chunk_ids, which, starts, ends)
                 )
             out[name] = rows
         self._count_read(out, t0)
@@ -379,8 +410,8 @@ class StorageUnit:
         for name, rows in self._rows(partition_id, sample_ids, fields):
             if isinstance(rows, tuple):
                 header, chunk_ids, which, starts, ends = rows
-                paths = [shm.path_of(self.chunks[c].fd) for c in chunk_ids]
-                rows = shm.SharedRows(header, paths, which, starts, ends)
+                chunks = [self.arena.ref(c) for c in chunk_ids]
+                rows = SharedRows(header, chunks, which, starts, ends)
             out[name] = rows
         self._count_read(out, t0)
         return out
@@ -392,29 +423,30 @@ class StorageUnit:
 
     # ---- clearing -----------------------------------------------------------------
     def clear(self, partition_id: str, sample_ids: list[str] | None) -> int:
-        """Forget samples (None = the whole partition); returns bytes freed."""
-        before = self.used_bytes
+        """Forget samples (None = the whole partition); returns the bytes of data dropped.
+
+        Memory goes back as blocks empty (a slab may outlive some of its rows).
+        """
         part = self.partitions.get(partition_id)
         if part is None:
             return 0
         if sample_ids is None:
             del self.partitions[partition_id]
-            freed: list[int] = []
-            for col in part.columns.values():
-                freed.extend(self._release(col.chunk[: part.next_slot]))
-            self._free_chunks(freed)
+            slots = np.arange(part.next_slot)
         else:
             slots = np.array(
                 [part.slot_of.pop(s) for s in sample_ids if s in part.slot_of], dtype=np.int64
             )
-            freed = []
-            for col in part.columns.values():
-                col.ensure(part.next_slot)
-                freed.extend(self._release(col.chunk[slots]))
-                col.chunk[slots] = -1
             part.free_slots.extend(slots.tolist())
-            self._free_chunks(freed)
-        return before - self.used_bytes
+        dropped, held = 0, []
+        for col in part.columns.values():
+            col.ensure(part.next_slot)
+            blocks = col.chunk[slots]
+            dropped += int(col.nbytes[slots][blocks >= 0].sum())
+            held.append(blocks.copy())
+            col.chunk[slots] = -1
+        self._release(held)
+        return dropped
 
     # ---- inspection ---------------------------------------------------------------
     def preview(
@@ -432,9 +464,10 @@ class StorageUnit:
             if col is None or slot >= len(col.chunk) or col.chunk[slot] == -1:
                 continue
             kind, dtype, shape = col.schema
-            buf = self.chunks[int(col.chunk[slot])].buffer
-            start = int(col.offset[slot])
-            raw = buf[start : start + int(col.nbytes[slot])]
+            start = np.array([col.offset[slot]])
+            raw = self.arena.gather(
+                [int(col.chunk[slot])], np.zeros(1, np.int64), start, start + col.nbytes[slot]
+            )
             if kind == OBJECT:
                 v = msgpack.unpackb(raw.tobytes(), raw=False)
                 shown = v if isinstance(v, (int, float, str, bool)) else repr(v)
@@ -459,7 +492,7 @@ class StorageUnit:
         return out
 
     def partition_bytes(self) -> dict[str, int]:
-        """Live bytes held per partition (chunks counted by their referenced rows)."""
+        """Live bytes of data per partition (the rows' own bytes, not the blocks around them)."""
         out = {}
         for pid, part in self.partitions.items():
             total = 0
@@ -469,15 +502,15 @@ class StorageUnit:
             out[pid] = total
         return out
 
-    def metrics_snapshot(self) -> dict:
-        return {
-            "index": self.index,
-            "node_id": self.node_id,
-            "node_ip": self.node_ip,
-            "bytes": self.used_bytes,
-            "samples": sum(len(p.slot_of) for p in self.partitions.values()),
-            "capacity_bytes": self.capacity_bytes,
-            "warm_reserve_bytes": self.reserve.held_bytes,
-            "partition_bytes": self.partition_bytes(),
-            "stats": self.stats.snapshot(),
-        }
+    def metrics_snapshot(self) -> UnitSnapshot:
+        return UnitSnapshot(
+            index=self.index,
+            node_id=self.node_id,
+            node_ip=self.node_ip,
+            bytes=self.used_bytes,
+            samples=sum(len(p.slot_of) for p in self.partitions.values()),
+            capacity_bytes=self.capacity_bytes,
+            warm_reserve_bytes=self.reserve.held_bytes,
+            partition_bytes=self.partition_bytes(),
+            stats=self.stats.snapshot(),
+        )

@@ -10,10 +10,7 @@ still map them copy-on-write, so their pages must stay as they were.
 
 from __future__ import annotations
 
-import os
 import threading
-
-import numpy as np
 
 from dataplane_client import shm
 
@@ -21,7 +18,7 @@ from dataplane_client import shm
 class WarmReserve:
     def __init__(self, limit_bytes: int):
         self.limit = int(limit_bytes)
-        self._ready: list[tuple[int, np.ndarray]] = []  # (fd, view), faulted in
+        self._ready: list[shm.MemFd] = []  # faulted in
         self._wanted: list[int] = []  # sizes to make next
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -36,22 +33,20 @@ class WarmReserve:
             return self._held()
 
     def _held(self) -> int:
-        return sum(len(buf) for _, buf in self._ready)
+        return sum(chunk.size for chunk in self._ready)
 
     def wait_until_holding(self, nbytes: int, timeout_s: float) -> bool:
         """Block until at least ``nbytes`` are ready (tests and warm-up); False on timeout."""
         with self._lock:
             return self._wake.wait_for(lambda: self._held() >= nbytes, timeout_s)
 
-    def take(self, nbytes: int) -> tuple[int, np.ndarray] | None:
+    def take(self, nbytes: int) -> shm.MemFd | None:
         """A ready chunk for ``nbytes`` (at most 25% larger), or None; asks for a replacement."""
         if self.limit <= 0 or nbytes <= 0 or nbytes > self.limit:
             return None
         with self._lock:
-            fit = [
-                i for i, (_, buf) in enumerate(self._ready) if nbytes <= len(buf) <= nbytes * 1.25
-            ]
-            got = self._ready.pop(min(fit, key=lambda i: len(self._ready[i][1]))) if fit else None
+            fit = [i for i, c in enumerate(self._ready) if nbytes <= c.size <= nbytes * 1.25]
+            got = self._ready.pop(min(fit, key=lambda i: self._ready[i].size)) if fit else None
             # Writes of this size keep coming: have the next one ready, and after a miss
             # one more, so back-to-back writes find the reserve a step ahead.
             self._wanted.extend([nbytes] * (1 if got else 2))
@@ -63,8 +58,8 @@ class WarmReserve:
             self._closed = True
             ready, self._ready = self._ready, []
             self._wake.notify()
-        for fd, _ in ready:
-            os.close(fd)
+        for chunk in ready:
+            chunk.close()
 
     def _fill(self) -> None:
         while True:
@@ -76,12 +71,13 @@ class WarmReserve:
                 size = self._wanted.pop(0)
                 if self._held() + size > self.limit:
                     continue
-            made = shm.create(
-                size, "dataplane-warm"
-            )  # the zeroing happens here, off the write path
+            try:
+                made = shm.create(size)  # the zeroing happens here, off the write path
+            except OSError:
+                continue  # out of descriptors or memory: the write path makes (and reports) its own
             with self._lock:
                 if self._closed:
-                    os.close(made[0])
+                    made.close()
                     return
                 self._ready.append(made)
                 self._wake.notify_all()

@@ -2,6 +2,8 @@
 
 import os
 
+import numpy as np
+
 from dataplane_server.warm_reserve import WarmReserve
 
 
@@ -12,10 +14,13 @@ def test_a_miss_asks_for_chunks_of_that_size_and_the_next_write_gets_one():
         assert r.wait_until_holding(
             2 << 20, timeout_s=30
         )  # ... and two of that size are being made ahead
-        fd, buf = r.take(1 << 20)
-        assert len(buf) >= 1 << 20 and os.fstat(fd).st_size >= 1 << 20
-        buf[:] = 7  # writable shared memory
-        os.close(fd)
+        chunk = r.take(1 << 20)
+        assert chunk.size >= 1 << 20 and os.fstat(chunk.fd).st_size >= 1 << 20
+        chunk.write(0, np.full(1 << 20, 7, dtype=np.uint8))  # writable shared memory
+        back = np.empty(1 << 20, dtype=np.uint8)
+        chunk.read_into(0, back)
+        assert (back == 7).all()
+        chunk.close()
         assert r.take(100) is None  # sizes far from what is held are never handed out
     finally:
         r.close()

@@ -1,0 +1,168 @@
+"""A storage unit's memory: blocks, and the regions writes are given inside them.
+
+A block is one shared-memory chunk (a memfd, one descriptor, no mapping) or,
+where shared memory is unavailable, one heap buffer. Small regions share a
+*slab* (a block of ``slab_bytes``); a region too large for a slab gets a block
+of its own. So the number of blocks, and of descriptors, grows with the bytes
+held, never with the number of writes.
+
+Space inside a block is handed out once, by bumping a pointer, and never handed
+out again: a reader that was told where a row lives may map it a moment later,
+and copy-on-write mappings see later writes to pages they have not touched, so
+published bytes must never change. A block is freed as a whole when nothing
+points into it any more (rows and staged regions each hold a reference); a new
+block is a new memfd with a new name, which is what readers verify.
+
+Capacity counts what the unit holds: a slab counts in full from its creation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dataplane_client import shm
+from dataplane_client.codec import contiguous_runs
+from dataplane_client.messages import ChunkRef
+from dataplane_server.warm_reserve import WarmReserve
+
+SLAB_BYTES = 4 << 20
+_SLABS_PER_CAPACITY = 16  # a tiny unit gets small slabs, so one slab never fills it
+
+
+@dataclass
+class _Block:
+    store: shm.MemFd | np.ndarray
+    size: int
+    used: int = 0  # bump pointer: bytes [0, used) have been handed out
+    refs: int = 0  # rows and staged regions pointing into the block
+
+
+class Arena:
+    def __init__(self, capacity_bytes: int, use_shm: bool, reserve: WarmReserve):
+        self.slab_bytes = max(1, min(SLAB_BYTES, capacity_bytes // _SLABS_PER_CAPACITY))
+        self.use_shm = use_shm
+        self.reserve = reserve
+        self.blocks: dict[int, _Block] = {}
+        self.used_bytes = 0
+        self._slab: int | None = None  # the slab small regions go into now
+        self._next_id = 0
+
+    def _is_small(self, nbytes: int) -> bool:
+        return nbytes <= self.slab_bytes // 4
+
+    def extra_bytes(self, sizes: list[int]) -> int:
+        """How much ``alloc(sizes)`` would add to ``used_bytes``."""
+        room = self._slab_room()
+        extra = 0
+        for n in sizes:
+            if not self._is_small(n):
+                extra += n
+                continue
+            if n > room:
+                extra, room = extra + self.slab_bytes, self.slab_bytes
+            room -= n
+        return extra
+
+    def _slab_room(self) -> int:
+        if self._slab is None:
+            return -1  # even an empty region needs a slab to point into
+        slab = self.blocks[self._slab]
+        return slab.size - slab.used
+
+    def alloc(self, sizes: list[int]) -> list[tuple[int, int]]:
+        """(block id, offset) of a new region per size, each holding one reference.
+
+        All or nothing: an ``OSError`` (out of descriptors or memory) leaves no region.
+        """
+        regions: list[tuple[int, int]] = []
+        try:
+            for n in sizes:
+                block = self._slab_for(n) if self._is_small(n) else self._new_block(n)
+                b = self.blocks[block]
+                regions.append((block, b.used))
+                b.used += n
+                b.refs += 1
+        except OSError:
+            self.release([block for block, _ in regions])
+            raise
+        return regions
+
+    def _slab_for(self, nbytes: int) -> int:
+        if nbytes > self._slab_room():
+            old, self._slab = self._slab, self._new_block(self.slab_bytes)
+            if old is not None and self.blocks[old].refs == 0:
+                self._free(old)
+        return self._slab
+
+    def _new_block(self, nbytes: int) -> int:
+        if self.use_shm:
+            store = self.reserve.take(nbytes) or shm.create(nbytes)
+        else:
+            store = np.empty(nbytes, dtype=np.uint8)
+        block = self._next_id
+        self._next_id += 1
+        self.blocks[block] = _Block(store, nbytes)
+        self.used_bytes += nbytes
+        return block
+
+    def hold(self, block: int, count: int) -> None:
+        self.blocks[block].refs += count
+
+    def release(self, blocks) -> None:
+        """Drop one reference per entry of ``blocks`` (ids >= 0); free what nothing holds."""
+        ids, counts = np.unique(np.asarray(blocks, dtype=np.int64), return_counts=True)
+        for block, n in zip(ids.tolist(), counts.tolist()):
+            if block < 0:
+                continue
+            b = self.blocks[block]
+            b.refs -= n
+            if b.refs <= 0 and block != self._slab:
+                self._free(block)
+
+    def _free(self, block: int) -> None:
+        # Readers that mapped the chunk keep their bytes; the memory goes back to the
+        # kernel when the last mapping does.
+        b = self.blocks.pop(block)
+        self.used_bytes -= b.size
+        if isinstance(b.store, shm.MemFd):
+            b.store.close()
+
+    def close(self) -> None:
+        for block in list(self.blocks):
+            self._free(block)
+        self._slab = None
+
+    # ---- bytes in and out -----------------------------------------------------------
+    def write(self, block: int, offset: int, data: np.ndarray) -> None:
+        store = self.blocks[block].store
+        if isinstance(store, shm.MemFd):
+            store.write(offset, data)
+        else:
+            store[offset : offset + data.nbytes] = data.reshape(-1).view(np.uint8)
+
+    def gather(
+        self, blocks: list[int], which: np.ndarray, starts: np.ndarray, ends: np.ndarray
+    ) -> np.ndarray:
+        """Byte ranges [starts[i], ends[i]) of ``blocks[which[i]]``, back to back in one buffer."""
+        out = np.empty(int((ends - starts).sum()), dtype=np.uint8)
+        # Merge abutting ranges only inside one block: offset each block far from the others.
+        key = which.astype(np.int64) << 48
+        run_starts, run_ends = contiguous_runs(starts + key, ends + key)
+        pos = 0
+        for s, e in zip(run_starts.tolist(), run_ends.tolist()):
+            lo, n = s & ((1 << 48) - 1), e - s
+            store = self.blocks[blocks[s >> 48]].store
+            if isinstance(store, shm.MemFd):
+                store.read_into(lo, out[pos : pos + n])
+            else:
+                out[pos : pos + n] = store[lo : lo + n]
+            pos += n
+        return out
+
+    def ref(self, block: int) -> ChunkRef:
+        """How a same-node process opens the block (shared memory only)."""
+        store = self.blocks[block].store
+        assert isinstance(store, shm.MemFd), "heap blocks are never offered for mapping"
+        return store.ref()

@@ -1,0 +1,107 @@
+"""A same-node reader never maps the wrong chunk, however a clear races its read.
+
+A reader learns where rows live (``read_shm``), then opens the unit's chunk by
+``/proc/<unit pid>/fd/<n>``. Between the two a writer may clear those rows and
+put new ones, and the kernel hands the freed descriptor number to the new
+chunk. An injected delay between locate and open widens that window; every
+row read must still hold the bytes written for its own sample id.
+"""
+
+import threading
+import time
+import zlib
+
+import pytest
+import ray
+import torch
+
+from dataplane_client import DataPlaneConfig, connect, shm
+from dataplane_client.errors import SamplesNotFound
+from dataplane_server import start
+
+ROW_INTS = 4096  # 16 KiB per row
+BATCH = 8
+KEEP_BATCHES = 1  # the writer clears a batch as soon as it has put the next one
+ROWS_TO_READ = 20_000
+DEADLINE_S = 60
+
+
+def churner_class():
+    """The writer actor, built here so Ray ships it by value (workers cannot import tests)."""
+
+    def batch_rows(ids: list[str]) -> torch.Tensor:
+        values = [zlib.crc32(s.encode()) & 0x7FFFFFFF for s in ids]
+        return torch.tensor(values, dtype=torch.int32)[:, None].repeat(1, ROW_INTS)
+
+    @ray.remote(max_concurrency=2)
+    class Churner:
+        """Puts batches of 8 rows and clears old ones until told to stop."""
+
+        def __init__(self, name: str, namespace: str, partition: str):
+            self.client = connect(name, namespace)
+            self.partition = partition
+            self.stopped = threading.Event()
+
+        def run(self) -> int:
+            batch = 0
+            while not self.stopped.is_set():
+                ids = [f"b{batch}-{i}" for i in range(BATCH)]
+                self.client.put_samples(ids, self.partition, {"x": batch_rows(ids)})
+                old = batch - KEEP_BATCHES
+                if old >= 0:
+                    self.client.clear_samples([f"b{old}-{i}" for i in range(BATCH)], self.partition)
+                batch += 1
+            return batch
+
+        def stop(self) -> None:
+            self.stopped.set()
+
+    return Churner, batch_rows
+
+
+@pytest.fixture
+def churn_service(ray_session):
+    handle = start(DataPlaneConfig(name="dp-identity", num_storage_units=1, admin_enabled=False))
+    yield handle
+    handle.shutdown()
+
+
+def test_put_clear_churn_with_delayed_open_reads_zero_wrong_rows(churn_service, monkeypatch):
+    opened = []
+
+    def delay_before_open(path: str) -> None:
+        opened.append(path)
+        time.sleep(0.002)  # injected delay between locate and open, not synchronisation
+
+    monkeypatch.setattr(shm, "before_open", delay_before_open)
+    reader = churn_service.client()
+    assert reader._transport.shared == [True]  # the same-node mapping path is under test
+    pid = "churn"
+    reader.register_partition(pid, fields=["x"], consumer_tasks=["reader"])
+    churner, batch_rows = churner_class()
+    writer = churner.remote(churn_service.config.name, churn_service.config.namespace, pid)
+    batches = writer.run.remote()
+    read = wrong = vanished = 0
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while read < ROWS_TO_READ and time.monotonic() < deadline:
+            meta = reader.claim_meta(pid, "reader", ["x"], BATCH, timeout_s=30)
+            try:
+                got = reader.get_data(meta)["x"]
+            except SamplesNotFound:
+                vanished += meta.size  # cleared before we read: a typed error, never bytes
+                continue
+            want = batch_rows(meta.sample_ids)
+            wrong += int((got != want).any(dim=1).sum())
+            read += meta.size
+    finally:
+        ray.get(writer.stop.remote())
+        written = ray.get(batches, timeout=60)
+        ray.kill(writer)
+    print(
+        f"rows read {read}, wrong {wrong}, cleared before read {vanished}, "
+        f"batches written {written}, chunk opens {len(opened)}"
+    )
+    assert opened, "reads went through the shared-memory path"
+    assert read >= ROWS_TO_READ, f"only {read} rows read in {DEADLINE_S}s"
+    assert wrong == 0
