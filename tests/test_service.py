@@ -5,10 +5,10 @@ import time
 import uuid
 
 import numpy as np
-import psutil
 import pytest
 import ray
 import torch
+from unit_memory import unit_memory, unit_pid
 
 from dataplane_client import DataPlaneConfig, KVBatchMeta, connect
 from dataplane_client.errors import (
@@ -380,17 +380,6 @@ def test_connect_to_a_missing_service_is_a_typed_error(ray_session):
         connect("no-such-service", "nowhere")
 
 
-def _unit_rss(handle, index=0) -> int:
-    """Memory the unit holds: its private pages (USS) plus the machine's shared memory.
-
-    Chunks live in memfds that the client fills, so they count as shared memory
-    (Shmem), not in the unit's own pages. Tests run one at a time, so the
-    machine-wide Shmem delta is this unit's.
-    """
-    pid = ray.get(handle.units[index].ping.remote())["pid"]
-    return psutil.Process(pid).memory_full_info().uss + psutil.virtual_memory().shared
-
-
 def test_capacity_exceeded_and_bounded_wait(ray_session):
     handle = start(
         DataPlaneConfig(
@@ -457,6 +446,8 @@ def test_a_waiting_put_proceeds_when_room_is_freed(ray_session):
 
 
 def test_clearing_one_gigabyte_returns_unit_memory(ray_session):
+    """Measured on the unit process alone (its USS plus the memfds it holds), so
+    nothing else running on the machine moves the figures."""
     reserve = 256 << 20
     handle = start(
         DataPlaneConfig(
@@ -466,18 +457,20 @@ def test_clearing_one_gigabyte_returns_unit_memory(ray_session):
     try:
         c = handle.client()
         c.register_partition("p", fields=["x"])
-        baseline = _unit_rss(handle)
+        pid = unit_pid(handle)
+        baseline = unit_memory(pid)
         chunk = torch.ones(128, 256 * 1024, dtype=torch.float32)  # 128 MiB
         for k in range(8):
             c.put_samples([f"m{k}-{i}" for i in range(128)], "p", {"x": chunk})
-        full = _unit_rss(handle)
+        full = unit_memory(pid)
         assert full - baseline > 900 * 2**20
         c.clear_samples(None, "p")
-        after = _unit_rss(handle)
-        held = ray.get(handle.units[0].metrics_snapshot.remote())["warm_reserve_bytes"]
+        after = unit_memory(pid)
+        held = ray.get(handle.units[0].metrics_snapshot.remote()).warm_reserve_bytes
         print(
-            f"unit memory (USS + Shmem) MiB: baseline {baseline / 2**20:.0f}, holding 1 GiB {full / 2**20:.0f}, "
-            f"after clear {after / 2**20:.0f} (of which warm reserve {held / 2**20:.0f})"
+            f"unit memory (USS + its memfds) MiB: baseline {baseline / 2**20:.0f}, "
+            f"holding 1 GiB {full / 2**20:.0f}, after clear {after / 2**20:.0f} "
+            f"(of which warm reserve {held / 2**20:.0f})"
         )
         assert held <= reserve
         assert after - baseline - held < 100 * 2**20
@@ -518,6 +511,7 @@ def test_zero_copy_reads_are_private_copies_on_write(ray_session):
         assert torch.equal(again, original)  # still readable after the unit freed its chunk
         assert torch.equal(first, -original)
         # Rows out of order are gathered into a fresh buffer instead; same bytes.
+        client.register_partition("p", fields=["x"])
         client.put_samples(ids, "p", {"x": original})
         shuffled = client.get_samples(ids[::-1], "p", ["x"])["x"]
         assert torch.equal(shuffled, original.flip(0))

@@ -1,0 +1,40 @@
+"""What one storage-unit process holds, read from /proc: its own figures, never the machine's.
+
+A unit keeps its bytes in memfds it does not map, so they are not in its
+resident pages: its memory is its unique set size (USS) plus the sizes of the
+memfds its descriptors hold.
+"""
+
+import os
+
+import psutil
+import ray
+
+
+def unit_pid(handle, index: int = 0) -> int:
+    return ray.get(handle.units[index].ping.remote()).pid
+
+
+def open_fds(pid: int) -> list[str]:
+    return os.listdir(f"/proc/{pid}/fd")
+
+
+def memfd_bytes(pid: int) -> int:
+    """Bytes of the memfds the process holds open (each counted once)."""
+    seen, total = set(), 0
+    for fd in open_fds(pid):
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            if not os.readlink(path).startswith("/memfd:"):
+                continue
+            st = os.stat(path)
+        except FileNotFoundError:  # closed while we looked
+            continue
+        if st.st_ino not in seen:
+            seen.add(st.st_ino)
+            total += st.st_size
+    return total
+
+
+def unit_memory(pid: int) -> int:
+    return psutil.Process(pid).memory_full_info().uss + memfd_bytes(pid)
