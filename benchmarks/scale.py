@@ -53,7 +53,7 @@ def _breakdown(controller: Any, partition: str) -> dict[str, int]:
     def measure(self, pid):
         import sys as _sys
 
-        p = self.partitions[pid]
+        p = self.keys.partition(pid)
         return {
             "row_of dict": _sys.getsizeof(p.row_of),
             "sample id strings": sum(_sys.getsizeof(s) for s in p.row_of),

@@ -141,13 +141,14 @@ class Partition:
         return [f for f, col in self.produced.items() if len(col) > row and col[row]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # a plan is itself: compared by identity
 class CommitPlan:
     """A checked commit: apply it after the units published its bytes."""
 
     partition: Partition
     request: CommitRequest
     rows: np.ndarray  # -1 for samples the commit creates
+    unit_of: dict[str, int]  # sample -> unit it was staged on
 
 
 def _produced_everywhere(part: Partition, names: list[str], rows: np.ndarray) -> list[str]:
@@ -161,8 +162,9 @@ class KeySpace:
         self.clock = clock
         self.partitions: dict[str, Partition] = {}
         self.unit_alive: list[bool] = []
-        # (partition, sample) -> (unit, fields) of commits publishing right now.
-        self._in_flight: dict[tuple[str, str], tuple[int, set[str]]] = {}
+        # partition -> plans whose bytes are being published right now. Few at a time, so a
+        # check compares against each; nothing per sample outlives its commit.
+        self._in_flight: dict[str, list[CommitPlan]] = {}
         self._next_claim_id = NO_LEASE + 1
         self.redeliveries_total = 0
 
@@ -217,14 +219,21 @@ class KeySpace:
         units = np.asarray(req.units, dtype=np.int64)
         # Where each sample lives: its row, else a commit creating it right now.
         home = np.where(rows >= 0, part.unit[np.maximum(rows, 0)] if part.n_rows else -1, -1)
+        unit_of = dict(zip(ids, req.units))
+        position: dict[str, int] = {}
         busy: list[str] = []
-        for i, s in enumerate(ids):
-            flight = self._in_flight.get((pid, s))
-            if flight is not None:
+        for other in self._in_flight.get(pid, ()):
+            shared = unit_of.keys() & other.unit_of.keys()
+            if shared and not position:
+                position = {s: i for i, s in enumerate(ids)}
+            same_fields = not set(names).isdisjoint(other.request.schemas)
+            for s in shared:
+                i = position[s]
                 if rows[i] < 0:
-                    home[i] = flight[0]
-                if flight[1] & set(names):
+                    home[i] = other.unit_of[s]
+                if same_fields:
                     busy.append(s)
+        busy.sort(key=lambda s: position[s])
         moved = np.nonzero((home >= 0) & (home != units))[0]
         if len(moved):
             return CommitResult(rerouted={ids[i]: int(home[i]) for i in moved})
@@ -260,20 +269,18 @@ class KeySpace:
                     ids=ungrouped,
                     partition_id=pid,
                 )
-        for s, u in zip(ids, req.units):
-            unit, fields = self._in_flight.setdefault((pid, s), (u, set()))
-            fields.update(names)
-        return CommitPlan(part, req, rows)
+        plan = CommitPlan(part, req, rows, unit_of)
+        self._in_flight.setdefault(pid, []).append(plan)
+        return plan
 
     def release(self, plan: CommitPlan) -> None:
         """Drop the plan's reservation (after apply, or when publishing failed)."""
-        pid, names = plan.request.partition_id, set(plan.request.schemas)
-        for s in plan.request.sample_ids:
-            flight = self._in_flight.get((pid, s))
-            if flight is not None:
-                flight[1].difference_update(names)
-                if not flight[1]:
-                    del self._in_flight[(pid, s)]
+        pid = plan.request.partition_id
+        plans = self._in_flight.get(pid, [])
+        if plan in plans:
+            plans.remove(plan)
+        if not plans:
+            self._in_flight.pop(pid, None)
 
     def apply_commit(self, plan: CommitPlan) -> tuple[CommitResult, dict[int, list[str]]]:
         """Make a published write visible.
