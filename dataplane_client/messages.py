@@ -43,14 +43,6 @@ class UnitSnapshot:
     stats: dict[str, Any] = field(default_factory=dict)  # Stats.snapshot()
 
 
-def as_message(cls: type, answer: Any) -> Any:
-    """A unit's ``ping`` / ``metrics_snapshot`` answer as its message.
-
-    Transitional: units answer dicts until they build UnitInfo / UnitSnapshot themselves.
-    """
-    return cls(**answer) if isinstance(answer, dict) else answer
-
-
 # ---- controller: wiring and the data path --------------------------------------------
 
 

@@ -34,7 +34,6 @@ from dataplane_client.messages import (
     TaskConsumption,
     UnitInfo,
     UnitSnapshot,
-    as_message,
 )
 from dataplane_client.meta import KVBatchMeta
 from dataplane_server.admin import views
@@ -62,8 +61,7 @@ class Controller:
     # ---- wiring -------------------------------------------------------------------
     async def attach_units(self, handles: list) -> list[UnitInfo]:
         self.units = list(handles)
-        answers = await asyncio.gather(*[u.ping.remote() for u in self.units])
-        self.unit_info = [as_message(UnitInfo, a) for a in answers]
+        self.unit_info = await asyncio.gather(*[u.ping.remote() for u in self.units])
         self.keys.unit_alive = [True] * len(self.units)
         return self.unit_info
 
@@ -340,12 +338,11 @@ class Controller:
             if not self.keys.unit_alive[i]:
                 return None
             try:
-                answer = await asyncio.wait_for(
+                return await asyncio.wait_for(
                     unit.metrics_snapshot.remote(), timeout=UNIT_PING_TIMEOUT_S
                 )
             except Exception:  # noqa: BLE001 - an unreachable unit shows as absent
                 return None
-            return as_message(UnitSnapshot, answer)
 
         return await asyncio.gather(*[one(i, u) for i, u in enumerate(self.units)])
 

@@ -210,12 +210,7 @@ def test_registering_again_overwrites_the_partition_and_frees_its_bytes(service,
 
 
 def _unit_snapshots(service):
-    from dataplane_client.messages import UnitSnapshot, as_message
-
-    return [
-        as_message(UnitSnapshot, s)
-        for s in ray.get([u.metrics_snapshot.remote() for u in service.units])
-    ]
+    return ray.get([u.metrics_snapshot.remote() for u in service.units])
 
 
 def test_claims_consume_per_task_and_need_required_fields(client):
@@ -406,8 +401,7 @@ def test_capacity_exceeded_and_bounded_wait(ray_session):
 
 
 def _puts_waiting(handle) -> float:
-    snapshot = ray.get(handle.units[0].metrics_snapshot.remote())
-    stats = snapshot["stats"] if isinstance(snapshot, dict) else snapshot.stats
+    stats = ray.get(handle.units[0].metrics_snapshot.remote()).stats
     return stats["counters"].get("put_waits_total", 0)
 
 

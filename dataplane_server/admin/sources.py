@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from dataplane_client.messages import ControllerSnapshot, UnitSnapshot, as_message
+from dataplane_client.messages import ControllerSnapshot, UnitSnapshot
 
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -108,11 +108,9 @@ class ActorSources:
         unit_snaps: list[UnitSnapshot | None] = []
         for ref in unit_refs:
             try:
-                answer = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                unit_snaps.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
             except (RayActorError, RayTaskError, GetTimeoutError):
                 unit_snaps.append(None)
-                continue
-            unit_snaps.append(as_message(UnitSnapshot, answer))
         return StatsPull(timestamp=time.time(), controller=controller, units=unit_snaps)
 
 

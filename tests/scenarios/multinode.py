@@ -37,7 +37,7 @@ def main() -> None:
     out: dict = {}
     handle = start(DataPlaneConfig(name="mn", num_storage_units=2, admin_enabled=False))
     units = [ray.get(u.ping.remote()) for u in handle.units]
-    out["unit_nodes"] = [u["node_id"] for u in units]
+    out["unit_nodes"] = [u.node_id for u in units]
     c = handle.client()
     c.register_partition("p", ["x"], None, ["t"])
     ids = [f"s{i}" for i in range(40)]
@@ -46,7 +46,7 @@ def main() -> None:
     got = c.get_samples(ids, "p", ["x"])["x"].unbind()
     out["cross_node_roundtrip"] = all(torch.equal(a, b) for a, b in zip(got, rows))
     where = ray.get(handle.controller.lookup_units.remote("p", ids))
-    doomed_unit = next(i for i, u in enumerate(units) if u["node_id"] == worker.node_id)
+    doomed_unit = next(i for i, u in enumerate(units) if u.node_id == worker.node_id)
     doomed = sorted(s for s, u in zip(ids, where) if u == doomed_unit)
     survivors = [s for s, u in zip(ids, where) if u != doomed_unit]
     out["doomed"] = doomed
