@@ -91,9 +91,8 @@ class Arena:
 
     def _slab_for(self, nbytes: int) -> int:
         if nbytes > self._slab_room():
-            old, self._slab = self._slab, self._new_block(self.slab_bytes)
-            if old is not None and self.blocks[old].refs == 0:
-                self._free(old)
+            # The full slab lives on while rows point into it; it is freed with its last row.
+            self._slab = self._new_block(self.slab_bytes)
         return self._slab
 
     def _new_block(self, nbytes: int) -> int:
@@ -118,7 +117,9 @@ class Arena:
                 continue
             b = self.blocks[block]
             b.refs -= n
-            if b.refs <= 0 and block != self._slab:
+            if b.refs <= 0:
+                if block == self._slab:
+                    self._slab = None  # an empty unit holds no block at all
                 self._free(block)
 
     def _free(self, block: int) -> None:
