@@ -119,7 +119,8 @@ class Controller:
     ) -> None:
         """Declare a partition; an existing one of that id is deleted first (bytes freed)."""
         arguments.partition_name(partition_id)
-        # Lease keys must be consumer tasks: the key space says which are not (UnknownTask).
+        # Declaration refuses lease keys that are not consumer tasks (UnknownTask), so a refused
+        # registration never reaches the partition it would replace.
         leases = {
             t: arguments.seconds(s, f"lease of {t!r}") for t, s in (task_leases or {}).items()
         }

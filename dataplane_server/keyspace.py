@@ -50,6 +50,11 @@ class Declaration:
     group_size: int | None
     task_leases: dict[str, float] = field(default_factory=dict)  # task -> lease seconds
 
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.task_leases) - set(self.consumer_tasks))
+        if unknown:
+            raise UnknownTask(f"task_leases names tasks that are not consumer tasks: {unknown}")
+
 
 class Partition:
     """One partition's columns. Row r is sample ``ids[r]`` (None once cleared)."""
@@ -177,12 +182,6 @@ class KeySpace:
 
     def register(self, partition_id: str, declaration: Declaration) -> Partition | None:
         """Create the partition, replacing any of that id; returns the replaced one."""
-        unknown = sorted(set(declaration.task_leases) - set(declaration.consumer_tasks))
-        if unknown:
-            raise UnknownTask(
-                f"task_leases names tasks that are not consumer tasks: {unknown}",
-                partition_id=partition_id,
-            )
         old = self.partitions.pop(partition_id, None)
         self.partitions[partition_id] = Partition(partition_id, declaration, time.time())
         return old

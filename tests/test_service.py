@@ -21,6 +21,7 @@ from dataplane_client.errors import (
     SchemaConflict,
     ServiceUnavailable,
     UnknownPartition,
+    UnknownTask,
 )
 from dataplane_server import start
 
@@ -624,16 +625,17 @@ def test_a_killed_consumer_loses_nothing_for_a_leased_task(service, client):
         (lambda c, p: c.clear_samples("a", p), "list or tuple"),
         (lambda c, p: c.register_partition(p, ["x"], 2.5, ["t"]), "int"),
         (lambda c, p: c.register_partition(p, ["x"], None, ["t"], task_leases={"t": -1}), ">= 0"),
+        (lambda c, p: c.register_partition(p, ["x"], None, ["t"], task_leases={"u": 1}), "'u'"),
     ],
 )
 def test_bad_arguments_are_typed_errors_that_change_nothing(client, call, needle):
     pid = _pid()
     client.register_partition(pid, ["x"], None, ["t"], grpo_group_size=1)
-    with pytest.raises(InvalidBatch, match=needle):
+    client.put_samples(["kept"], pid, {"x": torch.zeros(1)}, tags=[{"group_id": 0}])
+    with pytest.raises((InvalidBatch, UnknownTask), match=needle):
         call(client, pid)
-    d = client.describe_partition(pid)
-    assert d.num_samples == 0 and d.group_size == 1
-    assert ray.get(client._controller.list_samples.remote(pid)).total == 0
+    d = client.describe_partition(pid)  # not re-registered, nothing written
+    assert (d.num_samples, d.group_size, [c.task for c in d.consumption]) == (1, 1, ["t"])
 
 
 def test_concurrent_commits_and_claims_never_raise_an_untyped_error(service):
