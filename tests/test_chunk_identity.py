@@ -66,6 +66,7 @@ def churn_service(ray_session):
     handle.shutdown()
 
 
+@pytest.mark.slow
 def test_put_clear_churn_with_delayed_open_reads_zero_wrong_rows(churn_service, monkeypatch):
     opened = []
 

@@ -19,16 +19,30 @@ def open_fds(pid: int) -> list[str]:
     return os.listdir(f"/proc/{pid}/fd")
 
 
-def memfd_bytes(pid: int) -> int:
-    """Bytes of the memfds the process holds open (each counted once)."""
-    seen, total = set(), 0
+def _memfd_paths(pid: int) -> list[str]:
+    out = []
     for fd in open_fds(pid):
         path = f"/proc/{pid}/fd/{fd}"
         try:
-            if not os.readlink(path).startswith("/memfd:"):
-                continue
-            st = os.stat(path)
+            if os.readlink(path).startswith("/memfd:"):
+                out.append(path)
         except FileNotFoundError:  # closed while we looked
+            continue
+    return out
+
+
+def memfds(pid: int) -> int:
+    """How many memfd descriptors the process holds."""
+    return len(_memfd_paths(pid))
+
+
+def memfd_bytes(pid: int) -> int:
+    """Bytes of the memfds the process holds open (each counted once)."""
+    seen, total = set(), 0
+    for path in _memfd_paths(pid):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
             continue
         if st.st_ino not in seen:
             seen.add(st.st_ino)
