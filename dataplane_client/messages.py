@@ -110,8 +110,8 @@ class TaskConsumption:
 
     ``consumed`` counts live samples the task is done with (for a leased task:
     acknowledged); ``leased`` counts those it holds under an unexpired lease.
-    ``done`` is True when ``consumed`` reaches ``expected`` (or every live
-    sample when the partition's size was not declared).
+    ``done``: every live sample is consumed (cleared ones count as done) and,
+    when the partition's size was declared, that many samples were written.
     """
 
     task: str

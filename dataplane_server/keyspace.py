@@ -522,7 +522,9 @@ class KeySpace:
             consumed=consumed,
             total=total,
             expected=expected,
-            done=consumed >= (expected if expected is not None else total),
+            # Cleared samples count as done (clearing acknowledges); a declared size must
+            # also have arrived in full.
+            done=consumed == total and (expected is None or part.n_rows >= expected),
             leased=leased,
             lease_s=lease,
             redeliveries=redelivered,

@@ -198,6 +198,18 @@ def test_register_again_replaces_the_partition():
     assert ks.partition("p").num_samples == 0 and ks.partition("p").tasks == ["u"]
 
 
+def test_clearing_consumed_samples_keeps_a_task_done_and_a_declared_size_must_arrive():
+    ks = _space()
+    part = _register(ks, num_samples=3)
+    _write(ks, ["a", "b"])
+    ks.claim(part, "t", ["x"], 2, partial_ok=True)
+    assert not ks.consumption(part, "t").done  # the third sample has not arrived
+    _write(ks, ["c"])
+    ks.claim(part, "t", ["x"], 1, partial_ok=True)
+    ks.clear_samples("p", ["a", "b"])
+    assert ks.consumption(part, "t").done
+
+
 def test_consumption_is_a_per_task_bool_over_every_sample():
     ks = _space()
     part = _register(ks, tasks=["lp", "ref"])
