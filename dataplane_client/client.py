@@ -126,10 +126,12 @@ class _Verb:
 
         @functools.wraps(body)
         def sync(self, *args, **kwargs):
+            self._check_open()
             return run_sync(body(self, *args, **kwargs))
 
         @functools.wraps(body)
         async def twin(self, *args, **kwargs):
+            self._check_open()
             return await run_async(body(self, *args, **kwargs))
 
         twin.__name__ = f"{name}_async"
@@ -187,6 +189,10 @@ class DataPlaneClient:
         self._routes: dict[tuple[str, str], int] = {}
 
     # ---- helpers ------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._controller is None:
+            raise ServiceUnavailable(f"this client of {self.name!r} was closed")
+
     def _remember(self, partition_id: str, sample_ids: Sequence[str], units: Sequence[int]) -> None:
         if len(self._routes) > _ROUTE_CACHE_LIMIT:
             self._routes.clear()

@@ -371,6 +371,14 @@ def test_async_twins(service):
     ray.kill(actor)
 
 
+def test_a_closed_client_says_so(service):
+    c = service.client()
+    c.close()
+    c.close()  # idempotent
+    with pytest.raises(ServiceUnavailable, match="closed"):
+        c.claim_meta("p", "t", ["x"], 1)
+
+
 def test_connect_to_a_missing_service_is_a_typed_error(ray_session):
     with pytest.raises(ServiceUnavailable, match="no-such"):
         connect("no-such-service", "nowhere")
