@@ -278,6 +278,10 @@ class StorageUnit:
             self.arena.hold(block, len(slots))
         self._release([*replaced, st.blocks()])
 
+    def staged_write_ids(self) -> list[str]:
+        """Writes staged and not yet published or reclaimed (for inspection and tests)."""
+        return list(self.staged)
+
     def discard(self, write_id: str) -> None:
         st = self.staged.pop(write_id, None)
         if st is not None:

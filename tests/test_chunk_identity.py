@@ -106,3 +106,62 @@ def test_put_clear_churn_with_delayed_open_reads_zero_wrong_rows(churn_service, 
     assert opened, "reads went through the shared-memory path"
     assert read >= ROWS_TO_READ, f"only {read} rows read in {DEADLINE_S}s"
     assert wrong == 0
+
+
+@pytest.fixture
+def one_unit(ray_session):
+    """One unit and no warm reserve: a freed descriptor number goes to the next block made."""
+    handle = start(
+        DataPlaneConfig(
+            name="dp-reuse", num_storage_units=1, unit_warm_reserve_bytes=0, admin_enabled=False
+        )
+    )
+    yield handle
+    handle.shutdown()
+
+
+def _batch(tag: str, value: int) -> tuple[list[str], torch.Tensor]:
+    return [f"{tag}{i}" for i in range(BATCH)], torch.full((BATCH, ROW_INTS), value)
+
+
+def test_a_reader_never_maps_a_slab_whose_descriptor_went_to_another(one_unit):
+    client = one_unit.client()
+    client.register_partition("p", fields=["x"])
+    old_ids, old_rows = _batch("old", 1)
+    client.put_samples(old_ids, "p", {"x": old_rows})
+    (located,) = ray.get(one_unit.units[0].read_shm.remote("p", old_ids, ["x"])).values()
+    client.clear_samples(old_ids, "p")  # the slab empties and is freed
+    new_ids, new_rows = _batch("new", 2)
+    client.put_samples(new_ids, "p", {"x": new_rows})
+    (now,) = ray.get(one_unit.units[0].read_shm.remote("p", new_ids, ["x"])).values()
+    assert now.chunks[0].path == located.chunks[0].path  # the hazard: same descriptor number
+    with pytest.raises(shm.ChunkChanged):
+        shm.map_private(located.chunks[0], int(located.starts[0]), int(located.ends[-1]))
+    with pytest.raises(SamplesNotFound):  # the client's fallback re-reads through Ray
+        client.get_samples(old_ids, "p", ["x"])
+    assert torch.equal(client.get_samples(new_ids, "p", ["x"])["x"], new_rows)
+
+
+def test_a_writer_whose_stage_was_reclaimed_never_writes_into_another_chunk(one_unit, monkeypatch):
+    """Between alloc and copy the unit drops the stage (as an expiry would) and another
+    put takes the descriptor: the writer must not copy into that chunk."""
+    client = one_unit.client()
+    client.register_partition("p", fields=["x"])
+    other_ids, other_rows = _batch("other", 7)
+    mine_ids, mine_rows = _batch("mine", 9)
+    raced = []
+
+    def reclaim_then_reuse(path: str) -> None:
+        if raced:
+            return
+        raced.append(path)
+        (write_id,) = ray.get(one_unit.units[0].staged_write_ids.remote())
+        ray.get(one_unit.units[0].discard.remote(write_id))
+        client.put_samples(other_ids, "p", {"x": other_rows})
+
+    monkeypatch.setattr(shm, "before_open", reclaim_then_reuse)
+    client.put_samples(mine_ids, "p", {"x": mine_rows})  # staged again after the race
+    (now,) = ray.get(one_unit.units[0].read_shm.remote("p", other_ids, ["x"])).values()
+    assert raced and now.chunks[0].path == raced[0]  # the descriptor really went to the other put
+    assert torch.equal(client.get_samples(other_ids, "p", ["x"])["x"], other_rows)
+    assert torch.equal(client.get_samples(mine_ids, "p", ["x"])["x"], mine_rows)
