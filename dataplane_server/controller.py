@@ -57,6 +57,8 @@ class Controller:
         self.stats = Stats()
         self._changed: dict[str, asyncio.Condition] = {}  # partition -> claims wait here
         self._lifecycle = asyncio.Lock()  # register / delete of one id never interleave
+        # Tests only: an async callable awaited between publish and apply, to widen that window.
+        self.after_publish = None
 
     # ---- wiring -------------------------------------------------------------------
     async def attach_units(self, handles: list) -> list[UnitInfo]:
@@ -187,6 +189,8 @@ class Controller:
                 ids=[s for s, u in zip(request.sample_ids, request.units) if u in failed],
                 partition_id=request.partition_id,
             )
+        if self.after_publish is not None:
+            await self.after_publish()
         try:
             result, cleared_meanwhile = self.keys.apply_commit(plan)
         except UnknownPartition:

@@ -698,6 +698,71 @@ def test_concurrent_commits_and_claims_never_raise_an_untyped_error(service):
     assert len(everything) == len(set(everything)) == c.describe_partition(pid).num_samples
 
 
+def _delay_every_commit_after_publish(handle, seconds: float) -> None:
+    async def pause():
+        await asyncio.sleep(seconds)  # an injected delay that widens the race window
+
+    ray.get(
+        handle.controller.__ray_call__.remote(lambda ctrl: setattr(ctrl, "after_publish", pause))
+    )
+
+
+def test_concurrent_writes_and_clears_leave_no_orphan_bytes(ray_session):
+    """Clears racing write-backs (with a delay injected between publish and apply): typed
+    errors only, and once every sample is cleared the units hold nothing for the partition:
+    bytes published for a sample cleared mid-commit are freed."""
+    handle = start(DataPlaneConfig(name="dp-race", num_storage_units=2, admin_enabled=False))
+    pid = "p"
+
+    @ray.remote
+    class Churn:
+        def __init__(self, name, namespace):
+            self.c = connect(name, namespace)
+
+        async def run(self, pid, seed):
+            import random
+
+            from dataplane_client.errors import DataPlaneError
+
+            rng = random.Random(seed)
+            untyped, written = [], []
+
+            async def one(i):
+                try:
+                    if rng.random() < 0.6 or not written:
+                        ids = [f"{seed}-{i}-{j}" for j in range(rng.randint(1, 4))]
+                        written.append(ids)
+                        await self.c.put_samples_async(ids, pid, {"x": torch.zeros(len(ids), 64)})
+                        await self.c.put_samples_async(ids, pid, {"y": torch.ones(len(ids), 64)})
+                    else:
+                        await self.c.clear_samples_async(rng.choice(written), pid)
+                except DataPlaneError:
+                    pass
+                except Exception as e:  # noqa: BLE001 - exactly what this test looks for
+                    untyped.append(repr(e))
+
+            await asyncio.gather(*[one(i) for i in range(120)])
+            return untyped
+
+    try:
+        c = handle.client()
+        c.register_partition(pid, ["x", "y"], None, [])
+        _delay_every_commit_after_publish(handle, 0.02)
+        churners = [Churn.remote("dp-race", "dataplane") for _ in range(3)]
+        try:
+            outs = ray.get([m.run.remote(pid, k) for k, m in enumerate(churners)], timeout=300)
+        finally:
+            for m in churners:
+                ray.kill(m)
+        assert [u for untyped in outs for u in untyped] == []
+        page = ray.get(handle.controller.list_samples.remote(pid, None, 0, 10_000))
+        if page.samples:
+            c.clear_samples([s.sample_id for s in page.samples], pid)
+        assert sum(u.partition_bytes.get(pid, 0) for u in _unit_snapshots(handle)) == 0
+    finally:
+        handle.shutdown()
+
+
 @pytest.mark.slow
 def test_three_hundred_steps_leave_the_partition_count_where_it_began(service, client):
     def counts():
