@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from dataplane_client import arguments
 from dataplane_client.errors import (
     FieldAlreadyProduced,
     FieldNotProduced,
@@ -156,6 +157,22 @@ class CommitPlan:
     unit_of: dict[str, int]  # sample -> unit it was staged on
 
 
+def _check_shapes(req: CommitRequest, num_units: int) -> None:
+    """A request whose parts disagree is refused before anything is reserved or published
+    (apply must not fail half way, e.g. on an unhashable group_id)."""
+    n = len(arguments.id_list(req.sample_ids, partition_id=req.partition_id))
+    arguments.tag_list(req.tags, n, partition_id=req.partition_id)
+    for what, values in (("units", req.units), ("sequence_lengths", req.sequence_lengths)):
+        if values is not None and len(values) != n:
+            raise InvalidBatch(
+                f"{len(values)} {what} for {n} sample ids", partition_id=req.partition_id
+            )
+    if set(req.staged_units) != set(req.units):
+        raise InvalidBatch("staged_units must be the units the samples were staged on")
+    if any(not 0 <= u < num_units for u in req.staged_units):
+        raise InvalidBatch(f"staged_units {req.staged_units} name units the service lacks")
+
+
 def _produced_everywhere(part: Partition, names: list[str], rows: np.ndarray) -> list[str]:
     return [f for f in names if f in part.produced and part.produced[f][rows].all()]
 
@@ -206,6 +223,7 @@ class KeySpace:
         but the reservation of the plan's cells (release it with ``release``)."""
         part = self.partition(req.partition_id)
         pid, names, ids = req.partition_id, list(req.schemas), req.sample_ids
+        _check_shapes(req, len(self.unit_alive))
         for name, schema in req.schemas.items():
             known = part.schema.get(name)
             if known is not None and tuple(known) != tuple(schema):

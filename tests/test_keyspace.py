@@ -147,6 +147,28 @@ def test_two_commits_of_one_new_sample_in_flight_make_one_row():
     assert part.n_rows == 1 and ks.locate("p", ["a"], ["x", "y"]).units == [1]
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"tags": [{"group_id": ["unhashable"]}]},
+        {"tags": [{}, {}]},
+        {"units": [0, 1]},
+        {"sequence_lengths": [1, 2]},
+        {"staged_units": [1]},
+        {"units": [7], "staged_units": [7]},
+        {"sample_ids": "a"},
+    ],
+)
+def test_a_malformed_commit_is_refused_before_anything_is_reserved(change):
+    ks = _space()
+    part = _register(ks, group_size=1)
+    fields = {**_request(["a"], tags=[{"group_id": 0}]).__dict__, **change}
+    with pytest.raises(InvalidBatch):
+        ks.check_commit(CommitRequest(**fields))
+    assert isinstance(ks.check_commit(_request(["a"], tags=[{"group_id": 0}])), CommitPlan)
+    assert part.n_rows == 0
+
+
 def test_locate_names_the_missing_samples_and_fields():
     ks = _space()
     _register(ks)
