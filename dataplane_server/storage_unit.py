@@ -366,7 +366,9 @@ class StorageUnit:
         slots = np.fromiter((slot_of[s] for s in sample_ids), dtype=np.int64, count=len(sample_ids))
         for name in fields:
             col = part.columns.get(name)
-            present = col.chunk[slots] if col is not None and len(col.chunk) else None
+            if col is not None:
+                col.ensure(part.next_slot)  # slots added by writes of other fields read as absent
+            present = col.chunk[slots] if col is not None else None
             if present is None or (present == -1).any():
                 bad = (
                     sample_ids
