@@ -19,6 +19,8 @@ against the chunk's unique memfd name (:class:`ChunkChanged` on a mismatch).
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import itertools
 import mmap
 import os
@@ -121,6 +123,47 @@ def _open_verified(chunk: ChunkRef, flags: int, end: int) -> int:
     return fd
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Mapping:
+    """One mapped range, unmapped when the last array viewing it is gone.
+
+    Python's ``mmap`` keeps a duplicate descriptor for as long as the mapping
+    lives, so a reader holding many tensors would hold as many descriptors;
+    the kernel needs none once a range is mapped, so this maps with libc and
+    owns only the address range.
+    """
+
+    def __init__(self, fd: int, length: int, prot: int, flags: int, offset: int):
+        addr = _libc.mmap(None, length, prot, flags, fd, offset)
+        if addr in (None, _MAP_FAILED):
+            code = ctypes.get_errno() or errno.ENOMEM
+            raise OSError(code, f"mmap of {length} bytes failed: {os.strerror(code)}")
+        self.addr, self.length = addr, length
+        read_only = not prot & mmap.PROT_WRITE
+        self.__array_interface__ = {
+            "shape": (length,),
+            "typestr": "|u1",
+            "data": (addr, read_only),
+            "version": 3,
+        }
+
+    def __del__(self):
+        _libc.munmap(self.addr, self.length)
+
+
 def _map(
     chunk: ChunkRef, start: int, end: int, *, private: bool, writable: bool, populate: bool
 ) -> np.ndarray:
@@ -134,10 +177,10 @@ def _map(
         if populate:  # fault every page in now, in bulk, rather than one fault per page later
             flags |= getattr(mmap, "MAP_POPULATE", 0)
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        mm = mmap.mmap(fd, end - base, flags=flags, prot=prot, offset=base)
+        mapping = _Mapping(fd, end - base, prot, flags, base)
     finally:
         os.close(fd)  # the mapping keeps the memory alive on its own
-    return np.frombuffer(mm, dtype=np.uint8, count=end - start, offset=start - base)
+    return np.asarray(mapping)[start - base : end - base]
 
 
 def map_for_write(chunk: ChunkRef, start: int, nbytes: int) -> np.ndarray:

@@ -6,6 +6,7 @@ CapacityExceeded, never a raw OSError.
 """
 
 import asyncio
+import os
 
 import psutil
 import pytest
@@ -109,3 +110,17 @@ def test_running_out_of_descriptors_is_capacity_exceeded(ray_session):
         assert torch.equal(client.get_samples(["after"], "p", ["x"])["x"], big)
     finally:
         handle.shutdown()
+
+
+def test_a_reader_holding_many_zero_copy_tensors_holds_no_descriptors(client):
+    client.register_partition("held", fields=["x"])
+    ids = ["h0"]  # one row lives on one unit: a same-node get maps it, zero-copy
+    rows = torch.arange(1024, dtype=torch.float32).reshape(1, 1024)
+    client.put_samples(ids, "held", {"x": rows})
+    fds_before = len(open_fds(os.getpid()))
+    held = [client.get_samples(ids, "held", ["x"])["x"] for _ in range(500)]
+    grown = len(open_fds(os.getpid())) - fds_before
+    print(f"reader fds grew by {grown} while holding {len(held)} mapped tensors")
+    assert grown < 20  # Python's mmap would keep one duplicate descriptor per tensor
+    assert all(torch.equal(t, rows) for t in held)
+    client.clear_samples(None, "held")
