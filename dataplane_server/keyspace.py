@@ -123,6 +123,10 @@ class Partition:
         self.live = grown(self.live, end, False)
         self.seq_len = grown(self.seq_len, end, -1)
         self.unit = grown(self.unit, end, -1)
+        # Every column keeps an entry per row, so no reader ever slices a short one.
+        for table in (self.produced, self.consumed, self.lease_until, self.holder, self.deliveries):
+            for name, arr in table.items():
+                table[name] = grown(arr, len(self.live), 0)
         self.row_of.update(zip(sample_ids, range(start, end)))
         self.ids.extend(sample_ids)
         self.tags.extend([None] * len(sample_ids))

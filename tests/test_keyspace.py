@@ -169,6 +169,20 @@ def test_a_malformed_commit_is_refused_before_anything_is_reserved(change):
     assert part.n_rows == 0
 
 
+def test_columns_of_fields_a_commit_did_not_write_grow_with_the_rows():
+    ks = _space()
+    part = _register(ks, tasks=["t", "u"], leases={"u": 5.0})
+    _write(ks, ["first"])  # field x, with room for the first few rows only
+    ks.claim(part, "u", ["x"], 1, partial_ok=True)  # per-task lease columns exist now too
+    many = [f"y{i}" for i in range(500)]
+    _write(ks, many, fields=("y",))  # rows that only wrote y
+    assert ks.claim(part, "t", ["x"], 10, partial_ok=True).sample_ids == ["first"]
+    assert ks.claim(part, "u", ["y"], 600, partial_ok=True).size == 500
+    with pytest.raises(FieldNotProduced):
+        ks.locate("p", many[-1:], ["x"])
+    assert isinstance(ks.check_commit(_request(many[-1:])), CommitPlan)
+
+
 def test_locate_names_the_missing_samples_and_fields():
     ks = _space()
     _register(ks)
@@ -312,11 +326,11 @@ def test_leases_name_registered_tasks_only():
 
 # ---- properties --------------------------------------------------------------------
 
-_IDS = [f"s{i}" for i in range(12)]
+_IDS = [f"s{i}" for i in range(150)]  # enough rows to outgrow the columns' first capacity
 _op = st.one_of(
     st.tuples(
         st.just("commit"),
-        st.lists(st.sampled_from(_IDS), min_size=1, max_size=4, unique=True),
+        st.lists(st.sampled_from(_IDS), min_size=1, max_size=30, unique=True),
         st.sampled_from(["x", "y"]),
         st.integers(0, 1),
         st.sampled_from(["g0", "g1", "g2"]),
