@@ -325,14 +325,20 @@ class StorageUnit:
         every_s = min(self.stage_ttl_s / 4, 1.0)
         while True:
             await asyncio.sleep(every_s)  # a periodic timer, not synchronisation
-            now = time.monotonic()
-            for wid in [w for w, st in self.staged.items() if st.deadline <= now]:
-                self._reclaim(wid, f"its {self.stage_ttl_s}s deadline passed before its commit")
-            owned = [(w, st.owner) for w, st in self.staged.items() if st.owner is not None]
-            died = await asyncio.gather(*[self._owner_died(ref, every_s) for _, ref in owned])
-            for (wid, _), dead in zip(owned, died):
-                if dead and wid in self.staged:
-                    self._reclaim(wid, "its writer's process died before its commit")
+            try:
+                await self._sweep_once(every_s)
+            except Exception:  # noqa: BLE001 - a failed sweep must not end sweeping; it is counted
+                self.stats.inc("stage_sweep_errors_total")
+
+    async def _sweep_once(self, timeout_s: float) -> None:
+        now = time.monotonic()
+        for wid in [w for w, st in self.staged.items() if st.deadline <= now]:
+            self._reclaim(wid, f"its {self.stage_ttl_s}s deadline passed before its commit")
+        owned = [(w, st.owner) for w, st in self.staged.items() if st.owner is not None]
+        died = await asyncio.gather(*[self._owner_died(ref, timeout_s) for _, ref in owned])
+        for (wid, _), dead in zip(owned, died):
+            if dead and wid in self.staged:
+                self._reclaim(wid, "its writer's process died before its commit")
 
     @staticmethod
     async def _owner_died(owner: ray.ObjectRef, timeout_s: float) -> bool:
