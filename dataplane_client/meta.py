@@ -2,16 +2,21 @@
 
 A meta names samples of one partition (``sample_ids``), optionally the fields
 they carry, their sequence lengths and per-sample tags. It is small: no tensor
-ever rides in a meta. Every method returns a new meta; ``extra_info`` is copied
-(shallowly, per key) so editing one meta's extra_info never edits another's.
+ever rides in a meta. Its fields and method semantics are NeMo-RL's contract
+(``NEMO_RL_CONTRACT.md``): the views (``subset``, ``slice``, ``drop``,
+``concat``, ``with_fields``) return new metas whose ``extra_info`` is a shallow
+copy, so editing one meta's extra_info never edits another's; ``stamp_tags``
+alone edits the meta in place.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+import torch
 
 from dataplane_client.errors import InvalidBatch
 
@@ -25,6 +30,24 @@ def duplicated(ids: Sequence[str]) -> list[str]:
             dups[s] = None
         seen.add(s)
     return list(dups)
+
+
+def _per_row_values(name: str, values: Any, size: int) -> list:
+    """``values`` (list, tuple, tensor or ndarray of one entry per row) as Python values."""
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        if values.ndim != 1:
+            raise InvalidBatch(
+                f"tag {name!r}: a per-row tensor must be 1-D, got shape {tuple(values.shape)}"
+            )
+        values = values.tolist()
+    elif isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise InvalidBatch(
+            f"tag {name!r}: expected a per-row sequence (list, tensor or ndarray) of "
+            f"{size} values, got {type(values).__name__}"
+        )
+    if len(values) != size:
+        raise InvalidBatch(f"tag {name!r} has {len(values)} values for {size} sample ids")
+    return list(values)
 
 
 @dataclass
@@ -55,70 +78,94 @@ class KVBatchMeta:
                     partition_id=self.partition_id,
                 )
         if self.tags is not None:
+            # Copied per row, so stamping one meta's tags never edits a meta it came from.
             self.tags = [dict(t) for t in self.tags]
             if len(self.tags) != n:
                 raise InvalidBatch(
-                    f"tags has {len(self.tags)} entries for {n} sample_ids",
+                    f"tags must align 1:1 with sample_ids: {len(self.tags)} tags for "
+                    f"{n} sample ids",
                     partition_id=self.partition_id,
                 )
         if not isinstance(self.extra_info, dict):
             raise InvalidBatch(f"extra_info must be a dict, got {type(self.extra_info).__name__}")
-        self.extra_info = copy.copy(self.extra_info)
+        self.extra_info = dict(self.extra_info)
 
-    # ---- views -------------------------------------------------------------
     @property
     def size(self) -> int:
+        """Number of samples."""
         return len(self.sample_ids)
 
     def __len__(self) -> int:
         return len(self.sample_ids)
 
-    def _pick(self, idx: Sequence[int]) -> KVBatchMeta:
-        idx = [int(i) for i in idx]
-        n = len(self.sample_ids)
-        bad = [i for i in idx if not -n <= i < n]
+    # ---- in place ----------------------------------------------------------
+    def stamp_tags(self, scalars: Mapping[str, Any]) -> None:
+        """Write per-row values into the tags, in place: ``tags[i][name] = values[i]``.
+
+        Each value is a sequence of ``size`` entries (list, tensor, ndarray).
+        Tags are initialised to empty dicts when there were none. Every value
+        is checked before any tag changes, so a rejected call changes nothing.
+        """
+        if not isinstance(scalars, Mapping):
+            raise InvalidBatch(
+                f"stamp_tags takes a mapping name -> per-row values, got {type(scalars).__name__}"
+            )
+        columns = {name: _per_row_values(name, v, self.size) for name, v in scalars.items()}
+        if self.tags is None:
+            self.tags = [{} for _ in self.sample_ids]
+        for name, values in columns.items():
+            for tag, value in zip(self.tags, values):
+                tag[name] = value
+
+    # ---- views -------------------------------------------------------------
+    def _positions(self, indices: Iterable[int] | torch.Tensor | np.ndarray) -> list[int]:
+        if isinstance(indices, (torch.Tensor, np.ndarray)):
+            indices = indices.tolist()
+        out = [int(i) for i in indices]
+        n = self.size
+        bad = [i for i in out if not -n <= i < n]
         if bad:
             raise InvalidBatch(f"indices {bad[:10]} out of range for a meta of {n} samples")
+        return [i % n for i in out]
+
+    def _pick(self, rows: list[int]) -> KVBatchMeta:
+        lengths, tags = self.sequence_lengths, self.tags
         return KVBatchMeta(
             partition_id=self.partition_id,
             task_name=self.task_name,
-            sample_ids=[self.sample_ids[i] for i in idx],
+            sample_ids=[self.sample_ids[i] for i in rows],
             fields=self.fields,
-            sequence_lengths=None
-            if self.sequence_lengths is None
-            else [self.sequence_lengths[i] for i in idx],
+            sequence_lengths=None if lengths is None else [lengths[i] for i in rows],
             extra_info=self.extra_info,
-            tags=None if self.tags is None else [self.tags[i] for i in idx],
+            tags=None if tags is None else [tags[i] for i in rows],
         )
 
-    def subset(self, idx: Sequence[int]) -> KVBatchMeta:
-        """The samples at positions ``idx``, in that order."""
-        return self._pick(idx)
+    def subset(self, indices: Iterable[int] | torch.Tensor | np.ndarray) -> KVBatchMeta:
+        """The samples at positions ``indices``, in that order."""
+        return self._pick(self._positions(indices))
 
-    def slice(self, start: int, end: int) -> KVBatchMeta:
-        """Samples ``[start, end)``."""
-        return self._pick(range(*slice(start, end).indices(len(self.sample_ids))))
+    def slice(self, start: int, stop: int) -> KVBatchMeta:
+        """Samples ``[start, stop)`` (Python slice rules)."""
+        return self._pick(list(range(*slice(start, stop).indices(self.size))))
 
-    def drop(self, idx: Sequence[int]) -> KVBatchMeta:
-        """Everything except the samples at positions ``idx``."""
-        n = len(self.sample_ids)
-        gone = {int(i) % n for i in idx} if n else set()
-        return self._pick([i for i in range(n) if i not in gone])
+    def drop(self, indices: Iterable[int] | torch.Tensor | np.ndarray) -> KVBatchMeta | None:
+        """Every sample except those at ``indices``; None when nothing is left."""
+        gone = set(self._positions(indices))
+        kept = [i for i in range(self.size) if i not in gone]
+        return self._pick(kept) if kept else None
 
-    def with_fields(self, names: Sequence[str]) -> KVBatchMeta:
-        out = self._pick(range(len(self.sample_ids)))
-        out.fields = list(names)
-        return out
-
-    def stamp_tags(self, scalars: dict[str, Any]) -> KVBatchMeta:
-        """Set the same scalar tags on every sample (existing keys are replaced)."""
-        out = self._pick(range(len(self.sample_ids)))
-        base = out.tags if out.tags is not None else [{} for _ in out.sample_ids]
-        out.tags = [{**t, **scalars} for t in base]
+    def with_fields(self, names: Iterable[str] | None) -> KVBatchMeta:
+        """A copy whose ``fields`` are this meta's merged with ``names`` (order kept, no repeats)."""
+        out = self._pick(list(range(self.size)))
+        out.fields = list(dict.fromkeys([*(self.fields or []), *(names or [])]))
         return out
 
     def concat(self, *others: KVBatchMeta) -> KVBatchMeta:
-        """This meta followed by ``others`` (same partition required)."""
+        """This meta followed by ``others``, all of the same partition.
+
+        Lengths, tags and fields survive only when every part has them (fields:
+        those every part has); anything else would invent values for some rows.
+        """
         metas = [self, *others]
         for m in others:
             if m.partition_id != self.partition_id:
@@ -130,13 +177,11 @@ class KVBatchMeta:
         dups = duplicated(ids)
         if dups:
             raise InvalidBatch("concat would duplicate sample ids", ids=dups)
-        lens = None
+        lengths = tags = fields = None
         if all(m.sequence_lengths is not None for m in metas):
-            lens = [x for m in metas for x in m.sequence_lengths]
-        tags = None
-        if any(m.tags is not None for m in metas):
-            tags = [t for m in metas for t in (m.tags or [{} for _ in m.sample_ids])]
-        fields = self.fields
+            lengths = [x for m in metas for x in m.sequence_lengths]
+        if all(m.tags is not None for m in metas):
+            tags = [t for m in metas for t in m.tags]
         if all(m.fields is not None for m in metas):
             fields = [f for f in self.fields if all(f in m.fields for m in others)]
         extra: dict[str, Any] = {}
@@ -147,7 +192,7 @@ class KVBatchMeta:
             task_name=self.task_name,
             sample_ids=ids,
             fields=fields,
-            sequence_lengths=lens,
+            sequence_lengths=lengths,
             extra_info=extra,
             tags=tags,
         )
