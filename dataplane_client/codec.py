@@ -9,28 +9,44 @@ A batch of N samples becomes, per field, one :class:`EncodedField`:
   uint8 field (``lengths`` = bytes per row), so selecting, splitting and joining
   rows is byte copying and only the final decode touches Python objects.
 
+Strings of an enum field (a vocabulary declared at registration) travel as a
+dense ``int32`` field of codes (:mod:`dataplane_client.enum_codes`). Python
+objects travel only in fields declared as object fields; any other non-tensor
+value is :class:`NonTensorField`, once strict mode is on (see
+:data:`STRICT_NON_TENSOR`).
+
 Buffers are numpy ``uint8`` arrays so Ray moves them out-of-band (zero-copy on
-the same node); headers are plain builtins. :func:`pack` / :func:`unpack` turn
-a batch into one self-describing byte string (msgpack header + buffers + CRC32)
-for paths that are not Ray. Nothing here pickles.
+the same node); headers are plain builtins. Nothing here pickles.
+:mod:`dataplane_client.byte_format` turns encoded fields into one
+self-describing, checksummed byte string for paths that are not Ray.
 """
 
 from __future__ import annotations
 
 import math
-import struct
-import zlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 import torch
 
-from dataplane_client.errors import CorruptPayload, InvalidBatch, SchemaConflict
+from dataplane_client import enum_codes, object_columns
+from dataplane_client.errors import (
+    CorruptPayload,
+    InvalidBatch,
+    NonTensorField,
+    SchemaConflict,
+)
+from dataplane_client.tensordict_io import as_field_mapping
 
 DENSE, JAGGED, OBJECT = "dense", "jagged", "object"
+KINDS = (DENSE, JAGGED, OBJECT)
+
+# Whether a non-tensor value in a field declared neither in ``enums`` nor in
+# ``object_fields`` is refused (NonTensorField, NeMo-RL's contract) or, while
+# callers still migrate, sent as msgpack objects. Integration flips this to True.
+STRICT_NON_TENSOR = False
 
 # Every dtype a training loop stores. Names are the wire names.
 DTYPES: dict[str, torch.dtype] = {
@@ -46,6 +62,16 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+# Hard bounds no real batch reaches; a header past them is corrupt (or hostile),
+# and checking them first keeps every later size computation small and exact.
+MAX_ROWS = 2**31
+MAX_ROW_UNIT_BYTES = 2**40
+_INT64_MAX = 2**63 - 1
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 @dataclass
@@ -66,7 +92,7 @@ class EncodedField:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=DTYPES[self.dtype]).element_size() if self.dtype else 1
+        return DTYPES[self.dtype].itemsize if self.dtype else 1
 
     @property
     def row_unit_bytes(self) -> int:
@@ -90,32 +116,51 @@ class EncodedField:
         return int(self.lengths.sum()) * self.row_unit_bytes
 
     def validate(self, name: str, *, header_only: bool = False) -> None:
-        """Check internal consistency; raise CorruptPayload naming the field."""
-        if self.kind not in (DENSE, JAGGED, OBJECT):
-            raise CorruptPayload(f"unknown field kind {self.kind!r}", fields=[name])
+        """Check the header against hard bounds, then the bytes against the header.
+
+        Raises CorruptPayload naming the field. Every check runs on Python
+        integers before anything is allocated from the header's numbers, so a
+        hostile header (a 1T x 1T shape, lengths that sum past int64) is
+        refused rather than believed.
+        """
+
+        def corrupt(why: str) -> CorruptPayload:
+            return CorruptPayload(why, fields=[name])
+
+        if not isinstance(self.kind, str) or self.kind not in KINDS:
+            raise corrupt(f"unknown field kind {self.kind!r}")
         if self.kind == OBJECT and (self.dtype is not None or self.shape):
-            raise CorruptPayload(
-                "object fields carry msgpack bytes: no dtype or shape", fields=[name]
-            )
-        if self.kind != OBJECT and self.dtype not in DTYPES:
-            raise CorruptPayload(f"unknown dtype {self.dtype!r}", fields=[name])
-        if any(int(d) < 0 for d in self.shape):
-            raise CorruptPayload(f"negative dimension in shape {self.shape}", fields=[name])
-        if not header_only and (
-            not isinstance(self.values, np.ndarray) or self.values.dtype != np.uint8
-        ):
-            raise CorruptPayload("values must be a uint8 array", fields=[name])
-        if self.kind != DENSE and (
-            not isinstance(self.lengths, np.ndarray)
-            or self.lengths.shape != (self.num_rows,)
-            or (self.num_rows and int(self.lengths.min()) < 0)
-        ):
-            raise CorruptPayload("jagged lengths missing, mis-sized or negative", fields=[name])
+            raise corrupt("object fields carry msgpack bytes: no dtype or shape")
+        if self.kind != OBJECT and (not isinstance(self.dtype, str) or self.dtype not in DTYPES):
+            raise corrupt(f"unknown dtype {self.dtype!r}")
+        if not isinstance(self.shape, tuple) or not all(_is_int(d) and d >= 0 for d in self.shape):
+            raise corrupt(f"shape must be non-negative ints, got {self.shape!r}")
+        if self.row_unit_bytes > MAX_ROW_UNIT_BYTES:
+            raise corrupt(f"shape {self.shape} of {self.dtype} is past {MAX_ROW_UNIT_BYTES} bytes")
+        if not _is_int(self.num_rows) or not 0 <= self.num_rows <= MAX_ROWS:
+            raise corrupt(f"row count {self.num_rows!r} is not in [0, {MAX_ROWS}]")
+        if self.kind != DENSE:
+            lengths = self.lengths
+            if (
+                not isinstance(lengths, np.ndarray)
+                or lengths.dtype.kind not in "iu"
+                or lengths.shape != (self.num_rows,)
+            ):
+                raise corrupt("row lengths missing, mis-sized or not integers")
+            if self.num_rows and int(lengths.min()) < 0:
+                raise corrupt("negative row length")
+            # A sum of num_rows values below this bound cannot leave int64.
+            if self.num_rows and int(lengths.max()) > _INT64_MAX // self.num_rows:
+                raise corrupt("row lengths sum past int64")
         expected = self.expected_nbytes()
-        if not header_only and self.values.nbytes != expected:
-            raise CorruptPayload(
-                f"values hold {self.values.nbytes} bytes, header says {expected}", fields=[name]
-            )
+        if expected > _INT64_MAX:
+            raise corrupt(f"header describes {expected} bytes, past int64")
+        if header_only:
+            return
+        if not isinstance(self.values, np.ndarray) or self.values.dtype != np.uint8:
+            raise corrupt("values must be a uint8 array")
+        if self.values.nbytes != expected:
+            raise corrupt(f"values hold {self.values.nbytes} bytes, header says {expected}")
 
 
 # ---------------------------------------------------------------------------
@@ -140,11 +185,18 @@ def _dtype_name(t: torch.Tensor, name: str) -> str:
         raise InvalidBatch(f"unsupported dtype {t.dtype}", fields=[name]) from None
 
 
+def _check_device(t: torch.Tensor, name: str) -> None:
+    if t.device.type not in ("cpu", "cuda"):
+        raise InvalidBatch(
+            f"tensor on device {t.device.type!r}: only CPU and CUDA tensors hold data",
+            fields=[name],
+        )
+
+
 def _encode_jagged_list(name: str, rows: list[torch.Tensor]) -> EncodedField:
-    if not rows:
-        raise InvalidBatch("empty list of tensors", fields=[name])
     first = rows[0]
     for i, r in enumerate(rows):
+        _check_device(r, name)
         if r.ndim < 1:
             raise InvalidBatch(f"jagged row {i} is 0-dim; rows must be >= 1-D", fields=[name])
         if r.dtype != first.dtype or tuple(r.shape[1:]) != tuple(first.shape[1:]):
@@ -154,79 +206,136 @@ def _encode_jagged_list(name: str, rows: list[torch.Tensor]) -> EncodedField:
                 fields=[name],
             )
     values = torch.cat([r.detach().cpu().reshape(r.shape[0], *first.shape[1:]) for r in rows])
-    lengths = np.array([r.shape[0] for r in rows], dtype=np.int64)
     return EncodedField(
         kind=JAGGED,
         dtype=_dtype_name(first, name),
         shape=tuple(int(d) for d in first.shape[1:]),
         values=_as_bytes(values),
-        lengths=lengths,
+        lengths=np.array([r.shape[0] for r in rows], dtype=np.int64),
         num_rows=len(rows),
     )
 
 
-def encode_field(name: str, value: Any) -> EncodedField:
-    """Encode one field's value for N samples."""
-    if isinstance(value, torch.Tensor):
-        if value.is_nested:
-            if value.layout != torch.jagged:
-                return _encode_jagged_list(name, list(value.unbind()))
-            offsets = value.offsets()
-            values = value.values()
-            lengths = (offsets[1:] - offsets[:-1]).cpu().numpy().astype(np.int64)
-            start, end = int(offsets[0]), int(offsets[-1])
-            return EncodedField(
-                kind=JAGGED,
-                dtype=_dtype_name(values, name),
-                shape=tuple(int(d) for d in values.shape[1:]),
-                values=_as_bytes(values[start:end]),
-                lengths=lengths,
-                num_rows=len(lengths),
-            )
-        if value.ndim == 0:
-            raise InvalidBatch("a dense field needs a leading sample dim [N, ...]", fields=[name])
+def _encode_tensor(name: str, value: torch.Tensor) -> EncodedField:
+    _check_device(value, name)
+    if value.is_nested:
+        if value.layout != torch.jagged:
+            return _encode_jagged_list(name, list(value.unbind()))
+        offsets = value.offsets()
+        values = value.values()
+        start, end = int(offsets[0]), int(offsets[-1])
         return EncodedField(
-            kind=DENSE,
-            dtype=_dtype_name(value, name),
-            shape=tuple(int(d) for d in value.shape[1:]),
-            values=_as_bytes(value),
-            num_rows=int(value.shape[0]),
+            kind=JAGGED,
+            dtype=_dtype_name(values, name),
+            shape=tuple(int(d) for d in values.shape[1:]),
+            values=_as_bytes(values[start:end]),
+            lengths=(offsets[1:] - offsets[:-1]).cpu().numpy().astype(np.int64),
+            num_rows=len(offsets) - 1,
         )
-    if isinstance(value, (list, tuple)):
-        if value and all(isinstance(v, torch.Tensor) for v in value):
-            return _encode_jagged_list(name, list(value))
-        if any(isinstance(v, torch.Tensor) for v in value):
-            raise InvalidBatch("a list mixes tensors and non-tensors", fields=[name])
-        try:
-            rows = [msgpack.packb(v, use_bin_type=True) for v in value]
-        except (TypeError, ValueError, OverflowError) as e:
-            raise InvalidBatch(f"values are not msgpack-serializable: {e}", fields=[name]) from None
-        return EncodedField(
-            kind=OBJECT,
-            values=np.frombuffer(b"".join(rows), dtype=np.uint8),
-            lengths=np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)),
-            num_rows=len(rows),
-        )
-    if isinstance(value, np.ndarray):
-        return encode_field(name, torch.from_numpy(np.ascontiguousarray(value)))
-    raise InvalidBatch(
-        f"unsupported field type {type(value).__name__}: use a tensor [N, ...], a jagged "
-        "torch.nested tensor or list of tensors, or a list of msgpack-able values",
-        fields=[name],
+    if value.ndim == 0:
+        raise InvalidBatch("a dense field needs a leading sample dim [N, ...]", fields=[name])
+    return EncodedField(
+        kind=DENSE,
+        dtype=_dtype_name(value, name),
+        shape=tuple(int(d) for d in value.shape[1:]),
+        values=_as_bytes(value),
+        num_rows=int(value.shape[0]),
     )
 
 
+def _row_values(value: Any) -> list | None:
+    """A non-tensor column as a list of per-row values (None when it is not a column)."""
+    if isinstance(value, np.ndarray):
+        return value.tolist() if value.ndim >= 1 else None
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return None
+
+
+def _describe(value: Any) -> str:
+    rows = _row_values(value)
+    if rows:
+        kinds = sorted({type(v).__name__ for v in rows})
+        return f"a {type(value).__name__} of {'/'.join(kinds[:3])}"
+    return f"a {type(value).__name__}"
+
+
+def encode_field(
+    name: str,
+    value: Any,
+    *,
+    vocabulary: tuple[str, ...] | None = None,
+    objects_allowed: bool = True,
+) -> EncodedField:
+    """Encode one field's value for N samples.
+
+    Tensors (dense ``[N, ...]``, jagged ``torch.nested``, a list of tensors,
+    a numeric ndarray) encode as themselves. With a ``vocabulary`` the value is
+    a column of strings and travels as int32 codes. Any other value is a
+    column of Python objects, accepted only when ``objects_allowed``.
+    """
+    if vocabulary is not None:
+        rows = _row_values(value)
+        if rows is None:
+            raise InvalidBatch(
+                f"an enum field takes a list of str, got {_describe(value)}", fields=[name]
+            )
+        return _encode_tensor(name, enum_codes.to_codes(name, rows, vocabulary))
+    if isinstance(value, torch.Tensor):
+        return _encode_tensor(name, value)
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        return _encode_tensor(name, torch.from_numpy(np.ascontiguousarray(value)))
+    rows = _row_values(value)
+    if rows and all(isinstance(v, torch.Tensor) for v in rows):
+        return _encode_jagged_list(name, rows)
+    if rows and any(isinstance(v, torch.Tensor) for v in rows):
+        raise InvalidBatch("a list mixes tensors and non-tensors", fields=[name])
+    if not objects_allowed:
+        raise NonTensorField(
+            f"field {name!r} holds a non-tensor value ({_describe(value)}): give a tensor, "
+            "or declare the field in enums (strings) or object_fields (msgpack values)",
+            fields=[name],
+        )
+    if rows is None:
+        raise InvalidBatch(
+            f"unsupported field type {type(value).__name__}: use a tensor [N, ...], a jagged "
+            "torch.nested tensor or list of tensors, or a list of msgpack-able values",
+            fields=[name],
+        )
+    values, lengths = object_columns.encode_rows(name, rows)
+    return EncodedField(kind=OBJECT, values=values, lengths=lengths, num_rows=len(rows))
+
+
 def encode_fields(
-    fields: Mapping[str, Any], num_rows: int | None = None
+    fields: Any,
+    num_rows: int | None = None,
+    *,
+    enums: Mapping[str, Any] | None = None,
+    object_fields: Collection[str] = (),
+    strict: bool | None = None,
 ) -> dict[str, EncodedField]:
-    """Encode every field; all must describe the same number of samples."""
-    if not isinstance(fields, Mapping) or not fields:
+    """Encode every field of a TensorDict, dict or BatchedDataDict; all must have the same rows.
+
+    ``enums`` maps a field to its vocabulary (strings travel as codes);
+    ``object_fields`` names the fields that may hold msgpack values. Other
+    non-tensor values are NonTensorField when ``strict`` (default:
+    :data:`STRICT_NON_TENSOR`).
+    """
+    fields = as_field_mapping(fields)
+    if not fields:
         raise InvalidBatch("fields must be a non-empty mapping of name -> value")
+    strict = STRICT_NON_TENSOR if strict is None else strict
+    vocabularies = {k: enum_codes.vocabulary(k, v) for k, v in (enums or {}).items()}
     out: dict[str, EncodedField] = {}
     for name, value in fields.items():
         if not isinstance(name, str) or not name:
             raise InvalidBatch(f"field names must be non-empty str, got {name!r}")
-        enc = encode_field(name, value)
+        enc = encode_field(
+            name,
+            value,
+            vocabulary=vocabularies.get(name),
+            objects_allowed=not strict or name in object_fields,
+        )
         if num_rows is None:
             num_rows = enc.num_rows
         if enc.num_rows != num_rows:
@@ -258,20 +367,8 @@ def decode_field(enc: EncodedField, *, writable: bool = True) -> Any:
 
 
 def decode_objects(enc: EncodedField) -> list:
-    """The Python values of an object field (raises CorruptPayload on undecodable rows)."""
-    blob = enc.values.tobytes()
-    out, pos = [], 0
-    for n in enc.lengths.tolist():
-        try:
-            out.append(msgpack.unpackb(blob[pos : pos + n], raw=False))
-        except Exception:  # msgpack raises several unrelated types on garbage
-            raise CorruptPayload(f"object row at byte {pos} is not msgpack") from None
-        pos += n
-    return out
-
-
-def decode_fields(encoded: Mapping[str, EncodedField]) -> dict[str, Any]:
-    return {name: decode_field(enc) for name, enc in encoded.items()}
+    """The Python values of an object field, decoded in one call (CorruptPayload if garbled)."""
+    return object_columns.decode_rows(enc.values, enc.num_rows)
 
 
 # ---------------------------------------------------------------------------
@@ -356,96 +453,3 @@ def take_rows(
         lengths=None if enc.lengths is None else enc.lengths[rows],
         num_rows=len(rows),
     )
-
-
-# ---------------------------------------------------------------------------
-# self-describing byte string (non-Ray paths, persistence, tests)
-
-_MAGIC = b"DPB1"
-_HEAD = struct.Struct("<4sI")  # magic, header length
-
-
-def pack(encoded: Mapping[str, EncodedField]) -> bytes:
-    """Encoded fields -> one byte string: magic, msgpack header, buffers."""
-    header, blobs, pos = [], [], 0
-    for name, enc in encoded.items():
-        blob = enc.values.tobytes()
-        entry = {
-            "name": name,
-            "kind": enc.kind,
-            "dtype": enc.dtype,
-            "shape": list(enc.shape),
-            "rows": enc.num_rows,
-            "offset": pos,
-            "nbytes": len(blob),
-            "crc": zlib.crc32(blob),
-        }
-        if enc.kind != DENSE:
-            entry["lengths"] = enc.lengths.astype("<i8").tobytes()
-        header.append(entry)
-        blobs.append(blob)
-        pos += len(blob)
-    head = msgpack.packb(header, use_bin_type=True)
-    return b"".join([_HEAD.pack(_MAGIC, len(head)), head, *blobs])
-
-
-def unpack(data: bytes | memoryview) -> dict[str, EncodedField]:
-    """Inverse of :func:`pack`; any truncation or corruption raises CorruptPayload."""
-    mv = memoryview(data)
-    if len(mv) < _HEAD.size:
-        raise CorruptPayload(f"payload of {len(mv)} bytes is shorter than its fixed header")
-    magic, head_len = _HEAD.unpack_from(mv, 0)
-    if magic != _MAGIC:
-        raise CorruptPayload(f"bad magic {bytes(magic)!r}")
-    body = _HEAD.size + head_len
-    if body > len(mv):
-        raise CorruptPayload(f"header claims {head_len} bytes, payload has {len(mv) - _HEAD.size}")
-    try:
-        header = msgpack.unpackb(mv[_HEAD.size : body], raw=False)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise CorruptPayload(f"unreadable header: {type(e).__name__}") from None
-    if not isinstance(header, list):
-        raise CorruptPayload("header is not a list")
-    out: dict[str, EncodedField] = {}
-    for entry in header:
-        try:
-            name, kind, off, nbytes = (
-                entry["name"],
-                entry["kind"],
-                int(entry["offset"]),
-                int(entry["nbytes"]),
-            )
-            rows, crc = int(entry["rows"]), int(entry["crc"])
-            dtype, shape = entry["dtype"], tuple(int(d) for d in entry["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise CorruptPayload("malformed header entry") from None
-        if (
-            not isinstance(name, str)
-            or off < 0
-            or nbytes < 0
-            or rows < 0
-            or body + off + nbytes > len(mv)
-        ):
-            raise CorruptPayload("field bytes out of range (truncated?)", fields=[str(name)])
-        blob = mv[body + off : body + off + nbytes]
-        if zlib.crc32(blob) != crc:
-            raise CorruptPayload("checksum mismatch", fields=[name])
-        lengths = None
-        if kind != DENSE:
-            raw = entry.get("lengths")
-            if not isinstance(raw, bytes) or len(raw) != 8 * rows:
-                raise CorruptPayload("row lengths missing or mis-sized", fields=[name])
-            lengths = np.frombuffer(raw, dtype="<i8").astype(np.int64)
-        enc = EncodedField(
-            kind=kind,
-            dtype=dtype,
-            shape=shape,
-            lengths=lengths,
-            num_rows=rows,
-            values=np.frombuffer(blob, dtype=np.uint8).copy(),
-        )
-        enc.validate(name)
-        if kind == OBJECT:
-            decode_objects(enc)  # undecodable rows are corruption, found now rather than later
-        out[name] = enc
-    return out

@@ -14,6 +14,8 @@ and small non-tensor fields as Python lists. A model wants rectangles:
   tensors; ``pad_to_seqlen`` does not apply.
 
 Dense tensors and lists of non-tensors pass through unchanged in both layouts.
+The batch may be a TensorDict (what ``get_data`` returns), a dict or a
+BatchedDataDict; a TensorDict's string and object columns arrive as lists.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from dataplane_client.batched_data_dict import BatchedDataDict, jagged_values_offsets
 from dataplane_client.errors import InvalidBatch
+from dataplane_client.tensordict_io import as_field_mapping
 
 LAYOUTS = ("padded", "jagged")
 
@@ -72,7 +75,7 @@ def _pad(values: torch.Tensor, offsets: torch.Tensor, pad_value: Any, min_len: i
 
 
 def materialize(
-    batch: Mapping[str, Any],
+    batch: Any,
     layout: str = "padded",
     pad_value_dict: Mapping[str, Any] | None = None,
     pad_to_seqlen: int = 0,
@@ -96,8 +99,7 @@ def materialize(
         raise InvalidBatch(f"unknown layout {layout!r}; expected one of {list(LAYOUTS)}")
     if isinstance(pad_to_seqlen, bool) or not isinstance(pad_to_seqlen, int) or pad_to_seqlen < 0:
         raise InvalidBatch(f"pad_to_seqlen must be an int >= 0, got {pad_to_seqlen!r}")
-    if not isinstance(batch, Mapping):
-        raise InvalidBatch(f"materialize needs a mapping of fields, got {type(batch).__name__}")
+    batch = as_field_mapping(batch)
     pad_value_dict = dict(pad_value_dict or {})
 
     out = BatchedDataDict()
