@@ -32,7 +32,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from dataplane_client.errors import InvalidBatch
+from dataplane_client.errors import FieldNotProduced, InvalidBatch
 from dataplane_client.preshard import (
     DynamicBatchingArgs,
     SequencePackingArgs,
@@ -181,6 +181,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         dimensions are right-padded to the largest size in each dimension with
         ``pad_value_dict.get(key, 0)``. Keys come out sorted.
 
+        Batches with zero rows contribute nothing (no list of batches, or only
+        empty ones, gives an empty BatchedDataDict); a key missing from a
+        batch that has rows raises FieldNotProduced (a KeyError).
+
         >>> out = BatchedDataDict.from_batches(
         ...     [{"ids": torch.tensor([[1, 2]]), "n": [2]},
         ...      {"ids": torch.tensor([[3, 4, 5]]), "n": [3]}],
@@ -191,15 +195,16 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         >>> out["n"]
         [2, 3]
         """
-        if not batches:
-            raise InvalidBatch("from_batches needs at least one batch")
         pad_value_dict = dict(pad_value_dict or {})
+        # A batch without rows (a rank that got no samples; even an empty mapping)
+        # adds nothing, so its keys are not required of the others.
+        positions = [i for i, b in enumerate(batches) if _batch_size_of(b) > 0]
         out = cls()
-        for k in sorted(batches[0]):
-            missing = [i for i, b in enumerate(batches) if k not in b]
+        for k in sorted({k for i in positions for k in batches[i]}):
+            missing = [i for i in positions if k not in batches[i]]
             if missing:
-                raise InvalidBatch(f"batches {missing} lack key {k!r}", fields=[k])
-            values = [b[k] for b in batches]
+                raise FieldNotProduced(f"batches {missing} lack key {k!r}", fields=[k])
+            values = [batches[i][k] for i in positions]
             if all(isinstance(v, list) for v in values):
                 out[k] = [x for v in values for x in v]
             elif all(isinstance(v, torch.Tensor) and not v.is_nested for v in values):
@@ -361,7 +366,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 balanced over shards. Keys: max_tokens_per_microbatch, input_key,
                 input_lengths_key, algorithm, and optionally
                 sequence_length_pad_multiple (1), min_bin_count, bin_count_multiple,
-                seed. Mutually exclusive with dynamic_batching_args.
+                seed, microbatch_order ("packer", the default: each shard's
+                microbatches in the packer's bin order; "largest_first": by
+                descending token count). Mutually exclusive with
+                dynamic_batching_args.
 
         Returns:
             The list of ``shards`` SlicedDataDicts; with dynamic batching or

@@ -1,8 +1,10 @@
 """Sequence packing: put samples into token-capacity bins, then bins onto DP ranks.
 
 A *bin* is one packed microbatch: a list of sample indices whose (padded)
-lengths sum to at most ``capacity`` tokens. Every algorithm here has the same
-signature::
+lengths sum to at most ``capacity`` tokens. As NeMo-RL exposes it, a
+:class:`PackingAlgorithm` and its constraints give a packer
+(:func:`get_packer`) whose ``pack(lengths)`` returns the bins. Underneath,
+every algorithm is a function with the same signature::
 
     fn(lengths, capacity, *, min_bin_count=0, bin_count_multiple=1, seed=0) -> list[list[int]]
 
@@ -21,10 +23,10 @@ capacity) until the count is reached. Only when every bin already holds a
 single item -- i.e. there are fewer items than required bins -- are empty bins
 appended; a rank that receives one runs an empty microbatch.
 
-:func:`assign_bins_to_ranks` then hands the bins to ranks: equal bin counts per
-rank, per-rank token totals balanced (greedy LPT under the equal-count
-constraint, then a local-swap pass). :func:`round_robin_assign` is the naive
-baseline it is measured against.
+:func:`assign_bins_to_ranks` then hands the bins to ranks, and is our default
+wherever packing is planned: equal bin counts per rank, per-rank token totals
+balanced (greedy LPT under the equal-count constraint, then a local-swap
+pass). :func:`round_robin_assign` is the naive baseline it is measured against.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from __future__ import annotations
 import bisect
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
 
 from dataplane_client.errors import InvalidBatch
 
@@ -39,17 +43,21 @@ PackFn = Callable[..., list[list[int]]]
 
 
 # ---- shared helpers ---------------------------------------------------------
-def _validate(lengths: Sequence[int], capacity: int, min_bin_count: int, bin_count_multiple: int):
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_constraints(capacity: int, min_bin_count: int, bin_count_multiple: int) -> None:
+    if not _is_int(capacity) or capacity <= 0:
         raise InvalidBatch(f"bin capacity must be a positive int, got {capacity!r}")
-    if isinstance(min_bin_count, bool) or not isinstance(min_bin_count, int) or min_bin_count < 0:
+    if not _is_int(min_bin_count) or min_bin_count < 0:
         raise InvalidBatch(f"min_bin_count must be an int >= 0, got {min_bin_count!r}")
-    if (
-        isinstance(bin_count_multiple, bool)
-        or not isinstance(bin_count_multiple, int)
-        or bin_count_multiple < 1
-    ):
+    if not _is_int(bin_count_multiple) or bin_count_multiple < 1:
         raise InvalidBatch(f"bin_count_multiple must be an int >= 1, got {bin_count_multiple!r}")
+
+
+def _validate(lengths: Sequence[int], capacity: int, min_bin_count: int, bin_count_multiple: int):
+    _check_constraints(capacity, min_bin_count, bin_count_multiple)
     out = [int(x) for x in lengths]
     for i, x in enumerate(out):
         if x < 0:
@@ -312,42 +320,83 @@ def modified_first_fit_decreasing(
     return _fit_bin_count(bins, lens, min_bin_count, bin_count_multiple)
 
 
-PACKING_ALGORITHMS: dict[str, PackFn] = {
-    "first_fit_decreasing": first_fit_decreasing,
-    "modified_first_fit_decreasing": modified_first_fit_decreasing,
-    "first_fit_shuffle": first_fit_shuffle,
-    "concatenative": concatenative,
+class PackingAlgorithm(str, Enum):
+    """The packing algorithms, by the names NeMo-RL's config uses."""
+
+    CONCATENATIVE = "concatenative"
+    FIRST_FIT_DECREASING = "first_fit_decreasing"
+    FIRST_FIT_SHUFFLE = "first_fit_shuffle"
+    MODIFIED_FIRST_FIT_DECREASING = "modified_first_fit_decreasing"
+
+
+PACKING_ALGORITHMS: dict[PackingAlgorithm, PackFn] = {
+    PackingAlgorithm.CONCATENATIVE: concatenative,
+    PackingAlgorithm.FIRST_FIT_DECREASING: first_fit_decreasing,
+    PackingAlgorithm.FIRST_FIT_SHUFFLE: first_fit_shuffle,
+    PackingAlgorithm.MODIFIED_FIRST_FIT_DECREASING: modified_first_fit_decreasing,
 }
 
 
-def get_packing_algorithm(name: str) -> PackFn:
-    """The packing function registered under ``name`` (InvalidBatch lists the known names)."""
-    try:
-        return PACKING_ALGORITHMS[name]
-    except (KeyError, TypeError):
-        raise InvalidBatch(
-            f"unknown sequence packing algorithm {name!r}; known: {sorted(PACKING_ALGORITHMS)}"
-        ) from None
+@dataclass(frozen=True)
+class SequencePacker:
+    """One algorithm with its constraints fixed; :meth:`pack` maps lengths to bins.
+
+    Build it with :func:`get_packer`, which checks the constraints once.
+    """
+
+    algorithm: PackingAlgorithm
+    bin_capacity: int
+    min_bin_count: int = 0
+    bin_count_multiple: int = 1
+    seed: int = 0
+
+    def pack(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Bins of indices into ``lengths`` (see the module docstring for the guarantees)."""
+        return PACKING_ALGORITHMS[self.algorithm](
+            lengths,
+            self.bin_capacity,
+            min_bin_count=self.min_bin_count,
+            bin_count_multiple=self.bin_count_multiple,
+            seed=self.seed,
+        )
 
 
-def pack_sequences(
-    lengths: Sequence[int],
-    capacity: int,
+def get_packer(
+    algorithm: PackingAlgorithm | str,
+    bin_capacity: int,
+    min_bin_count: int | None = None,
+    bin_count_multiple: int | None = None,
     *,
-    algorithm: str = "first_fit_decreasing",
-    min_bin_count: int = 0,
-    bin_count_multiple: int = 1,
     seed: int = 0,
-) -> list[list[int]]:
-    """Pack with the algorithm named ``algorithm`` (see :data:`PACKING_ALGORITHMS`)."""
-    fn = get_packing_algorithm(algorithm)
-    return fn(
-        lengths,
-        capacity,
-        min_bin_count=min_bin_count,
-        bin_count_multiple=bin_count_multiple,
-        seed=seed,
-    )
+) -> SequencePacker:
+    """A packer for ``algorithm`` (a :class:`PackingAlgorithm` or its name).
+
+    ``None`` constraints mean none (at least 0 bins, any multiple of 1). An
+    unknown algorithm or an invalid constraint raises InvalidBatch (a
+    ValueError) here, not at the first ``pack``. ``seed`` (ours) drives
+    ``FIRST_FIT_SHUFFLE``.
+
+    Packing only forms bins. Which DP rank gets which bin is decided by
+    :func:`assign_bins_to_ranks` (token-balanced, equal bin counts per rank),
+    the default everywhere packing is planned (``plan_dp_shards``,
+    ``shard_meta_for_dp``, ``BatchedDataDict.shard_by_batch_size``).
+
+    >>> get_packer("first_fit_decreasing", 8).pack([3, 7, 2, 5, 1])
+    [[1, 4], [3, 0], [2]]
+    """
+    try:
+        algo = PackingAlgorithm(algorithm)
+    except ValueError:
+        raise InvalidBatch(
+            f"unknown sequence packing algorithm {algorithm!r}; "
+            f"known: {[a.value for a in PackingAlgorithm]}"
+        ) from None
+    min_bin_count = 0 if min_bin_count is None else min_bin_count
+    bin_count_multiple = 1 if bin_count_multiple is None else bin_count_multiple
+    _check_constraints(bin_capacity, min_bin_count, bin_count_multiple)
+    if not _is_int(seed):
+        raise InvalidBatch(f"seed must be an int, got {seed!r}")
+    return SequencePacker(algo, bin_capacity, min_bin_count, bin_count_multiple, seed)
 
 
 # ---- bins -> ranks ------------------------------------------------------------

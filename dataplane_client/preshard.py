@@ -29,7 +29,7 @@ from typing import Any, TypedDict
 
 from dataplane_client.errors import InvalidBatch
 from dataplane_client.meta import KVBatchMeta
-from dataplane_client.packing import assign_bins_to_ranks, get_packing_algorithm
+from dataplane_client.packing import assign_bins_to_ranks, get_packer
 
 # extra_info keys of a per-rank meta
 MICRO_BATCH_INDICES = "micro_batch_indices"
@@ -37,6 +37,11 @@ MICRO_BATCH_LENGTHS = "micro_batch_lengths"
 ELEM_COUNTS_PER_GB = "elem_counts_per_gb"
 GLOBAL_FORWARD_PAD_SEQLEN = "global_forward_pad_seqlen"
 PACKING_KEYS = (MICRO_BATCH_INDICES, MICRO_BATCH_LENGTHS, ELEM_COUNTS_PER_GB)
+
+
+# How a rank's packed microbatches are ordered: as the packer made them (its bin
+# order), or by descending token count (ties in packer order).
+MICROBATCH_ORDERS = ("packer", "largest_first")
 
 
 class DynamicBatchingArgs(TypedDict):
@@ -52,7 +57,7 @@ class _SequencePackingRequired(TypedDict):
     max_tokens_per_microbatch: int  # capacity of one packed bin (tokens)
     input_key: str
     input_lengths_key: str
-    algorithm: str  # a name in dataplane_client.packing.PACKING_ALGORITHMS
+    algorithm: str  # a dataplane_client.packing.PackingAlgorithm (or its name)
 
 
 class SequencePackingArgs(_SequencePackingRequired, total=False):
@@ -62,6 +67,7 @@ class SequencePackingArgs(_SequencePackingRequired, total=False):
     min_bin_count: int  # at least this many bins per batch_size chunk (default: the shard count)
     bin_count_multiple: int  # bins per chunk are a multiple of lcm(this, shards) (default 1)
     seed: int  # for first_fit_shuffle (default 0)
+    microbatch_order: str  # "packer" (default) or "largest_first": a rank's microbatch order
 
 
 @dataclass
@@ -261,13 +267,22 @@ def _plan_packing(
     pad_multiple = _positive_int(args, "sequence_length_pad_multiple", what, default=1)
     if "algorithm" not in args:
         raise InvalidBatch(f"{what} is missing required key 'algorithm' (got keys {sorted(args)})")
-    pack = get_packing_algorithm(args["algorithm"])
     min_bins = args.get("min_bin_count") or 0
     if isinstance(min_bins, bool) or not isinstance(min_bins, int) or min_bins < 0:
         raise InvalidBatch(f"{what}['min_bin_count'] must be an int >= 0, got {min_bins!r}")
     multiple = _positive_int(args, "bin_count_multiple", what, default=1)
-    multiple = multiple * shards // math.gcd(multiple, shards)
-    seed = int(args.get("seed") or 0)
+    packer = get_packer(
+        args["algorithm"],
+        capacity,
+        min_bin_count=max(min_bins, shards),
+        bin_count_multiple=multiple * shards // math.gcd(multiple, shards),
+        seed=int(args.get("seed") or 0),
+    )
+    order = args.get("microbatch_order", "packer")
+    if order not in MICROBATCH_ORDERS:
+        raise InvalidBatch(
+            f"{what}['microbatch_order'] must be one of {list(MICROBATCH_ORDERS)}, got {order!r}"
+        )
 
     padded = [_round_up(x, pad_multiple) for x in lens]
     too_long = [i for i, x in enumerate(padded) if x > capacity]
@@ -286,15 +301,13 @@ def _plan_packing(
     for c in range(num_chunks):
         base = c * batch_size
         chunk = padded[base : base + batch_size]
-        bins = pack(
-            chunk,
-            capacity,
-            min_bin_count=max(min_bins, shards),
-            bin_count_multiple=multiple,
-            seed=seed,
-        )
+        bins = packer.pack(chunk)
         totals = [sum(chunk[i] for i in b) for b in bins]
         for r, rank_bins in enumerate(assign_bins_to_ranks(totals, shards)):
+            if order == "largest_first":
+                rank_bins = sorted(rank_bins, key=lambda b: (-totals[b], b))
+            else:
+                rank_bins = sorted(rank_bins)
             ranges: list[list[int]] = []
             pos = 0
             for b in rank_bins:

@@ -56,10 +56,24 @@ def test_from_batches_pads_every_trailing_dim():
     assert out["h"][1:, :3, :1].eq(2).all() and out["h"][1:, :, 1:].eq(-1).all()
 
 
+def test_from_batches_of_nothing_is_empty():
+    for batches in ([], [{}], [{}, {"x": torch.zeros(0, 3)}]):
+        out = BatchedDataDict.from_batches(batches)
+        assert isinstance(out, BatchedDataDict) and dict(out) == {} and out.size == 0
+
+
+def test_zero_row_batches_contribute_nothing_and_need_no_keys():
+    out = BatchedDataDict.from_batches(
+        [{}, {"x": [1], "t": torch.tensor([5])}, {"x": []}, {"x": [2], "t": torch.tensor([6])}]
+    )
+    assert out["x"] == [1, 2] and out["t"].tolist() == [5, 6]
+    with pytest.raises(KeyError, match="lack key 't'") as ei:
+        BatchedDataDict.from_batches([{"x": [1], "t": torch.tensor([5])}, {}, {"x": [2]}])
+    assert ei.value.fields == ["t"]
+
+
 def test_from_batches_errors():
-    with pytest.raises(InvalidBatch, match="at least one batch"):
-        BatchedDataDict.from_batches([])
-    with pytest.raises(InvalidBatch, match="lack key 'x'"):
+    with pytest.raises(KeyError, match="lack key 'x'"):
         BatchedDataDict.from_batches([{"x": [1]}, {"y": [2]}])
     with pytest.raises(InvalidBatch, match="cannot stack values"):
         BatchedDataDict.from_batches([{"x": [1]}, {"x": torch.tensor([2])}])
@@ -309,6 +323,25 @@ def test_shard_sequence_packing_chunks_and_get_batch():
     shards, _ = _padded([3]).shard_by_batch_size(2, sequence_packing_args=_pack(cap=8))
     assert [s.size for s in shards] == [1, 0]
     assert shards[1].micro_batch_indices == [[[0, 0]]] and shards[1].micro_batch_lengths == [[0]]
+
+
+def test_packed_microbatch_order_is_the_packers_or_largest_first():
+    # concatenative packs [2, 2, 8, 8] into bins of 4, 8 and 8 tokens, in that order
+    b = _padded([2, 2, 8, 8])
+    args = _pack("concatenative", cap=10)
+    (packer,), _ = b.shard_by_batch_size(1, sequence_packing_args=args)
+    assert packer.micro_batch_lengths == [[4, 8, 8]] and packer["row"] == [0, 1, 2, 3]
+    same, _ = b.shard_by_batch_size(1, sequence_packing_args={**args, "microbatch_order": "packer"})
+    assert same[0].micro_batch_lengths == [[4, 8, 8]]
+    (largest,), unsorted = b.shard_by_batch_size(
+        1, sequence_packing_args={**args, "microbatch_order": "largest_first"}
+    )
+    assert largest.micro_batch_lengths == [[8, 8, 4]] and largest["row"] == [2, 3, 0, 1]
+    assert largest.micro_batch_indices == [[[0, 1], [1, 2], [2, 4]]]
+    largest.reorder_data(unsorted)
+    assert largest["row"] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="microbatch_order"):
+        b.shard_by_batch_size(1, sequence_packing_args={**args, "microbatch_order": "smallest"})
 
 
 def test_shard_argument_errors():

@@ -12,13 +12,13 @@ from dataplane_client import packing
 from dataplane_client.errors import InvalidBatch
 from dataplane_client.packing import (
     PACKING_ALGORITHMS,
+    PackingAlgorithm,
     assign_bins_to_ranks,
     concatenative,
     first_fit_decreasing,
     first_fit_shuffle,
-    get_packing_algorithm,
+    get_packer,
     modified_first_fit_decreasing,
-    pack_sequences,
     round_robin_assign,
 )
 from dataplane_client.preshard import plan_dp_shards
@@ -98,14 +98,46 @@ def test_item_longer_than_capacity_is_named(algo):
         PACKING_ALGORITHMS[algo]([3], 10, bin_count_multiple=0)
 
 
-def test_unknown_algorithm_lists_known_names():
-    with pytest.raises(InvalidBatch, match="unknown sequence packing algorithm 'best_fit'") as ei:
-        get_packing_algorithm("best_fit")
-    for name in ALGOS:
-        assert name in str(ei.value)
-    with pytest.raises(InvalidBatch, match="first_fit_decreasing"):
-        pack_sequences([1], 4, algorithm="nope")
-    assert pack_sequences([3, 3, 3], 6, algorithm="concatenative") == [[0, 1], [2]]
+def test_the_algorithms_are_nemo_rls_enum():
+    assert {a.name: a.value for a in PackingAlgorithm} == {
+        "CONCATENATIVE": "concatenative",
+        "FIRST_FIT_DECREASING": "first_fit_decreasing",
+        "FIRST_FIT_SHUFFLE": "first_fit_shuffle",
+        "MODIFIED_FIRST_FIT_DECREASING": "modified_first_fit_decreasing",
+    }
+    assert set(PACKING_ALGORITHMS) == set(PackingAlgorithm)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_get_packer_packs_like_its_algorithm_by_enum_or_name(algo):
+    lengths = [(i * 37) % 50 + 1 for i in range(40)]
+    want = PACKING_ALGORITHMS[algo](lengths, 100, min_bin_count=6, bin_count_multiple=4)
+    for key in (algo, algo.value):
+        packer = get_packer(key, 100, min_bin_count=6, bin_count_multiple=4)
+        assert packer.pack(lengths) == want
+    _check_bins(get_packer(algo, 100).pack(lengths), lengths, 100)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"bin_capacity": 0}, "capacity"),
+        ({"bin_capacity": -4}, "capacity"),
+        ({"bin_capacity": 2.5}, "capacity"),
+        ({"bin_capacity": True}, "capacity"),
+        ({"min_bin_count": -1}, "min_bin_count"),
+        ({"min_bin_count": 1.0}, "min_bin_count"),
+        ({"bin_count_multiple": 0}, "bin_count_multiple"),
+        ({"algorithm": "best_fit"}, "unknown sequence packing algorithm 'best_fit'"),
+    ],
+)
+def test_invalid_constraints_are_value_errors_at_construction(kwargs, match):
+    args = {"algorithm": PackingAlgorithm.FIRST_FIT_DECREASING, "bin_capacity": 10, **kwargs}
+    with pytest.raises(ValueError, match=match) as ei:
+        get_packer(**args)
+    if "algorithm" in kwargs:
+        for name in ALGOS:
+            assert name.value in str(ei.value)
 
 
 def test_first_fit_decreasing_known_answer():

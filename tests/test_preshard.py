@@ -50,7 +50,14 @@ def _batch(lengths):
     )
 
 
-def _args(mode, max_tokens, algorithm="first_fit_decreasing", pad_multiple=1, round_to=1):
+def _args(
+    mode,
+    max_tokens,
+    algorithm="first_fit_decreasing",
+    pad_multiple=1,
+    round_to=1,
+    microbatch_order="packer",
+):
     if mode == "dynamic":
         return {
             "dynamic_batching_args": {
@@ -68,6 +75,7 @@ def _args(mode, max_tokens, algorithm="first_fit_decreasing", pad_multiple=1, ro
                 "input_lengths_key": "input_lengths",
                 "algorithm": algorithm,
                 "sequence_length_pad_multiple": pad_multiple,
+                "microbatch_order": microbatch_order,
             }
         }
     return {}
@@ -90,12 +98,13 @@ def _case(draw):
     # large enough for every (padded) sample
     max_tokens = draw(st.integers(48, 160))
     algorithm = draw(st.sampled_from(sorted(PACKING_ALGORITHMS)))
+    order = draw(st.sampled_from(["packer", "largest_first"]))
     return dict(
         mode=mode,
         dp=dp,
         lengths=lengths,
         batch_size=per_chunk if use_batch_size else None,
-        kwargs=_args(mode, max_tokens, algorithm, pad_multiple, round_to),
+        kwargs=_args(mode, max_tokens, algorithm, pad_multiple, round_to, order),
     )
 
 
@@ -231,6 +240,20 @@ def test_packing_metadata_in_extra_info():
     assert n_bins[0] == n_bins[1]
     totals = [sum(m.extra_info[MICRO_BATCH_LENGTHS][0]) for m in metas]
     assert sum(totals) == sum(-(-x // 2) * 2 for x in lengths)
+
+
+def test_largest_first_orders_each_ranks_microbatches_by_tokens():
+    lengths = [10, 3, 7, 2, 9, 5, 1, 6, 4, 8, 2, 2]
+    metas, _ = shard_meta_for_dp(
+        _meta(lengths), dp_world=2, **_args("packing", 12, microbatch_order="largest_first")
+    )
+    for m in metas:
+        totals = m.extra_info[MICRO_BATCH_LENGTHS][0]
+        assert totals == sorted(totals, reverse=True)
+        for (start, end), total in zip(m.extra_info[MICRO_BATCH_INDICES][0], totals):
+            assert sum(m.sequence_lengths[start:end]) == total
+    with pytest.raises(ValueError, match="microbatch_order"):
+        shard_meta_for_dp(_meta(lengths), dp_world=2, **_args("packing", 12, microbatch_order=1))
 
 
 def test_errors_are_typed():
