@@ -46,6 +46,26 @@ def test_every_single_bit_flip_anywhere_is_detected():
     assert missed == []
 
 
+@st.composite
+def _random_blobs(draw):
+    n = draw(st.integers(0, 6))
+    fields = {}
+    if draw(st.booleans()):
+        fields["d"] = torch.randint(0, 100, (n, draw(st.integers(0, 3))), dtype=torch.int32)
+    if draw(st.booleans()):
+        fields["j"] = [torch.ones(draw(st.integers(0, 4)), 2) for _ in range(n)]
+    fields["o"] = draw(st.lists(st.text(max_size=6) | st.none(), min_size=n, max_size=n))
+    return pack(encode_fields(fields, num_rows=n))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_random_blobs(), st.data())
+def test_a_bit_flip_in_any_batch_is_detected(blob, data):
+    bit = data.draw(st.integers(0, len(blob) * 8 - 1))
+    with pytest.raises(CorruptPayload):
+        unpack(_flip(blob, bit))
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_truncation_extension_and_garbage_are_detected(data):
