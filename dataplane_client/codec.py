@@ -133,8 +133,11 @@ class EncodedField:
             raise corrupt("object fields carry msgpack bytes: no dtype or shape")
         if self.kind != OBJECT and (not isinstance(self.dtype, str) or self.dtype not in DTYPES):
             raise corrupt(f"unknown dtype {self.dtype!r}")
-        if not isinstance(self.shape, tuple) or not all(_is_int(d) and d >= 0 for d in self.shape):
-            raise corrupt(f"shape must be non-negative ints, got {self.shape!r}")
+        # Each dimension bounded too: a zero elsewhere would hide a huge one from the product.
+        if not isinstance(self.shape, tuple) or not all(
+            _is_int(d) and 0 <= d <= MAX_ROW_UNIT_BYTES for d in self.shape
+        ):
+            raise corrupt(f"shape must be ints in [0, {MAX_ROW_UNIT_BYTES}], got {self.shape!r}")
         if self.row_unit_bytes > MAX_ROW_UNIT_BYTES:
             raise corrupt(f"shape {self.shape} of {self.dtype} is past {MAX_ROW_UNIT_BYTES} bytes")
         if not _is_int(self.num_rows) or not 0 <= self.num_rows <= MAX_ROWS:

@@ -16,8 +16,6 @@ import torch
 
 from dataplane_client.errors import CorruptPayload, InvalidBatch
 
-CODE_DTYPE = torch.int32
-
 
 def vocabulary(name: str, words: Any) -> tuple[str, ...]:
     """``words`` checked as an enum vocabulary: a non-empty sequence of distinct str."""

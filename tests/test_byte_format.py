@@ -137,6 +137,14 @@ def test_crafted_headers_with_valid_checksums_are_rejected(edit):
         unpack(_resealed(edit))
 
 
+def test_a_zero_dimension_cannot_hide_a_huge_one():
+    """[1, 0, 2**63] holds no bytes, so sizes agree; the dimension itself is out of bounds."""
+    entry = {"name": "x", "kind": "dense", "dtype": "float32", "rows": 1, "lengths": None}
+    assert unpack(seal([{**entry, "shape": [0, 2**40]}], []))["x"].num_rows == 1
+    with pytest.raises(CorruptPayload, match="shape"):
+        unpack(seal([{**entry, "shape": [0, 2**63]}], []))
+
+
 def test_a_header_that_is_not_a_list_is_corrupt():
     with pytest.raises(CorruptPayload, match="not a list"):
         unpack(seal({"name": "x"}, []))
