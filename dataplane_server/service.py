@@ -6,7 +6,6 @@ loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps it off external addresses).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from dataplane_client.client import DataPlaneClient, connect
 from dataplane_client.config import DataPlaneConfig
 from dataplane_server.controller import Controller
+from dataplane_server.local_ray import init_local_ray
 from dataplane_server.storage_unit import StorageUnit
 
 # Fixed mmap threshold: large arenas come from mmap and go back to the OS when
@@ -25,14 +25,7 @@ _UNIT_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576"}
 
 def ensure_local_ray(num_cpus: int | None = None) -> None:
     """The embedded default: a local single-node Ray bound to 127.0.0.1."""
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(
-        num_cpus=num_cpus or max(8, os.cpu_count() or 1),
-        include_dashboard=False,
-        log_to_driver=False,
-    )
+    init_local_ray(num_cpus)
 
 
 def _unit_nodes(count: int) -> list[str | None]:
