@@ -240,12 +240,12 @@ class RayWorkerGroup:
                 ray.get(
                     [getattr(w, cleanup_method).remote() for w in self.workers], timeout=timeout_s
                 )
-            except Exception:
+            except Exception:  # noqa: BLE001 - best-effort cleanup; reported via ok
                 ok = False
         for w in self.workers:
             try:
                 ray.kill(w)
-            except Exception:
+            except Exception:  # noqa: BLE001 - best-effort cleanup; reported via ok
                 ok = False
         self.workers = []
         return ok

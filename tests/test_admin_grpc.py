@@ -70,7 +70,8 @@ def filled(client):
     )
     client.put_samples(["s6"], pid, {"input_ids": [torch.arange(4)], "prompt": ["late"]})
     meta = client.claim_meta(pid, "train", ["input_ids", "score"], 2, timeout_s=10)
-    assert meta is not None and meta.size == 2
+    assert meta is not None
+    assert meta.size == 2
     return {"pid": pid, "ids": ids + ["s6"], "consumed": set(meta.sample_ids)}
 
 
@@ -127,7 +128,8 @@ def test_get_service_info(stub, service):
     assert info.name == service.config.name
     assert info.namespace == service.config.namespace
     assert info.version
-    assert info.uptime_s > 0 and info.started_at > 0
+    assert info.uptime_s > 0
+    assert info.started_at > 0
     assert not info.draining
     assert [u.index for u in info.units] == [0, 1]
     assert all(u.alive and u.node_id and u.node_ip for u in info.units)
@@ -148,7 +150,8 @@ def test_describe_partition(stub, filled):
         admin_pb2.DescribePartitionRequest(partition_id=filled["pid"]), timeout=TIMEOUT
     )
     assert d.num_samples == 7
-    assert not d.HasField("expected_samples") and not d.HasField("group_size")
+    assert not d.HasField("expected_samples")
+    assert not d.HasField("group_size")
     fields = {f.name: f for f in d.fields}
     assert (fields["input_ids"].dtype, fields["input_ids"].layout) == (
         "int64",
@@ -169,9 +172,8 @@ def test_unknown_partition_is_not_found_and_names_it(stub):
             admin_pb2.DescribePartitionRequest(partition_id="no-such-partition"), timeout=TIMEOUT
         )
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
-    assert (
-        "UnknownPartition" in info.value.details() and "no-such-partition" in info.value.details()
-    )
+    assert "UnknownPartition" in info.value.details()
+    assert "no-such-partition" in info.value.details()
 
 
 def test_missing_partition_id_is_invalid_argument(stub):
@@ -202,7 +204,8 @@ def test_list_samples_filters_by_status(stub, filled):
         page = stub.ListSamples(
             admin_pb2.ListSamplesRequest(partition_id=filled["pid"], status=status), timeout=TIMEOUT
         )
-        assert page.total == len(page.samples) and not page.next_page_token
+        assert page.total == len(page.samples)
+        assert not page.next_page_token
         return {s.sample_id for s in page.samples}
 
     assert ids(admin_pb2.SAMPLE_STATUS_CONSUMED) == filled["consumed"]
@@ -222,7 +225,8 @@ def test_get_sample_status_and_preview(stub, filled):
         timeout=TIMEOUT,
     )
     s = got.sample
-    assert s.sample_id == "s2" and not s.lost
+    assert s.sample_id == "s2"
+    assert not s.lost
     assert set(s.fields) == {"input_ids", "score", "prompt"}
     assert s.sequence_length == 12
     assert dict(s.tags) == {"step": 3.0, "group": 1.0}
@@ -254,9 +258,12 @@ def test_watch_stats_streams_count_snapshots(stub, filled):
     assert snaps[0].timestamp <= snaps[1].timestamp <= snaps[2].timestamp
     last = snaps[-1]
     (mine,) = [p for p in last.partitions if p.partition_id == filled["pid"]]
-    assert mine.num_samples == 7 and mine.bytes > 0
-    assert last.put_bytes_total > 0 and last.put_requests_total > 0
-    assert [u.index for u in last.units] == [0, 1] and all(u.alive for u in last.units)
+    assert mine.num_samples == 7
+    assert mine.bytes > 0
+    assert last.put_bytes_total > 0
+    assert last.put_requests_total > 0
+    assert [u.index for u in last.units] == [0, 1]
+    assert all(u.alive for u in last.units)
 
 
 def test_watch_stats_rejects_negative_interval(stub):
@@ -362,8 +369,11 @@ def test_mutations_without_token_off_loopback_are_refused():
     """Unit-level: the interceptor refuses ClearPartition when no token guards a public address."""
     from dataplane_server.admin.server import BearerTokenAuth, is_loopback
 
-    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
-    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    assert is_loopback("127.0.0.1")
+    assert is_loopback("localhost")
+    assert is_loopback("::1")
+    assert not is_loopback("0.0.0.0")
+    assert not is_loopback("10.1.2.3")
 
     class Details:
         method = f"/{ADMIN_SERVICE}/ClearPartition"

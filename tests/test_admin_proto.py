@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("grpc_tools")
 
-from dataplane_server.admin import gen_proto  # noqa: E402
+from dataplane_server.admin import gen_proto
 
 FIX = "regenerate with: python -m dataplane_server.admin.gen_proto"
 

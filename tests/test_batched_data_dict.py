@@ -52,21 +52,26 @@ def test_from_batches_pads_every_trailing_dim():
     b = torch.full((2, 3, 1), 2.0)
     out = BatchedDataDict.from_batches([{"h": a}, {"h": b}], pad_value_dict={"h": -1})
     assert out["h"].shape == (3, 3, 3)
-    assert out["h"][0, :2, :3].eq(1).all() and out["h"][0, 2].eq(-1).all()
-    assert out["h"][1:, :3, :1].eq(2).all() and out["h"][1:, :, 1:].eq(-1).all()
+    assert out["h"][0, :2, :3].eq(1).all()
+    assert out["h"][0, 2].eq(-1).all()
+    assert out["h"][1:, :3, :1].eq(2).all()
+    assert out["h"][1:, :, 1:].eq(-1).all()
 
 
 def test_from_batches_of_nothing_is_empty():
     for batches in ([], [{}], [{}, {"x": torch.zeros(0, 3)}]):
         out = BatchedDataDict.from_batches(batches)
-        assert isinstance(out, BatchedDataDict) and dict(out) == {} and out.size == 0
+        assert isinstance(out, BatchedDataDict)
+        assert dict(out) == {}
+        assert out.size == 0
 
 
 def test_zero_row_batches_contribute_nothing_and_need_no_keys():
     out = BatchedDataDict.from_batches(
         [{}, {"x": [1], "t": torch.tensor([5])}, {"x": []}, {"x": [2], "t": torch.tensor([6])}]
     )
-    assert out["x"] == [1, 2] and out["t"].tolist() == [5, 6]
+    assert out["x"] == [1, 2]
+    assert out["t"].tolist() == [5, 6]
     with pytest.raises(KeyError, match="lack key 't'") as ei:
         BatchedDataDict.from_batches([{"x": [1], "t": torch.tensor([5])}, {}, {"x": [2]}])
     assert ei.value.fields == ["t"]
@@ -88,7 +93,8 @@ def test_chunk():
     b = BatchedDataDict({"x": list("AAABBBDDE"), "t": torch.arange(9)})
     c = b.chunk(rank=2, chunks=3)
     assert isinstance(c, SlicedDataDict)
-    assert c["x"] == list("DDE") and c["t"].tolist() == [6, 7, 8]
+    assert c["x"] == list("DDE")
+    assert c["t"].tolist() == [6, 7, 8]
     c["t"][0] = 100  # a copy, not a view
     assert b["t"][6] == 6
     assert b.chunk(rank=3, chunks=9)["x"] == ["B"]  # the reference rejects this valid rank
@@ -110,7 +116,8 @@ def test_reorder_data_sorts_rows_by_keys():
     )
     b.reorder_data([2, 0, 1])
     assert b["t"].tolist() == [[1, 1], [2, 2], [3, 3]]
-    assert b["s"] == ["a", "b", "c"] and b["m"].tolist() == [1, 2, 3]
+    assert b["s"] == ["a", "b", "c"]
+    assert b["m"].tolist() == [1, 2, 3]
     b.reorder_data(torch.tensor([1, 0, 2]))
     assert b["s"] == ["b", "a", "c"]
     with pytest.raises(InvalidBatch, match="got 2 indices for a batch of 3"):
@@ -121,19 +128,24 @@ def test_select_indices_slice_get_dict_size_to():
     b = BatchedDataDict({"t": torch.arange(10, 15), "s": list("abcde")})
     sel = b.select_indices(torch.tensor([4, 0]))
     assert type(sel) is BatchedDataDict
-    assert sel["t"].tolist() == [14, 10] and sel["s"] == ["e", "a"]
+    assert sel["t"].tolist() == [14, 10]
+    assert sel["s"] == ["e", "a"]
     assert type(SlicedDataDict(b.get_dict()).select_indices([1])) is SlicedDataDict
     with pytest.raises(InvalidBatch, match="out of range"):
         b.select_indices([5])
     s = b.slice(1, 4)
-    assert isinstance(s, SlicedDataDict) and s["s"] == ["b", "c", "d"] and s.size == 3
+    assert isinstance(s, SlicedDataDict)
+    assert s["s"] == ["b", "c", "d"]
+    assert s.size == 3
     assert b.slice(2, 2).size == 0
     with pytest.raises(InvalidBatch, match="out of range"):
         b.slice(3, 6)
     assert b.get_dict() is b.data
-    assert b.size == 5 and BatchedDataDict().size == 0
+    assert b.size == 5
+    assert BatchedDataDict().size == 0
     assert BatchedDataDict({"s": [1, 2]}).size == 2
-    assert b.to("cpu") is b and b["t"].device.type == "cpu"
+    assert b.to("cpu") is b
+    assert b["t"].device.type == "cpu"
     with pytest.raises(InvalidBatch, match="tensors or lists"):
         BatchedDataDict({"x": (1, 2)}).select_indices([0])
 
@@ -150,7 +162,8 @@ def test_nested_jagged_columns_select_and_slice():
     assert [r.tolist() for r in b.slice(1, 2)["ids"].unbind()] == [list(range(10, 15))]
     assert b.slice(1, 1)["ids"].size(0) == 0
     b.reorder_data([3, 2, 1, 0])
-    assert b["k"] == [3, 2, 1, 0] and b["ids"].unbind()[0].tolist() == [30, 31]
+    assert b["k"] == [3, 2, 1, 0]
+    assert b["ids"].unbind()[0].tolist() == [30, 31]
 
 
 def test_repeat_interleave_and_truncate():
@@ -160,14 +173,17 @@ def test_repeat_interleave_and_truncate():
     assert type(r) is BatchedDataDict
     assert r["key"].tolist() == [1, 1, 2, 2, 3, 3]
     assert r["other_key"][1:] == [item, 2, 2, 3, 3]
-    assert r["other_key"][0] is not item and r["other_key"][0] == item  # deep copies
+    assert r["other_key"][0] is not item
+    assert r["other_key"][0] == item
 
     t = BatchedDataDict(
         {"ids": torch.ones(2, 6), "h": torch.ones(2, 6, 4), "n": torch.ones(2), "s": ["a", "b"]}
     )
     t.truncate_tensors(dim=1, truncated_len=4)
-    assert t["ids"].shape == (2, 4) and t["h"].shape == (2, 4, 4)
-    assert t["n"].shape == (2,) and t["s"] == ["a", "b"]
+    assert t["ids"].shape == (2, 4)
+    assert t["h"].shape == (2, 4, 4)
+    assert t["n"].shape == (2,)
+    assert t["s"] == ["a", "b"]
     t.truncate_tensors(dim=1, truncated_len=10)  # never grows
     assert t["ids"].shape == (2, 4)
 
@@ -229,7 +245,8 @@ def test_shard_dynamic_batching():
     lengths = [6, 2, 8, 3, 5, 1, 7, 4]
     shards, unsorted = _padded(lengths).shard_by_batch_size(2, dynamic_batching_args=DYN)
     # sorted by length: 1 2 3 4 5 6 7 8 -> rows 5 1 3 7 4 0 6 2, dealt out strided
-    assert shards[0]["row"] == [5, 3, 4, 6] and shards[1]["row"] == [1, 7, 0, 2]
+    assert shards[0]["row"] == [5, 3, 4, 6]
+    assert shards[1]["row"] == [1, 7, 0, 2]
     assert unsorted == [5, 3, 4, 6, 1, 7, 0, 2]
     # longest per position over ranks: 2, 4, 6, 8 -> 2 rows x 4 = 8 <= 16, a third row
     # would be 3 x 6 = 18 > 16, so a new microbatch: 6 then 2 rows x 8 = 16
@@ -294,7 +311,8 @@ def test_shard_sequence_packing_and_packable_iterator():
             assert m["input_lengths"].sum().item() == total <= 12
             assert isinstance(m, SlicedDataDict)
         n, longest = one.get_microbatch_iterator_for_packable_sequences_len()
-        assert n == len(bins) and longest == max(s.micro_batch_lengths[0])
+        assert n == len(bins)
+        assert longest == max(s.micro_batch_lengths[0])
     gathered = BatchedDataDict.from_batches(shards)
     gathered.reorder_data(unsorted)
     assert torch.equal(gathered["input_ids"], b["input_ids"])
@@ -306,7 +324,8 @@ def test_shard_sequence_packing_chunks_and_get_batch():
         2, batch_size=6, sequence_packing_args=_pack(cap=8, sequence_length_pad_multiple=2)
     )
     for s in shards:
-        assert len(s.elem_counts_per_gb) == 2 and sum(s.elem_counts_per_gb) == s.size
+        assert len(s.elem_counts_per_gb) == 2
+        assert sum(s.elem_counts_per_gb) == s.size
         for gb in range(2):
             part = s.get_batch(gb)
             # each global batch holds only rows of its own chunk (optimizer-step boundary)
@@ -322,7 +341,8 @@ def test_shard_sequence_packing_chunks_and_get_batch():
     # more bins than samples: the extra rank gets an empty microbatch
     shards, _ = _padded([3]).shard_by_batch_size(2, sequence_packing_args=_pack(cap=8))
     assert [s.size for s in shards] == [1, 0]
-    assert shards[1].micro_batch_indices == [[[0, 0]]] and shards[1].micro_batch_lengths == [[0]]
+    assert shards[1].micro_batch_indices == [[[0, 0]]]
+    assert shards[1].micro_batch_lengths == [[0]]
 
 
 def test_packed_microbatch_order_is_the_packers_or_largest_first():
@@ -330,13 +350,15 @@ def test_packed_microbatch_order_is_the_packers_or_largest_first():
     b = _padded([2, 2, 8, 8])
     args = _pack("concatenative", cap=10)
     (packer,), _ = b.shard_by_batch_size(1, sequence_packing_args=args)
-    assert packer.micro_batch_lengths == [[4, 8, 8]] and packer["row"] == [0, 1, 2, 3]
+    assert packer.micro_batch_lengths == [[4, 8, 8]]
+    assert packer["row"] == [0, 1, 2, 3]
     same, _ = b.shard_by_batch_size(1, sequence_packing_args={**args, "microbatch_order": "packer"})
     assert same[0].micro_batch_lengths == [[4, 8, 8]]
     (largest,), unsorted = b.shard_by_batch_size(
         1, sequence_packing_args={**args, "microbatch_order": "largest_first"}
     )
-    assert largest.micro_batch_lengths == [[8, 8, 4]] and largest["row"] == [2, 3, 0, 1]
+    assert largest.micro_batch_lengths == [[8, 8, 4]]
+    assert largest["row"] == [2, 3, 0, 1]
     assert largest.micro_batch_indices == [[[0, 1], [1, 2], [2, 4]]]
     largest.reorder_data(unsorted)
     assert largest["row"] == [0, 1, 2, 3]
@@ -368,7 +390,8 @@ def test_get_batch_plain_and_dynamic():
     b.micro_batch_indices = [[[0, 2]], [[0, 1], [1, 2]], [[0, 2]]]
     b.micro_batch_lengths = [[4], [3, 5], [2]]
     part = b.get_batch(1, batch_size=2)
-    assert part.micro_batch_indices == [[[0, 1], [1, 2]]] and part.micro_batch_lengths == [[3, 5]]
+    assert part.micro_batch_indices == [[[0, 1], [1, 2]]]
+    assert part.micro_batch_lengths == [[3, 5]]
     with pytest.raises(InvalidBatch, match="exactly one global batch"):
         list(b.make_microbatch_iterator_with_dynamic_shapes())
     with pytest.raises(InvalidBatch, match="exactly one global batch"):
@@ -445,15 +468,16 @@ def test_all_gather_two_process_gloo(tmp_path):
         assert g["input_ids"].shape == (5, 5)
         assert g["input_ids"][:2].tolist() == [[1, 1, 1, 0, 0]] * 2
         assert g["input_ids"][2:].eq(2).all()
-        assert g["logprobs"].dtype == torch.bfloat16 and g["logprobs"][2:].eq(1.0).all()
+        assert g["logprobs"].dtype == torch.bfloat16
+        assert g["logprobs"][2:].eq(1.0).all()
         assert g["logprobs"][:2, 3:].eq(0).all()
-        assert (
-            g["mask"].dtype == torch.bool
-            and g["mask"][:2, :3].all()
-            and not g["mask"][:2, 3:].any()
-        )
-        assert g["hidden"].shape == (5, 5, 3) and g["hidden"][:2, :, 2].eq(0).all()
+        assert g["mask"].dtype == torch.bool
+        assert g["mask"][:2, :3].all()
+        assert not g["mask"][:2, 3:].any()
+        assert g["hidden"].shape == (5, 5, 3)
+        assert g["hidden"][:2, :, 2].eq(0).all()
         assert g["lengths"].tolist() == [0, 1, 10, 11, 12]
         assert g["text"] == ["r0-0", "r0-1", "r1-0", "r1-1", "r1-2"]
-        assert res["mismatch"] is not None and "keys" in res["mismatch"]
+        assert res["mismatch"] is not None
+        assert "keys" in res["mismatch"]
     assert results[0]["gathered"]["text"] == results[1]["gathered"]["text"]

@@ -87,14 +87,15 @@ def test_every_rank_receives_identical_bytes(group):
                 assert torch.equal(got.offsets(), value.offsets())
                 assert _bytes(got.values()) == _bytes(value.values())
             else:
-                assert got.dtype == value.dtype and got.shape == value.shape, key
+                assert got.dtype == value.dtype, key
+                assert got.shape == value.shape, key
                 assert _bytes(got) == _bytes(value), key
         assert out.micro_batch_indices == sent.micro_batch_indices
         assert out.micro_batch_lengths == sent.micro_batch_lengths
 
 
 @pytest.mark.parametrize(
-    "data, is_leader",
+    ("data", "is_leader"),
     [(None, True), (BatchedDataDict({"x": torch.zeros(1)}), False)],
     ids=["leader_without_data", "sibling_with_data"],
 )

@@ -70,7 +70,9 @@ def part(client):
 def test_status_table_and_json(addr, service):
     out = ok(dataplane("status", "--address", addr))
     assert service.config.name in out
-    assert "UNIT" in out and "NODE_IP" in out and "CAPACITY" in out
+    assert "UNIT" in out
+    assert "NODE_IP" in out
+    assert "CAPACITY" in out
     info = json.loads(ok(dataplane("status", "--json", address=addr)))  # address from the env
     assert info["name"] == service.config.name
     assert [u["index"] for u in info["units"]] == [0, 1]
@@ -79,16 +81,21 @@ def test_status_table_and_json(addr, service):
 
 def test_partitions_and_describe(addr, part):
     table = ok(dataplane("partitions", "--address", addr))
-    assert "PARTITION" in table and part in table
+    assert "PARTITION" in table
+    assert part in table
     rows = json.loads(ok(dataplane("partitions", "--json", "--address", addr)))
     (row,) = [r for r in rows if r["partition_id"] == part]
-    assert row["num_samples"] == 5 and row["consumer_tasks"] == ["train"]
+    assert row["num_samples"] == 5
+    assert row["consumer_tasks"] == ["train"]
 
     table = ok(dataplane("describe", part, "--address", addr))
-    assert "FIELD" in table and "jagged" in table and "dense" in table
+    assert "FIELD" in table
+    assert "jagged" in table
+    assert "dense" in table
     d = json.loads(ok(dataplane("describe", part, "--json", "--address", addr)))
     fields = {f["name"]: f for f in d["fields"]}
-    assert fields["input_ids"]["layout"] == "jagged" and fields["input_ids"]["dtype"] == "int64"
+    assert fields["input_ids"]["layout"] == "jagged"
+    assert fields["input_ids"]["dtype"] == "int64"
     assert (fields["input_ids"]["produced"], fields["score"]["produced"]) == (5, 4)
     assert d["expected_samples"] is None
     assert d["consumption"] == [{"task": "train", "consumed": 0}]
@@ -98,7 +105,9 @@ def test_samples_paging_and_status_filter(addr, part):
     first = json.loads(
         ok(dataplane("samples", part, "--page-size", "3", "--json", "--address", addr))
     )
-    assert first["total"] == 5 and len(first["samples"]) == 3 and first["next_page_token"]
+    assert first["total"] == 5
+    assert len(first["samples"]) == 3
+    assert first["next_page_token"]
     table = ok(
         dataplane(
             "samples",
@@ -111,7 +120,9 @@ def test_samples_paging_and_status_filter(addr, part):
             addr,
         )
     )
-    assert "SAMPLE_ID" in table and "2 shown, 5 in all" in table and "next page" not in table
+    assert "SAMPLE_ID" in table
+    assert "2 shown, 5 in all" in table
+    assert "next page" not in table
     seen = {s["sample_id"] for s in first["samples"]}
     assert seen | {line.split()[0] for line in table.splitlines()[1:3]} == set("abcde")
     pending = json.loads(
@@ -122,7 +133,9 @@ def test_samples_paging_and_status_filter(addr, part):
 
 def test_sample_preview(addr, part):
     out = ok(dataplane("sample", part, "c", "--max-elems", "3", "--address", addr))
-    assert "input_ids" in out and "0,1,2 ..." in out and '"step": 7' in out
+    assert "input_ids" in out
+    assert "0,1,2 ..." in out
+    assert '"step": 7' in out
     got = json.loads(ok(dataplane("sample", part, "c", "--json", "--address", addr)))
     previews = {p["name"]: p for p in got["previews"]}
     assert previews["input_ids"]["values"] == [0, 1, 2, 3, 4, 5, 6]
@@ -150,8 +163,10 @@ def test_clear(addr, client):
 def test_unknown_partition_is_a_one_line_error(addr):
     proc = dataplane("describe", "no-such-partition", "--address", addr)
     assert proc.returncode == 1
-    assert proc.stderr.count("\n") == 1 and "NOT_FOUND" in proc.stderr
-    assert "no-such-partition" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1
+    assert "NOT_FOUND" in proc.stderr
+    assert "no-such-partition" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_unreachable_endpoint(tmp_path):
@@ -161,7 +176,8 @@ def test_unreachable_endpoint(tmp_path):
     proc = dataplane("status", "--address", f"127.0.0.1:{port}", "--timeout", "2", timeout=30)
     assert proc.returncode == 3
     assert proc.stderr.startswith("dataplane: error: cannot reach the admin endpoint")
-    assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1
+    assert proc.stdout == ""
 
 
 def test_wrong_or_missing_token(service, client):
@@ -179,7 +195,8 @@ def test_wrong_or_missing_token(service, client):
     try:
         proc = dataplane("clear", pid, "--token", "wrong", "--address", server.address)
         assert proc.returncode == 4
-        assert "refused the token" in proc.stderr and proc.stderr.count("\n") == 1
+        assert "refused the token" in proc.stderr
+        assert proc.stderr.count("\n") == 1
         assert client.describe_partition(pid)["num_samples"] == 1
         got = json.loads(
             ok(dataplane("clear", pid, "--token", TOKEN, "--json", "--address", server.address))

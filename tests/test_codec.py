@@ -89,11 +89,17 @@ def _assert_same(value, got):
         return
     if isinstance(value, list) or value.is_nested:
         rows = value if isinstance(value, list) else value.unbind()
-        assert got.is_nested and got.layout == torch.jagged and len(got.unbind()) == len(rows)
+        assert got.is_nested
+        assert got.layout == torch.jagged
+        assert len(got.unbind()) == len(rows)
         for a, b in zip(got.unbind(), rows):
-            assert a.dtype == b.dtype and a.shape == b.shape and _bits(a) == _bits(b)
+            assert a.dtype == b.dtype
+            assert a.shape == b.shape
+            assert _bits(a) == _bits(b)
         return
-    assert not got.is_nested and got.dtype == value.dtype and got.shape == value.shape
+    assert not got.is_nested
+    assert got.dtype == value.dtype
+    assert got.shape == value.shape
     assert _bits(got) == _bits(value)
 
 
@@ -130,7 +136,8 @@ def test_split_rows_reassemble_in_request_order(batch, rnd):
             assert again == direct
         elif direct.is_nested:
             for x, y in zip(direct.unbind(), again.unbind()):
-                assert _bits(x) == _bits(y) and x.shape == y.shape
+                assert _bits(x) == _bits(y)
+                assert x.shape == y.shape
         else:
             assert _bits(direct) == _bits(again)
 
@@ -141,8 +148,10 @@ def test_dense_stays_dense_and_jagged_stays_jagged():
         [torch.ones(2), torch.ones(5), torch.ones(1)], layout=torch.jagged
     )
     out = _decode_all(encode_fields({"d": dense, "j": nt}))
-    assert not out["d"].is_nested and torch.equal(out["d"], dense)
-    assert out["j"].is_nested and out["j"].layout == torch.jagged
+    assert not out["d"].is_nested
+    assert torch.equal(out["d"], dense)
+    assert out["j"].is_nested
+    assert out["j"].layout == torch.jagged
     assert [r.shape[0] for r in out["j"].unbind()] == [2, 5, 1]
 
 
@@ -198,7 +207,8 @@ def test_non_contiguous_and_sliced_inputs_encode_their_logical_values():
 def test_strict_mode_refuses_undeclared_non_tensor_values_naming_the_field(value):
     with pytest.raises(NonTensorField, match="non-tensor") as e:
         encode_fields({"ok": torch.zeros(2), "prompt": value}, strict=True)
-    assert isinstance(e.value, TypeError) and "prompt" in str(e.value)
+    assert isinstance(e.value, TypeError)
+    assert "prompt" in str(e.value)
 
 
 def test_strict_mode_follows_the_module_switch(monkeypatch):
@@ -212,7 +222,8 @@ def test_strict_mode_follows_the_module_switch(monkeypatch):
 def test_declared_object_fields_travel_as_msgpack_rows_that_split_and_rejoin():
     values = [{"k": [1, 2]}, "text", None, 3.5, [True, b"\x00"]]
     enc = encode_fields({"meta": values}, object_fields=["meta"], strict=True)["meta"]
-    assert enc.kind == codec.OBJECT and enc.lengths.tolist() == [
+    assert enc.kind == codec.OBJECT
+    assert enc.lengths.tolist() == [
         len(codec.object_columns.encode_rows("x", [v])[0]) for v in values
     ]
     assert decode_field(enc) == values

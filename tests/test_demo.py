@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from policy_workers.demo import group_advantages, parse_args
@@ -30,10 +31,12 @@ def test_small_demo_runs_and_its_checks_pass(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
-    assert report["checks"] and all(report["checks"].values()), report["checks"]
+    assert report["checks"], report
+    assert all(report["checks"].values()), report["checks"]
     assert [s["samples"] for s in report["steps"]] == [4, 4]
     assert report["max_reference_logprob_diff"] <= 1e-5
-    assert "[PASS]" in proc.stdout and "admin endpoint 127.0.0.1:" in proc.stdout
+    assert "[PASS]" in proc.stdout
+    assert "admin endpoint 127.0.0.1:" in proc.stdout
 
 
 def test_group_advantages_are_normalised_within_each_group():
@@ -51,9 +54,6 @@ def test_small_flag_and_bad_flags():
         2,
         1,
     )
-    try:
+    with pytest.raises(SystemExit) as e:
         parse_args(["--dp", "0"])
-    except SystemExit as e:
-        assert e.code == 2
-    else:
-        raise AssertionError("--dp 0 must be refused")
+    assert e.value.code == 2

@@ -98,10 +98,15 @@ def test_running_out_of_descriptors_is_capacity_exceeded(ray_session):
         big = torch.ones(1, 2 * SLAB_BYTES, dtype=torch.uint8)  # too big for a slab: a block each
         unit.rlimit(psutil.RLIMIT_NOFILE, (len(open_fds(unit.pid)) + 4, hard))
         try:
-            with pytest.raises(CapacityExceeded, match="Too many open files") as e:
+
+            def fill() -> None:
                 for i in range(64):
                     client.put_samples([f"b{i}"], "p", {"x": big})
-            assert e.value.ids and e.value.ids[0].startswith("b")
+
+            with pytest.raises(CapacityExceeded, match="Too many open files") as e:
+                fill()
+            assert e.value.ids
+            assert e.value.ids[0].startswith("b")
         finally:
             unit.rlimit(psutil.RLIMIT_NOFILE, (soft, hard))
         client.clear_samples(None, "p")

@@ -34,7 +34,8 @@ def test_the_abc_has_exactly_the_eight_contract_methods():
 def test_each_method_has_the_contract_signature_and_a_docstring(name):
     method = getattr(DataPlaneClient, name)
     assert _bare(inspect.signature(method)) == CONTRACT[name]
-    assert method.__doc__ and method.__doc__.strip()
+    assert method.__doc__
+    assert method.__doc__.strip()
 
 
 def test_an_implementation_missing_a_method_cannot_be_built():

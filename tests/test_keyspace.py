@@ -133,7 +133,8 @@ def test_a_clear_during_publish_wins_and_its_fresh_bytes_are_handed_back():
     ks.clear_samples("p", ["a"])
     result, cleared = ks.apply_commit(plan)
     assert cleared == {0: ["a"]}  # published for a sample that is gone: free it on unit 0
-    assert "a" not in part.row_of and result.sequence_lengths[0] == -1
+    assert "a" not in part.row_of
+    assert result.sequence_lengths[0] == -1
     assert ks.locate("p", ["b"], ["x", "y"]).units == [1]
 
 
@@ -144,7 +145,8 @@ def test_two_commits_of_one_new_sample_in_flight_make_one_row():
     second = ks.check_commit(_request(["a"], units=[1], fields=("y",)))
     ks.apply_commit(second)  # out of order: the later check publishes first
     ks.apply_commit(first)
-    assert part.n_rows == 1 and ks.locate("p", ["a"], ["x", "y"]).units == [1]
+    assert part.n_rows == 1
+    assert ks.locate("p", ["a"], ["x", "y"]).units == [1]
 
 
 @pytest.mark.parametrize(
@@ -230,8 +232,10 @@ def test_register_again_replaces_the_partition():
     _register(ks)
     _write(ks, ["a"])
     old = ks.register("p", Declaration(["y"], None, ["u"], None))
-    assert old is not None and old.num_samples == 1
-    assert ks.partition("p").num_samples == 0 and ks.partition("p").tasks == ["u"]
+    assert old is not None
+    assert old.num_samples == 1
+    assert ks.partition("p").num_samples == 0
+    assert ks.partition("p").tasks == ["u"]
 
 
 def test_clearing_consumed_samples_keeps_a_task_done_and_a_declared_size_must_arrive():
@@ -251,7 +255,8 @@ def test_consumption_is_a_per_task_bool_over_every_sample():
     part = _register(ks, tasks=["lp", "ref"])
     _write(ks, ["a", "b"])
     ks.claim(part, "lp", ["x"], 2, partial_ok=True)
-    assert ks.consumption(part, "lp").done and not ks.consumption(part, "ref").done
+    assert ks.consumption(part, "lp").done
+    assert not ks.consumption(part, "ref").done
     with pytest.raises(UnknownTask):
         ks.consumption(part, "nope")
 
@@ -394,7 +399,9 @@ def test_random_commits_claims_clears_keep_every_invariant(ops, group):
             pass  # typed refusals are fine; anything else fails the test
     assert len(rows_to_a) == len(set(rows_to_a))  # without a lease: at most once
     n = part.n_rows
-    assert len(part.live) >= n and len(part.unit) >= n and len(part.seq_len) >= n
+    assert len(part.live) >= n
+    assert len(part.unit) >= n
+    assert len(part.seq_len) >= n
     assert all((part.ids[r] is None) != bool(part.live[r]) for r in range(n))
     assert set(part.row_of) == {s for s in part.ids if s is not None}
 

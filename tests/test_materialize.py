@@ -17,7 +17,8 @@ def _nt(rows):
 
 def test_doctests():
     res = doctest.testmod(materialize_module)
-    assert res.attempted > 0 and res.failed == 0
+    assert res.attempted > 0
+    assert res.failed == 0
 
 
 def _wire():
@@ -38,7 +39,8 @@ def test_padded_layout_pads_jagged_fields_and_passes_the_rest():
     assert out["input_ids"].tolist() == [[1, 2, 3], [4, -1, -1], [5, 6, -1]]
     assert out["input_ids"].dtype == torch.int64
     lp = out["logprobs"]
-    assert lp.dtype == torch.float32 and lp.shape == (3, 3)
+    assert lp.dtype == torch.float32
+    assert lp.shape == (3, 3)
     assert torch.allclose(lp, torch.tensor([[0.1, 0.2, 0.3], [0.4, 0, 0], [0.5, 0.6, 0]]))
     assert out["input_lengths"] is wire["input_lengths"]  # dense passes through
     assert out["sample_mask"] is wire["sample_mask"]
@@ -49,7 +51,8 @@ def test_padded_layout_pads_jagged_fields_and_passes_the_rest():
 def test_pad_to_seqlen_is_a_lower_bound():
     wire = _wire()
     out = materialize(wire, pad_to_seqlen=6)
-    assert out["input_ids"].shape == (3, 6) and out["logprobs"].shape == (3, 6)
+    assert out["input_ids"].shape == (3, 6)
+    assert out["logprobs"].shape == (3, 6)
     assert out["input_ids"][0].tolist() == [1, 2, 3, 0, 0, 0]
     # smaller than the longest row: never truncates, the longest row wins
     out = materialize(wire, pad_to_seqlen=2)
@@ -64,7 +67,8 @@ def test_dtypes_preserved(dtype):
     rows = [torch.ones(2, dtype=dtype), torch.ones(4, dtype=dtype)]
     for value in (_nt(rows), rows):
         out = materialize({"x": value}, pad_to_seqlen=5)
-        assert out["x"].dtype == dtype and out["x"].shape == (2, 5)
+        assert out["x"].dtype == dtype
+        assert out["x"].shape == (2, 5)
         assert out["x"][0, :2].to(torch.float32).eq(1).all()
         assert out["x"][0, 2:].to(torch.float32).eq(0).all()
 
@@ -73,7 +77,8 @@ def test_multidim_rows_and_empty_rows():
     rows = [torch.ones(2, 4), torch.zeros(0, 4), torch.full((3, 4), 2.0)]
     out = materialize({"h": _nt(rows)}, pad_value_dict={"h": -1.0})
     assert out["h"].shape == (3, 3, 4)
-    assert out["h"][0, :2].eq(1).all() and out["h"][0, 2].eq(-1).all()
+    assert out["h"][0, :2].eq(1).all()
+    assert out["h"][0, 2].eq(-1).all()
     assert out["h"][1].eq(-1).all()
     assert out["h"][2].eq(2).all()
     out = materialize({"h": rows})
@@ -85,7 +90,8 @@ def test_jagged_layout_keeps_nested_tensors():
     out = materialize(wire, layout="jagged", pad_to_seqlen=10)
     assert out["input_ids"] is wire["input_ids"]
     lp = out["logprobs"]
-    assert lp.is_nested and lp.layout == torch.jagged
+    assert lp.is_nested
+    assert lp.layout == torch.jagged
     assert [r.tolist() for r in lp.unbind()] == [
         pytest.approx([0.1, 0.2, 0.3]),
         pytest.approx([0.4]),
@@ -117,4 +123,5 @@ def test_bad_input_is_typed():
 
 def test_empty_list_field_passes_through():
     out = materialize({"a": [], "b": torch.ones(0, 3)})
-    assert out["a"] == [] and out["b"].shape == (0, 3)
+    assert out["a"] == []
+    assert out["b"].shape == (0, 3)

@@ -53,20 +53,23 @@ def test_no_shared_mutable_defaults():
     a, b = KVBatchMeta("p", None, []), KVBatchMeta("p", None, [])
     a.extra_info["x"] = 1
     a.sample_ids.append("z")
-    assert b.extra_info == {} and b.sample_ids == []
+    assert b.extra_info == {}
+    assert b.sample_ids == []
 
 
 def test_views_align_every_per_sample_list_and_copy_extra_info():
     m = _meta()
     sub = m.subset([4, 0])
-    assert sub.sample_ids == ["s4", "s0"] and sub.sequence_lengths == [14, 10]
+    assert sub.sample_ids == ["s4", "s0"]
+    assert sub.sequence_lengths == [14, 10]
     assert sub.tags == [{"group_id": 2}, {"group_id": 0}]
     assert m.subset(torch.tensor([1, 3])).sample_ids == ["s1", "s3"]
     assert m.slice(1, 3).sample_ids == ["s1", "s2"]
     assert m.slice(1, 3).tags == [{"group_id": 0}, {"group_id": 1}]
     sub.extra_info["new"] = 1
     assert "new" not in m.extra_info
-    assert m.size == 5 and len(m) == 5
+    assert m.size == 5
+    assert len(m) == 5
     with pytest.raises(InvalidBatch, match="out of range"):
         m.subset([7])
 
@@ -74,7 +77,8 @@ def test_views_align_every_per_sample_list_and_copy_extra_info():
 def test_drop_is_the_complement_of_subset_and_none_when_all_rows_go():
     m = _meta()
     kept = m.drop([0, 2])
-    assert kept.sample_ids == ["s1", "s3", "s4"] and kept.sequence_lengths == [11, 13, 14]
+    assert kept.sample_ids == ["s1", "s3", "s4"]
+    assert kept.sequence_lengths == [11, 13, 14]
     assert m.drop(np.arange(5)) is None
     assert m.drop([4, -5, 1, 2, 3]) is None
     with pytest.raises(InvalidBatch, match="out of range"):

@@ -157,4 +157,5 @@ def test_claims_waiting_counts_a_blocked_claim(service, client):
         client.put_samples(["a", "b"], pid, {"x": torch.zeros(2, 3)})
         thread.join(timeout=30)
     assert not thread.is_alive()
-    assert result["meta"] is not None and sorted(result["meta"].sample_ids) == ["a", "b"]
+    assert result["meta"] is not None
+    assert sorted(result["meta"].sample_ids) == ["a", "b"]

@@ -47,7 +47,8 @@ def _batch(vocab: int = 131, lengths=(5, 11, 2, 16, 9), seed: int = 0):
 def test_vocab_shard_range_covers_vocab_contiguously():
     for vocab, tp in [(131, 2), (128, 4), (7, 3), (5, 8)]:
         ranges = [vocab_shard_range(vocab, tp, r) for r in range(tp)]
-        assert ranges[0][0] == 0 and ranges[-1][1] == vocab
+        assert ranges[0][0] == 0
+        assert ranges[-1][1] == vocab
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
         sizes = [e - s for s, e in ranges]
         assert max(sizes) - min(sizes) <= 1
@@ -62,7 +63,8 @@ def test_tiny_model_is_deterministic_and_leaves_global_rng_alone():
     b = build_hf_model(UNTIED)
     assert torch.equal(before, after)
     for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
-        assert na == nb and torch.equal(pa, pb)
+        assert na == nb
+        assert torch.equal(pa, pb)
 
 
 def test_logprob_convention_and_unsharded_equivalence():

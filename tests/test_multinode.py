@@ -14,7 +14,8 @@ def test_multinode_spread_and_node_loss():
         [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert lines, proc.stdout[-3000:]
     out = json.loads(lines[-1][len("RESULT ") :])
     assert len(set(out["unit_nodes"])) == 2, "units must sit on different nodes"
     assert out["cross_node_roundtrip"]

@@ -28,7 +28,8 @@ ALGOS = sorted(PACKING_ALGORITHMS)
 
 def test_doctests():
     res = doctest.testmod(packing)
-    assert res.attempted > 0 and res.failed == 0
+    assert res.attempted > 0
+    assert res.failed == 0
 
 
 def _check_bins(bins, lengths, capacity, min_bin_count=0, multiple=1):
@@ -179,12 +180,14 @@ def test_mffd_phases():
     # step 1: one bin per large item, largest first
     assert [b[0] for b in bins[:3]] == [0, 1, 2]
     # step 2: forward, the largest medium that fits: bin0 (room 50) takes 50, bin1 (room 55) takes 45
-    assert bins[0][1] == 4 and bins[1][1] == 3
+    assert bins[0][1] == 4
+    assert bins[1][1] == 3
     # step 3: backward over bins without medium: bin2 (room 59) gets smallest small (22)
     # then the largest remaining small that fits (30 fits: 59-22=37)
     assert bins[2][1:3] == [7, 5]
     # step 4: top up: bin1 room 10 -> tiny 10; bin2 room 7 -> tiny 5
-    assert 8 in bins[1] and 9 in bins[2]
+    assert 8 in bins[1]
+    assert 9 in bins[2]
     # step 5: leftover small item 25 in a new bin
     assert bins[3] == [6]
 

@@ -206,7 +206,8 @@ def test_logprobs_through_data_plane_equal_reference_and_classic(policy, client,
     for dp in range(2):
         leader, sibling = logs[_rank(policy, dp, 0)], logs[_rank(policy, dp, 1)]
         fetches = [e for e in leader if e["op"] == "fetch"]
-        assert len(fetches) == 2 and all(e["policy"] == "leader_broadcast" for e in fetches)
+        assert len(fetches) == 2
+        assert all(e["policy"] == "leader_broadcast" for e in fetches)
         assert [e["digest"] for e in fetches] == [
             e["digest"] for e in sibling if e["op"] == "fetch"
         ]
@@ -233,7 +234,9 @@ def test_fetch_policies_give_identical_batches(policy, client, batch):
         digests[fetch_policy] = ray.get(futures.refs)
     assert digests["independent"] == digests["leader_broadcast"] == digests["auto"]
     d = digests["independent"]
-    assert d[0] == d[1] and d[2] == d[3] and d[0] != d[2]  # ranks 0,1 = DP rank 0; 2,3 = DP rank 1
+    assert d[0] == d[1]
+    assert d[2] == d[3]
+    assert d[0] != d[2]
 
 
 def test_non_leader_write_back_is_rejected(policy, client, batch):
@@ -428,9 +431,11 @@ def test_pack_metadata_trusted_from_driver_else_rederived(mode):
         extra_info=planted,
     )
     out, out_meta = host._attach_or_repack_pack_metadata(BatchedDataDict(dict(data)), trusted)
-    assert out.micro_batch_indices == [[[0, 4]]] and out_meta.sample_ids == meta.sample_ids
+    assert out.micro_batch_indices == [[[0, 4]]]
+    assert out_meta.sample_ids == meta.sample_ids
     # absent: re-derived locally; the returned meta follows the (possibly re-sorted) rows
     out, out_meta = host._attach_or_repack_pack_metadata(BatchedDataDict(dict(data)), meta)
-    assert out.micro_batch_indices is not None and len(out.micro_batch_indices) == 1
+    assert out.micro_batch_indices is not None
+    assert len(out.micro_batch_indices) == 1
     assert out["sid"] == out_meta.sample_ids
     assert out["input_lengths"].tolist() == out_meta.sequence_lengths

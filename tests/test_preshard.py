@@ -143,7 +143,8 @@ def test_preshard_matches_shard_by_batch_size_and_restores_order(case):
     for m, shard in zip(metas, shards, strict=True):
         assert m.sample_ids == shard["sid"]
         assert m.sequence_lengths == shard["input_lengths"].tolist()
-        assert m.partition_id == "p" and m.extra_info["keep"] == "me"
+        assert m.partition_id == "p"
+        assert m.extra_info["keep"] == "me"
         if case["mode"] == "none":
             assert not any(k in m.extra_info for k in (MICRO_BATCH_INDICES, ELEM_COUNTS_PER_GB))
             assert shard.micro_batch_indices is None
@@ -223,7 +224,8 @@ def test_plain_split_is_identity_or_interleaved():
     # no lengths needed without packing / dynamic batching
     bare = KVBatchMeta(partition_id="p", sample_ids=["a", "b"])
     metas, unsorted = shard_meta_for_dp(bare, dp_world=2)
-    assert [m.sample_ids for m in metas] == [["a"], ["b"]] and unsorted is None
+    assert [m.sample_ids for m in metas] == [["a"], ["b"]]
+    assert unsorted is None
 
 
 def test_packing_metadata_in_extra_info():

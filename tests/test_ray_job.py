@@ -229,7 +229,8 @@ def test_service_runs_as_a_ray_job(ray_head, tmp_path):
             admin_pb2.GetServiceInfoRequest(), timeout=10
         )
         assert (info.name, info.namespace) == (name, "dataplane-job-test")
-        assert len(info.units) == 2 and all(u.alive for u in info.units)
+        assert len(info.units) == 2
+        assert all(u.alive for u in info.units)
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
             assert b"dataplane_up 1.0" in r.read()
 

@@ -82,10 +82,13 @@ def test_round_trip_every_dtype_dense_and_jagged(client):
     for name, value in fields.items():
         got = out[name]
         if name.startswith("dense"):
-            assert not got.is_nested and got.dtype == value.dtype
+            assert not got.is_nested
+            assert got.dtype == value.dtype
             assert torch.equal(got, value[order])
         elif name.startswith("jag"):
-            assert got.is_nested and got.layout == torch.jagged and got.dtype == value.dtype
+            assert got.is_nested
+            assert got.layout == torch.jagged
+            assert got.dtype == value.dtype
             want = value.unbind()
             for j, i in enumerate(order):
                 assert torch.equal(got.unbind()[j], want[i])
@@ -106,7 +109,8 @@ def test_put_returns_meta_and_sequence_lengths(client):
     back = client.get_data(meta)
     assert back["prompt"] == fields["prompt"]
     for got, want in zip(back["token_mask"].unbind(), fields["token_mask"]):
-        assert got.dtype == torch.bool and torch.equal(got, want)
+        assert got.dtype == torch.bool
+        assert torch.equal(got, want)
 
 
 def test_write_back_new_field_and_overwrite(client):
@@ -119,14 +123,16 @@ def test_write_back_new_field_and_overwrite(client):
     client.put_samples(ids[:3], pid, {"prev_logprobs": lp[:3]})
     with pytest.raises(FieldAlreadyProduced) as e:
         client.put_samples(ids[1:4], pid, {"prev_logprobs": lp[1:4]})
-    assert e.value.ids == ids[1:3] and e.value.fields == ["prev_logprobs"]
+    assert e.value.ids == ids[1:3]
+    assert e.value.fields == ["prev_logprobs"]
     # The rejected write changed nothing: w3 still has no prev_logprobs, w1 keeps its value.
     with pytest.raises(FieldNotProduced) as e2:
         client.get_samples(ids[3:4], pid, ["prev_logprobs"])
     assert e2.value.ids == ["w3"]
     client.put_samples(ids[1:2], pid, {"prev_logprobs": [torch.zeros(lengths[1])]}, overwrite=True)
     got = client.get_samples(ids[:3], pid, ["prev_logprobs"])["prev_logprobs"].unbind()
-    assert torch.equal(got[0], lp[0]) and torch.equal(got[1], torch.zeros(lengths[1]))
+    assert torch.equal(got[0], lp[0])
+    assert torch.equal(got[1], torch.zeros(lengths[1]))
 
 
 def test_a_fresh_client_routes_write_backs_to_the_recorded_unit(service):
@@ -221,7 +227,8 @@ def test_claims_consume_per_task_and_need_required_fields(client):
     client.put_samples(ids, pid, {"x": torch.arange(8.0)[:, None]})
     client.put_samples(ids[:4], pid, {"y": torch.ones(4, 1)})
     m1 = client.claim_meta(pid, "lp", ["x"], 5, blocking=False)
-    assert m1.sample_ids == ids[:5] and m1.task_name == "lp"
+    assert m1.sample_ids == ids[:5]
+    assert m1.task_name == "lp"
     m2 = client.claim_meta(pid, "lp", ["x"], 5, blocking=False)
     assert m2.sample_ids == ids[5:]  # non-blocking returns what is ready
     assert client.claim_meta(pid, "lp", ["x"], 5, blocking=False) is None
@@ -316,7 +323,8 @@ def test_clear_samples_and_partition(client):
     with pytest.raises(SamplesNotFound):
         client.clear_samples(["nope"], pid)
     done = client.clear_samples(None, pid)
-    assert done.cleared == 4 and done.bytes_freed > 0
+    assert done.cleared == 4
+    assert done.bytes_freed > 0
     # None deletes the partition (the contract): the next register of the id starts clean.
     with pytest.raises(UnknownPartition):
         client.get_samples(ids[2:], pid, ["x"])

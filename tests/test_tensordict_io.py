@@ -31,10 +31,13 @@ def _decoded():
 
 def test_fields_keep_their_kind_in_a_tensordict_of_n_rows():
     td = to_tensordict(_decoded(), 3, enums={"level": VOCAB})
-    assert isinstance(td, TensorDict) and td.batch_size == torch.Size([3])
-    assert not td["mask"].is_nested and td["mask"].tolist() == [1.0, 0.0, 1.0]
+    assert isinstance(td, TensorDict)
+    assert td.batch_size == torch.Size([3])
+    assert not td["mask"].is_nested
+    assert td["mask"].tolist() == [1.0, 0.0, 1.0]
     ids = td["input_ids"]
-    assert ids.is_nested and ids.layout == torch.jagged
+    assert ids.is_nested
+    assert ids.layout == torch.jagged
     assert [r.tolist() for r in ids.unbind()] == [[1, 2, 3], [4], [5, 6]]
     assert td.get("level").tolist() == ["hard", "easy", "hard"]
     assert td.get("info").tolist() == [{"k": 1}, "x", None]
@@ -48,12 +51,14 @@ def test_rows_select_and_move_with_every_field():
     assert picked.get("level").tolist() == ["hard", "hard"]
     assert picked.get("info").tolist() == [None, {"k": 1}]
     moved = td.to("cpu")
-    assert moved["input_ids"].is_nested and moved.get("info").tolist() == [{"k": 1}, "x", None]
+    assert moved["input_ids"].is_nested
+    assert moved.get("info").tolist() == [{"k": 1}, "x", None]
 
 
 def test_zero_rows_make_an_empty_tensordict():
     empty = to_tensordict({"mask": torch.zeros(0), "info": []}, 0)
-    assert empty.batch_size == torch.Size([0]) and empty.get("info").tolist() == []
+    assert empty.batch_size == torch.Size([0])
+    assert empty.get("info").tolist() == []
 
 
 def test_field_mappings_from_every_container_agree():

@@ -15,7 +15,8 @@ def test_a_miss_asks_for_chunks_of_that_size_and_the_next_write_gets_one():
             2 << 20, timeout_s=30
         )  # ... and two of that size are being made ahead
         chunk = r.take(1 << 20)
-        assert chunk.size >= 1 << 20 and os.fstat(chunk.fd).st_size >= 1 << 20
+        assert chunk.size >= 1 << 20
+        assert os.fstat(chunk.fd).st_size >= 1 << 20
         chunk.write(0, np.full(1 << 20, 7, dtype=np.uint8))  # writable shared memory
         back = np.empty(1 << 20, dtype=np.uint8)
         chunk.read_into(0, back)

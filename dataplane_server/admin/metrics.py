@@ -75,7 +75,7 @@ class DataPlaneCollector(Collector):
         up = GaugeMetricFamily("dataplane_up", "1 if the controller answered this scrape.")
         try:
             pull = self.sources.stats(timeout_s=self.timeout_s)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure means "down" for this scrape
             logger.warning("metrics scrape: controller unreachable: %s", type(exc).__name__)
             up.add_metric([], 0)
             yield up

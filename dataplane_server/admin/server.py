@@ -60,7 +60,7 @@ def advertised_host(host: str) -> str:
         import ray
 
         return ray.util.get_node_ip_address()
-    except Exception:
+    except Exception:  # noqa: BLE001 - no Ray here: fall back to the host name
         import socket
 
         return socket.gethostbyname(socket.gethostname())

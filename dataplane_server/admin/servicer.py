@@ -331,7 +331,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 failure = None
                 try:
                     pull = self.sources.stats(timeout_s=self.rpc_timeout_s)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - status_for maps every error to a code
                     failure = status_for(exc)
                 if failure is not None:
                     context.abort(*failure)

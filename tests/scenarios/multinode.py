@@ -9,13 +9,13 @@ import sys
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
+import ray
+import torch
+from ray.cluster_utils import Cluster
 
-from dataplane_client import DataPlaneConfig  # noqa: E402
-from dataplane_client.errors import SamplesLost  # noqa: E402
-from dataplane_server import start  # noqa: E402
+from dataplane_client import DataPlaneConfig
+from dataplane_client.errors import SamplesLost
+from dataplane_server import start
 
 
 def main() -> None:
