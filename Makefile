@@ -11,7 +11,7 @@ BENCH_ARGS ?=
 
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: setup test demo bench bench-setup bench-tq lint format proto clean
+.PHONY: setup test test-fast demo bench bench-setup bench-tq lint format proto clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,10 @@ $(VENV)/.installed: pyproject.toml
 
 test: setup
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+# Unit and key-space tests only: no Ray cluster, no slow end-to-end runs (under a minute).
+test-fast: setup
+	$(BIN)/pytest -q -m "not slow and not ray" $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/dataplane demo $(DEMO_ARGS)
@@ -49,6 +53,8 @@ bench-tq: bench-setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 format: setup
 	$(BIN)/ruff format .

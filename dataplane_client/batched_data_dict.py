@@ -65,7 +65,7 @@ def _rows(value: Any) -> int:
 def jagged_values_offsets(nt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, offsets)`` of a nested tensor: row ``i`` is ``values[offsets[i]:offsets[i+1]]``."""
     if nt.layout == torch.jagged and getattr(nt, "_lengths", None) is None:
-        return nt.values(), nt.offsets()
+        return nt.values(), nt.offsets()  # type: ignore[attr-defined]  # nested-tensor API
     rows = nt.unbind()
     lengths = torch.tensor([r.size(0) for r in rows], dtype=torch.long)
     offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
@@ -140,7 +140,8 @@ def _pad_cat(tensors: list[torch.Tensor], pad_value: Any) -> torch.Tensor:
     out = torch.full((total, *trailing), pad_value, dtype=dtype, device=tensors[0].device)
     row = 0
     for t in tensors:
-        out[(slice(row, row + t.size(0)), *(slice(0, s) for s in t.shape[1:]))] = t
+        region = (slice(row, row + t.size(0)), *(slice(0, s) for s in t.shape[1:]))
+        out[region] = t
         row += t.size(0)
     return out
 
@@ -290,7 +291,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             dist.all_gather(recv, padded.contiguous(), group=group)
             trailing = tuple(slice(None) for _ in full[1:])
             gathered = torch.cat(
-                [t[(slice(0, s[0]), *trailing)] for t, s in zip(recv, shapes, strict=True)]
+                [t[(slice(0, s[0]),) + trailing] for t, s in zip(recv, shapes, strict=True)]
             )
             out[k] = gathered.to(v.dtype)
         return out
@@ -452,6 +453,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         for r, rows in enumerate(plan.rank_rows):
             shard = self._select(rows, SlicedDataDict)
             if plan.micro_batch_indices is not None:
+                assert plan.micro_batch_lengths is not None  # planned together with the indices
                 shard.micro_batch_indices = plan.micro_batch_indices[r]
                 shard.micro_batch_lengths = plan.micro_batch_lengths[r]
             if plan.elem_counts_per_gb is not None:

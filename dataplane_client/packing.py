@@ -224,11 +224,13 @@ def concatenative(
     return _fit_bin_count(bins, lens, min_bin_count, bin_count_multiple)
 
 
-def _pop_largest_fitting(pool: list[tuple[int, int]], room: int) -> tuple[int, int] | None:
-    """Remove and return the largest (length, index) in ascending ``pool`` with length <= room."""
+def _pop_largest_fitting(pool: list[tuple[int, int]], room: int) -> tuple[int, int]:
+    """Remove and return the largest (length, index) in ascending ``pool`` with length <= room.
+
+    Callers check that the smallest item fits first, so one always does.
+    """
     k = bisect.bisect_right(pool, (room, float("inf"))) - 1
-    if k < 0:
-        return None
+    assert k >= 0, "caller checked that pool[0] fits"
     # among equal lengths take the lowest index, so results read naturally
     k = bisect.bisect_left(pool, (pool[k][0], -1))
     return pool.pop(k)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -96,7 +96,7 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def _positive_int(args: dict, key: str, what: str, default: int | None = None) -> int:
+def _positive_int(args: Mapping[str, Any], key: str, what: str, default: int | None = None) -> int:
     if key not in args or args[key] is None:
         if default is None:
             raise InvalidBatch(f"{what} is missing required key {key!r} (got keys {sorted(args)})")
@@ -169,8 +169,7 @@ def plan_dp_shards(
         raise InvalidBatch(
             f"total batch size ({num_rows}) is not a multiple of batch_size ({batch_size})"
         )
-    packing = sequence_packing_args is not None
-    if not allow_uneven_shards and not packing and batch_size % shards:
+    if not allow_uneven_shards and sequence_packing_args is None and batch_size % shards:
         raise InvalidBatch(
             f"batch size ({batch_size}) is not a multiple of shards ({shards}); "
             "pass allow_uneven_shards=True (without batch_size) to accept uneven shards"
@@ -182,7 +181,7 @@ def plan_dp_shards(
         return _plan_dynamic(
             lens, shards, batch_size, num_chunks, dynamic_batching_args, seq_len_cap
         )
-    if packing:
+    if sequence_packing_args is not None:
         lens = _check_lengths(lengths, num_rows, "sequence packing")
         return _plan_packing(lens, shards, batch_size, num_chunks, sequence_packing_args)
 
@@ -203,7 +202,7 @@ def _plan_dynamic(
     shards: int,
     batch_size: int,
     num_chunks: int,
-    args: dict[str, Any],
+    args: Mapping[str, Any],
     seq_len_cap: int | None,
 ) -> ShardPlan:
     what = "dynamic_batching_args"
@@ -260,7 +259,7 @@ def _plan_packing(
     shards: int,
     batch_size: int,
     num_chunks: int,
-    args: dict[str, Any],
+    args: Mapping[str, Any],
 ) -> ShardPlan:
     what = "sequence_packing_args"
     capacity = _positive_int(args, "max_tokens_per_microbatch", what)
@@ -370,6 +369,7 @@ def shard_meta_for_dp(
         for k in PACKING_KEYS:
             m.extra_info.pop(k, None)
         if plan.micro_batch_indices is not None:
+            assert plan.micro_batch_lengths is not None  # planned together with the indices
             m.extra_info[MICRO_BATCH_INDICES] = plan.micro_batch_indices[r]
             m.extra_info[MICRO_BATCH_LENGTHS] = plan.micro_batch_lengths[r]
         if plan.elem_counts_per_gb is not None:
