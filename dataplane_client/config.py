@@ -252,7 +252,9 @@ def _environment_values(exclude: dict[str, Any]) -> dict[str, str]:
 def _string_adapter(name: str) -> TypeAdapter[Any]:
     # The field's type with its constraints and validators, for parsing one env string.
     info = DataPlaneConfig.model_fields[name]
-    return TypeAdapter(Annotated[(info.annotation, *info.metadata)])
+    args = (info.annotation, *info.metadata)
+    annotated: Any = Annotated  # built at run time from the field; no static type to check
+    return TypeAdapter(annotated[args])
 
 
 def _parse_env(from_env: dict[str, str]) -> dict[str, Any]:
