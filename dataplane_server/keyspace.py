@@ -37,6 +37,7 @@ from dataplane_client.errors import (
 from dataplane_client.messages import CommitRequest, CommitResult, Location, TaskConsumption
 from dataplane_client.meta import KVBatchMeta
 from dataplane_server.columns import grown
+from dataplane_server.recovery_messages import StoredRows
 
 NO_LEASE = 0  # holder id of a row nobody holds
 
@@ -445,7 +446,9 @@ class KeySpace:
             )
         rows = self._pick(part, self._claimable(part, task, required), batch_size)
         expected = part.declaration.expected_samples
-        left = None if expected is None else expected - self._consumed_or_held(part, task)
+        left = None
+        if expected is not None:  # samples of a lost unit will never come: not waited for
+            left = expected - self._consumed_or_held(part, task) - len(self.lost_rows(part, task))
         tail = left is not None and 0 < len(rows) >= min(batch_size, left)
         if not (len(rows) >= batch_size or tail or (partial_ok and len(rows))):
             return None
@@ -472,6 +475,25 @@ class KeySpace:
             extra_info=extra,
             tags=tags if any(tags) else None,
         )
+
+    def lost_rows(self, part: Partition, task: str | None = None) -> np.ndarray:
+        """Live rows whose unit is gone (not yet consumed by ``task``, when given)."""
+        n = part.n_rows
+        lost = part.live[:n] & ~np.asarray(self.unit_alive, dtype=bool)[part.unit[:n]]
+        if task is not None:
+            lost &= ~part.column(part.consumed, task)[:n]
+        return np.nonzero(lost)[0]
+
+    def unsatisfiable(self, part: Partition, task: str) -> list[str]:
+        """Lost ids, when a partition of known size has nothing else left for the task: a
+        waiting claim can never be served (empty list: it still can)."""
+        expected = part.declaration.expected_samples
+        lost = self.lost_rows(part, task)
+        if expected is None or not len(lost):
+            return []
+        if expected - self._consumed_or_held(part, task) - len(lost) > 0:
+            return []
+        return [part.ids[r] for r in lost.tolist()]
 
     def _consumed_or_held(self, part: Partition, task: str) -> int:
         n = part.n_rows
@@ -530,6 +552,7 @@ class KeySpace:
         n = part.n_rows
         live = part.live[:n]
         consumed = int((part.column(part.consumed, task)[:n] & live).sum())
+        lost = len(self.lost_rows(part, task))  # terminal: they count towards done
         total = int(live.sum())
         expected = part.declaration.expected_samples
         lease = part.declaration.task_leases.get(task)
@@ -546,7 +569,7 @@ class KeySpace:
             expected=expected,
             # Cleared samples count as done (clearing acknowledges); a declared size must
             # also have arrived in full.
-            done=consumed == total and (expected is None or part.n_rows >= expected),
+            done=consumed + lost == total and (expected is None or part.n_rows >= expected),
             leased=leased,
             lease_s=lease,
             redeliveries=redelivered,
@@ -568,3 +591,83 @@ class KeySpace:
 
     def live_units(self) -> list[int]:
         return [u for u, ok in enumerate(self.unit_alive) if ok]
+
+    # ---- rebuilding from the units, and what only the key space knows ---------------
+    def rebuild_partition(
+        self, partition_id: str, declaration: Declaration, stored: list[tuple[int, StoredRows]]
+    ) -> Partition:
+        """Recreate a partition from what its units hold (``stored``: (unit, rows) pairs).
+
+        Rows come back in commit order (the units keep each sample's commit
+        number), so claims hand samples out in the order they were written.
+        Consumption starts empty: ``restore_consumption`` puts it back.
+        """
+        part = Partition(partition_id, declaration, time.time())
+        self.partitions[partition_id] = part
+        order = sorted((seq, unit, i) for unit, rows in stored for i, seq in enumerate(rows.seq))
+        by_unit = dict(stored)
+        ids = [by_unit[u].sample_ids[i] for _, u, i in order]
+        if not ids:
+            return part
+        rows = part.add_rows(ids, np.asarray([u for _, u, _ in order], dtype=np.int16))
+        part.seq_len[rows] = [by_unit[u].sequence_lengths[i] for _, u, i in order]
+        row_in = {u: np.empty(len(got.sample_ids), dtype=np.int64) for u, got in stored}
+        for r, (_, u, i) in zip(rows.tolist(), order):
+            row_in[u][i] = r
+        for u, got in stored:
+            for name, schema in got.fields.items():
+                part.schema.setdefault(name, tuple(schema))
+                bits = np.asarray(got.produced[name], dtype=bool)
+                part.column(part.produced, name)[row_in[u][bits]] = True
+            for i, tag in enumerate(got.tags):
+                if tag:
+                    self._merge_tags(part, int(row_in[u][i]), tag)
+        return part
+
+    def export_consumption(self, part: Partition) -> dict:
+        """Per task: consumed ids, held leases (wall-clock deadlines) and delivery counts."""
+        n, now, wall = part.n_rows, self.clock(), time.time()
+        live = np.nonzero(part.live[:n])[0]
+        out = {}
+        for task in part.tasks:
+            consumed = part.column(part.consumed, task)[:n]
+            state: dict[str, list] = {"consumed": [part.ids[r] for r in live if consumed[r]]}
+            if task in part.declaration.task_leases:
+                until = part.column(part.lease_until, task, np.float64, 0.0)[:n]
+                holder = part.column(part.holder, task, np.int64, NO_LEASE)[:n]
+                deliveries = part.column(part.deliveries, task, np.int32, 0)[:n]
+                state["leases"] = [
+                    [part.ids[r], float(until[r] - now + wall), int(holder[r])]
+                    for r in live
+                    if until[r] > now and not consumed[r]
+                ]
+                state["deliveries"] = [
+                    [part.ids[r], int(deliveries[r])] for r in live if deliveries[r]
+                ]
+            out[task] = state
+        return out
+
+    def restore_consumption(self, part: Partition, state: dict) -> None:
+        """Put back what ``export_consumption`` (or a replayed journal) said; unknown ids are
+        samples cleared since, and are skipped."""
+        now, wall = self.clock(), time.time()
+        for task, task_state in state.items():
+            if task not in part.tasks:
+                continue
+            rows = part.rows_of(list(task_state.get("consumed", ())))
+            part.column(part.consumed, task)[rows[rows >= 0]] = True
+            leases = task_state.get("leases", ())
+            if leases:
+                rows = part.rows_of([sid for sid, _, _ in leases])
+                keep = rows >= 0
+                until = np.asarray([d for _, d, _ in leases], dtype=np.float64) - wall + now
+                holder = np.asarray([h for _, _, h in leases], dtype=np.int64)
+                part.column(part.lease_until, task, np.float64, 0.0)[rows[keep]] = until[keep]
+                part.column(part.holder, task, np.int64, NO_LEASE)[rows[keep]] = holder[keep]
+                self._next_claim_id = max(self._next_claim_id, int(holder.max()) + 1)
+            counts = task_state.get("deliveries", ())
+            if counts:
+                rows = part.rows_of([sid for sid, _ in counts])
+                keep = rows >= 0
+                n = np.asarray([c for _, c in counts], dtype=np.int32)
+                part.column(part.deliveries, task, np.int32, 0)[rows[keep]] = n[keep]

@@ -15,12 +15,20 @@ the controller's commit calls ``publish`` to make them the slots' bytes, or the
 client calls ``discard``. A stage nobody commits is reclaimed after its
 deadline, or as soon as its writer's process dies (see ``_sweep_stages``).
 Blocks are freed when nothing points into them, so clearing returns memory.
+
+A commit spanning several units is first ``prepare``d on each (the stage is
+pinned: no deadline or writer death reclaims it), then published; a commit on
+one unit publishes at once. Beside the bytes a unit keeps each sample's commit
+order, length and tags, and remembers recently published write ids, so a
+restarted controller rebuilds its key space from the units (``recovery_view``)
+and a retried commit is a no-op.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import os
 import time
 from collections import OrderedDict
@@ -35,17 +43,27 @@ from dataplane_client import shm
 from dataplane_client.codec import DENSE, DTYPES, JAGGED, OBJECT, EncodedField
 from dataplane_client.errors import (
     CapacityExceeded,
+    CorruptPayload,
     FieldNotProduced,
+    InvalidBatch,
     SamplesNotFound,
     SchemaConflict,
 )
 from dataplane_client.messages import SharedRows, ShmRegion, UnitInfo, UnitSnapshot
 from dataplane_server.arena import Arena
 from dataplane_server.columns import counts_errors, grown
+from dataplane_server.recovery_messages import (
+    DumpedFile,
+    PinnedWrite,
+    SampleMeta,
+    StoredRows,
+    UnitRecovery,
+)
 from dataplane_server.stats import Stats
 from dataplane_server.warm_reserve import WarmReserve
 
 _EXPIRED_REMEMBERED = 4096  # write ids of reclaimed stages kept to explain a late publish
+_PUBLISHED_REMEMBERED = 65536  # write ids of published stages: a retried commit is a no-op
 
 
 @dataclass
@@ -69,6 +87,34 @@ class _Partition:
     free_slots: list = field(default_factory=list)
     next_slot: int = 0
     columns: dict = field(default_factory=dict)
+    # Per slot, for a controller that rebuilds from the units: commit order, length, tags.
+    seq: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    seq_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    tags: dict = field(default_factory=dict)  # slot -> tags
+
+    def grow_meta(self) -> None:
+        self.seq = grown(self.seq, self.next_slot, -1)
+        self.seq_len = grown(self.seq_len, self.next_slot, -1)
+
+    def remember(self, slots: np.ndarray, sample_ids: list[str], meta: SampleMeta) -> None:
+        """Record what the key space knows of new slots (first commit wins, tags merge)."""
+        self.grow_meta()
+        for slot, sid in zip(slots.tolist(), sample_ids):
+            if self.seq[slot] < 0:
+                self.seq[slot] = meta.seq
+            length = meta.sequence_lengths.get(sid)
+            if length is not None and self.seq_len[slot] < 0:
+                self.seq_len[slot] = length
+            tag = meta.tags.get(sid)
+            if tag:
+                self.tags[slot] = {**self.tags.get(slot, {}), **tag}
+
+    def forget_slots(self, slots: np.ndarray) -> None:
+        self.grow_meta()
+        self.seq[slots] = -1
+        self.seq_len[slots] = -1
+        for slot in slots.tolist():
+            self.tags.pop(slot, None)
 
 
 @dataclass
@@ -78,6 +124,8 @@ class _Staged:
     fields: dict  # name -> (schema, block id, row offsets, row nbytes, row lengths | None)
     deadline: float  # time.monotonic() after which the stage is reclaimed
     owner: ray.ObjectRef | None  # owned by the writer's process: unresolvable once it died
+    meta: SampleMeta | None = None  # set by prepare: the commit is under way, never reclaimed
+    staged_units: list[int] = field(default_factory=list)  # every unit of the prepared commit
 
     def blocks(self) -> np.ndarray:
         return np.array([block for (_, block, *_rest) in self.fields.values()], dtype=np.int64)
@@ -104,6 +152,7 @@ class StorageUnit:
         self.partitions: dict[str, _Partition] = {}
         self.staged: dict[str, _Staged] = {}
         self.expired: OrderedDict[str, str] = OrderedDict()  # write id -> why it was reclaimed
+        self.published: OrderedDict[str, None] = OrderedDict()
         self.stats = Stats()
         self._space = asyncio.Condition()
         self._sweeper: asyncio.Task | None = None
@@ -251,18 +300,42 @@ class StorageUnit:
                     ids=sample_ids,
                 ) from None
 
-    @counts_errors
-    def publish(self, write_id: str) -> None:
-        """Make a staged write the bytes of its slots (called by the controller's commit)."""
-        st = self.staged.pop(write_id, None)
+    def _staged_or_raise(self, write_id: str) -> _Staged:
+        st = self.staged.get(write_id)
         if st is None:
             why = self.expired.get(write_id, "it was never staged here, or was discarded")
             raise SamplesNotFound(
                 f"unit {self.index}: no staged write {write_id} to publish ({why}); "
                 "nothing of it became visible"
             )
+        return st
+
+    @counts_errors
+    def prepare(self, write_id: str, meta: SampleMeta, staged_units: list[int]) -> None:
+        """Pin a stage for a commit spanning several units: once every unit of the commit
+        has it pinned, publishing cannot fail short of a unit's death."""
+        if write_id in self.published:
+            return
+        st = self._staged_or_raise(write_id)
+        st.meta = meta
+        st.staged_units = list(staged_units)
+        # A controller that dies now is rebuilt and rolls the write forward or back; if none
+        # ever comes back, the stage still goes after a second deadline.
+        st.deadline = time.monotonic() + self.stage_ttl_s
+
+    @counts_errors
+    def publish(self, write_id: str, meta: SampleMeta | None = None) -> bool:
+        """Make a staged write the bytes of its slots (called by the controller's commit).
+
+        Returns False when the write was published already (a retried commit).
+        """
+        if write_id in self.published:
+            return False
+        st = self._staged_or_raise(write_id)
+        del self.staged[write_id]
         part = self.partitions.setdefault(st.partition_id, _Partition())
         slots = self._slots_for(part, st.sample_ids)
+        part.remember(slots, st.sample_ids, meta or st.meta or SampleMeta(seq=0))
         replaced = []
         for name, (schema, block, offs, nbytes, lengths) in st.fields.items():
             col = part.columns.get(name)
@@ -277,10 +350,160 @@ class StorageUnit:
                 col.length[slots] = lengths
             self.arena.hold(block, len(slots))
         self._release([*replaced, st.blocks()])
+        self.published[write_id] = None
+        while len(self.published) > _PUBLISHED_REMEMBERED:
+            self.published.popitem(last=False)
+        return True
 
     def staged_write_ids(self) -> list[str]:
         """Writes staged and not yet published or reclaimed (for inspection and tests)."""
         return list(self.staged)
+
+    # ---- what a (re)starting controller rebuilds from --------------------------------
+    def recovery_view(self) -> UnitRecovery:
+        """Every stored sample (ids, fields, lengths, tags, commit order) and pending commits."""
+        return UnitRecovery(
+            index=self.index,
+            partitions={pid: self._stored_rows(part) for pid, part in self.partitions.items()},
+            pinned={
+                w: PinnedWrite(st.partition_id, st.staged_units)
+                for w, st in self.staged.items()
+                if st.meta is not None
+            },
+            published=list(self.published),
+        )
+
+    @staticmethod
+    def _stored_rows(part: _Partition) -> StoredRows:
+        ids = list(part.slot_of)
+        slots = np.fromiter(part.slot_of.values(), dtype=np.int64, count=len(ids))
+        part.grow_meta()
+        produced = {}
+        for name, col in part.columns.items():
+            col.ensure(part.next_slot)
+            produced[name] = (col.chunk[slots] >= 0).tolist()
+        return StoredRows(
+            sample_ids=ids,
+            seq=part.seq[slots].tolist(),
+            sequence_lengths=part.seq_len[slots].tolist(),
+            tags=[part.tags.get(s) for s in slots.tolist()],
+            fields={name: col.schema for name, col in part.columns.items()},
+            produced=produced,
+        )
+
+    # ---- checkpoints: this unit's samples to a file and back --------------------------
+    def dump(self, directory: str) -> DumpedFile:
+        """Write every stored sample (metadata and bytes) to one file in ``directory``.
+
+        One record of rows per partition, then one record per field with the
+        bytes of the rows that hold it, gathered a field at a time.
+        """
+        name = f"unit-{self.index}.bin"
+        digest, size = hashlib.sha256(), 0
+        with open(os.path.join(directory, name), "wb") as f:
+
+            def put(record: dict) -> None:
+                nonlocal size
+                try:
+                    data = msgpack.packb(record, use_bin_type=True)
+                except TypeError as e:
+                    raise InvalidBatch(
+                        f"partition {record['partition']!r} holds tags that cannot be saved ({e})"
+                    ) from None
+                digest.update(data)
+                size += len(data)
+                f.write(data)
+
+            for pid, part in self.partitions.items():
+                rows = self._stored_rows(part)
+                put(
+                    {
+                        "kind": "rows",
+                        "partition": pid,
+                        "ids": rows.sample_ids,
+                        "seq": rows.seq,
+                        "seq_len": rows.sequence_lengths,
+                        "tags": rows.tags,
+                    }
+                )
+                slots = np.fromiter(part.slot_of.values(), dtype=np.int64, count=len(part.slot_of))
+                for fname, col in part.columns.items():
+                    have = np.nonzero(col.chunk[slots] >= 0)[0]
+                    picked = slots[have]
+                    starts = col.offset[picked]
+                    uniq, which = np.unique(col.chunk[picked], return_inverse=True)
+                    values = self.arena.gather(
+                        uniq.tolist(), which, starts, starts + col.nbytes[picked]
+                    )
+                    put(
+                        {
+                            "kind": "field",
+                            "partition": pid,
+                            "field": fname,
+                            "schema": list(col.schema[:2]) + [list(col.schema[2])],
+                            "rows": have.tolist(),
+                            "nbytes": col.nbytes[picked].tolist(),
+                            "lengths": col.length[picked].tolist(),
+                            "values": values.tobytes(),
+                        }
+                    )
+        return DumpedFile(self.index, name, size, digest.hexdigest())
+
+    def load(self, directory: str, dumped: DumpedFile) -> int:
+        """Store the samples of a file ``dump`` wrote (checked against its digest first).
+
+        The unit must hold none of its partitions. Returns the number of samples loaded.
+        """
+        path = os.path.join(directory, dumped.name)
+        with open(path, "rb") as f:
+            data = f.read()
+        if len(data) != dumped.nbytes or hashlib.sha256(data).hexdigest() != dumped.sha256:
+            raise CorruptPayload(f"checkpoint file {path} does not match its manifest")
+        loaded = 0
+        ids_of: dict[str, list[str]] = {}
+        for rec in _records(data):
+            pid = rec["partition"]
+            if rec["kind"] == "rows":
+                if pid in self.partitions:
+                    raise InvalidBatch(
+                        f"unit {self.index} already holds partition {pid!r}: restore into a "
+                        "fresh service"
+                    )
+                part = self.partitions[pid] = _Partition()
+                ids_of[pid] = rec["ids"]
+                slots = self._slots_for(part, rec["ids"])
+                part.grow_meta()
+                part.seq[slots] = rec["seq"]
+                part.seq_len[slots] = rec["seq_len"]
+                part.tags.update((int(s), t) for s, t in zip(slots, rec["tags"]) if t)
+                loaded += len(slots)
+            else:
+                self._load_field(self.partitions[pid], ids_of[pid], rec)
+        return loaded
+
+    def _load_field(self, part: _Partition, ids: list[str], rec: dict) -> None:
+        kind, dtype, shape = rec["schema"]
+        schema = (kind, dtype, tuple(shape))
+        values = np.frombuffer(rec["values"], dtype=np.uint8)
+        if self.used_bytes + self.arena.extra_bytes([len(values)]) > self.capacity_bytes:
+            raise CapacityExceeded(
+                f"unit {self.index}: the checkpoint's {len(values)} bytes of field "
+                f"{rec['field']!r} do not fit ({self.used_bytes} of {self.capacity_bytes} used)"
+            )
+        ((block, offset),) = self.arena.alloc([len(values)])
+        self.arena.write(block, offset, values)
+        slots = np.fromiter(
+            (part.slot_of[ids[i]] for i in rec["rows"]), dtype=np.int64, count=len(rec["rows"])
+        )
+        nbytes = np.asarray(rec["nbytes"], dtype=np.int64)
+        col = part.columns[rec["field"]] = _Column(schema)
+        col.ensure(part.next_slot)
+        col.chunk[slots] = block
+        col.offset[slots] = offset + np.cumsum(nbytes) - nbytes  # rows back to back
+        col.nbytes[slots] = nbytes
+        col.length[slots] = rec["lengths"]
+        self.arena.hold(block, len(slots))
+        self.arena.release([block])  # the allocation's own reference
 
     def discard(self, write_id: str) -> None:
         st = self.staged.pop(write_id, None)
@@ -334,7 +557,11 @@ class StorageUnit:
         now = time.monotonic()
         for wid in [w for w, st in self.staged.items() if st.deadline <= now]:
             self._reclaim(wid, f"its {self.stage_ttl_s}s deadline passed before its commit")
-        owned = [(w, st.owner) for w, st in self.staged.items() if st.owner is not None]
+        owned = [
+            (w, st.owner)
+            for w, st in self.staged.items()
+            if st.owner is not None and st.meta is None  # a prepared commit is under way
+        ]
         died = await asyncio.gather(*[self._owner_died(ref, timeout_s) for _, ref in owned])
         for (wid, _), dead in zip(owned, died):
             if dead and wid in self.staged:
@@ -450,6 +677,7 @@ class StorageUnit:
                 [part.slot_of.pop(s) for s in sample_ids if s in part.slot_of], dtype=np.int64
             )
             part.free_slots.extend(slots.tolist())
+            part.forget_slots(slots)
         dropped, held = 0, []
         for col in part.columns.values():
             col.ensure(part.next_slot)
@@ -526,3 +754,9 @@ class StorageUnit:
             partition_bytes=self.partition_bytes(),
             stats=self.stats.snapshot(),
         )
+
+
+def _records(data: bytes):
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(data) + 1)
+    unpacker.feed(data)
+    yield from unpacker

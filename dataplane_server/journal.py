@@ -1,0 +1,161 @@
+"""The controller's journal: what only the controller knows, kept on its node's disk.
+
+The storage units are the ground truth for stored samples; the controller alone
+knows partition declarations, consumption cursors and leases. Each change to
+those is appended here as one msgpack record before the call that made it
+returns (a commit appends nothing: its metadata rides to the units with the
+bytes). Records are written to the OS at once (``flush``), so they survive the
+controller's process; ``fsync_every_record`` also makes them survive the machine,
+at a price (see RELIABILITY.md). Every ``compact_every`` records the whole state
+is written as a snapshot (temporary name, then rename) and a new log starts, so
+replay stays short and the directory bounded.
+
+Layout: ``snapshot.msgpack`` = {"generation": g, "partitions": state}; ``log.<g>``
+holds the records appended since. A torn last record (a crash mid-append) is
+ignored.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from typing import Any
+
+import msgpack
+
+SNAPSHOT = "snapshot.msgpack"
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Journal:
+    def __init__(self, directory: str, compact_every: int = 20_000, fsync: bool = False):
+        self.directory = directory
+        self.compact_every = compact_every
+        self.fsync = fsync
+        os.makedirs(directory, exist_ok=True)
+        self.generation = 0
+        self.records = 0
+        self._log = None
+
+    # ---- reading ------------------------------------------------------------------
+    def load(self) -> dict[str, dict]:
+        """Partition id -> {"declaration": dict, "tasks": {task: consumption state}}."""
+        path = os.path.join(self.directory, SNAPSHOT)
+        state: dict[str, dict] = {}
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                snap = msgpack.unpackb(f.read(), raw=False)
+            self.generation = snap["generation"]
+            state = {pid: _internal(p) for pid, p in snap["partitions"].items()}
+        log = self._log_path(self.generation)
+        if os.path.exists(log):
+            with open(log, "rb") as f:
+                unpacker = msgpack.Unpacker(f, raw=False)
+                try:
+                    for record in unpacker:
+                        _replay(state, record)
+                except (msgpack.exceptions.ExtraData, ValueError):
+                    pass  # a torn last record: the call that wrote it never returned
+        return {pid: _external(p) for pid, p in state.items()}
+
+    # ---- writing ------------------------------------------------------------------
+    def append(self, *record: Any) -> None:
+        if self._log is None:
+            self._log = open(self._log_path(self.generation), "ab")  # noqa: SIM115 - held open
+        self._log.write(msgpack.packb(list(record), use_bin_type=True))
+        self._log.flush()
+        if self.fsync:
+            os.fsync(self._log.fileno())
+        self.records += 1
+
+    def due(self) -> bool:
+        return self.records >= self.compact_every
+
+    def compact(self, partitions: dict[str, dict]) -> None:
+        """Replace snapshot and log by ``partitions`` (the current state)."""
+        old = self.generation
+        self.generation += 1
+        snap = {"generation": self.generation, "partitions": partitions}
+        _write_atomically(
+            os.path.join(self.directory, SNAPSHOT), msgpack.packb(snap, use_bin_type=True)
+        )
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        for gen in (old, self.generation):  # a stale log of a crashed compaction, too
+            if os.path.exists(self._log_path(gen)):
+                os.remove(self._log_path(gen))
+        self.records = 0
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def _log_path(self, generation: int) -> str:
+        return os.path.join(self.directory, f"log.{generation}")
+
+
+# ---- replay: records folded into per-task sets, keyed by sample id ----------------------
+def _task() -> dict:
+    return {"consumed": set(), "leases": {}, "deliveries": collections.Counter()}
+
+
+def _internal(p: dict) -> dict:
+    tasks = {}
+    for task, st in p["tasks"].items():
+        t = _task()
+        t["consumed"].update(st.get("consumed", ()))
+        t["leases"].update((sid, (d, h)) for sid, d, h in st.get("leases", ()))
+        t["deliveries"].update(dict(st.get("deliveries", ())))
+        tasks[task] = t
+    return {"declaration": p["declaration"], "tasks": tasks}
+
+
+def _external(p: dict) -> dict:
+    return {
+        "declaration": p["declaration"],
+        "tasks": {
+            task: {
+                "consumed": sorted(t["consumed"]),
+                "leases": [[sid, d, h] for sid, (d, h) in t["leases"].items()],
+                "deliveries": [[sid, n] for sid, n in t["deliveries"].items()],
+            }
+            for task, t in p["tasks"].items()
+        },
+    }
+
+
+def _replay(state: dict, record: list) -> None:
+    op, pid, *rest = record
+    if op == "register":
+        state[pid] = {"declaration": rest[0], "tasks": {}}
+        return
+    if op == "delete":
+        state.pop(pid, None)
+        return
+    part = state.get(pid)
+    if part is None:
+        return
+    task = part["tasks"].setdefault(rest[0], _task())
+    if op == "claim":  # task, ids, lease deadline (wall clock) or None, holder
+        _, ids, deadline, holder = rest
+        if deadline is None:
+            task["consumed"].update(ids)
+        else:
+            task["leases"].update(dict.fromkeys(ids, (deadline, holder)))
+            task["deliveries"].update(ids)
+    elif op == "ack":  # task, ids
+        task["consumed"].update(rest[1])
+        for sid in rest[1]:
+            task["leases"].pop(sid, None)
+    elif op == "reset":  # delivery counts survive a reset, as in the key space
+        part["tasks"][rest[0]] = {**_task(), "deliveries": task["deliveries"]}
