@@ -8,12 +8,14 @@ rest of the code relies on (a list, an int, a float).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack
 
+from dataplane_client import enum_codes
 from dataplane_client.errors import InvalidBatch
+from dataplane_client.messages import FieldCodecs
 from dataplane_client.meta import duplicated
 
 MAX_ID_BYTES = 1024
@@ -119,3 +121,18 @@ def tag_list(tags: Any, n: int, *, partition_id: str | None = None) -> list[dict
             ) from None
         out.append(t)
     return out
+
+
+def field_codecs(enums: Any, object_fields: Any) -> FieldCodecs:
+    """A registration's ``enums`` and ``object_fields``, checked: each vocabulary a
+    non-empty list of distinct str, and no field both an enum and an object field."""
+    if enums is not None and not isinstance(enums, Mapping):
+        raise InvalidBatch(f"enums must map field -> list of str, got {type(enums).__name__}")
+    enums = dict(enums or {})
+    name_list(list(enums), "enums' field names", allow_empty=True)
+    vocabularies = {name: enum_codes.vocabulary(name, words) for name, words in enums.items()}
+    objects = frozenset(name_list(object_fields, "object_fields", allow_empty=True))
+    both = sorted(objects & set(vocabularies))
+    if both:
+        raise InvalidBatch("a field is either an enum or an object field, not both", fields=both)
+    return FieldCodecs(enums=vocabularies, object_fields=objects)

@@ -1,4 +1,9 @@
-"""DataPlaneClient: what rollout actors, drivers and workers import.
+"""RayDataPlaneClient: the data-plane client on Ray, what rollout actors, drivers and workers use.
+
+It implements NeMo-RL's abstract :class:`~dataplane_client.interface.DataPlaneClient`
+(fields in as a TensorDict, dict or BatchedDataDict; out as a TensorDict) and
+adds opt-in extras: async twins, leases and ``ack``, ``delete_partition``,
+object fields, inspection.
 
 Every verb is written once and gets its ``*_async`` twin from ``_Verb``. A
 verb of several steps (put, get) is a *flow*: a generator that yields lists of
@@ -29,8 +34,10 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from dataplane_client import arguments
 from dataplane_client.codec import (
+    DENSE,
     JAGGED,
     EncodedField,
+    decode_field,
     encode_fields,
 )
 from dataplane_client.errors import (
@@ -40,14 +47,17 @@ from dataplane_client.errors import (
     SamplesLost,
     ServiceUnavailable,
 )
+from dataplane_client.interface import DataPlaneClient
 from dataplane_client.messages import (
     ClearResult,
     CommitRequest,
+    FieldCodecs,
     PartitionDescription,
     ServiceInfo,
     TaskConsumption,
 )
 from dataplane_client.meta import KVBatchMeta
+from dataplane_client.tensordict_io import as_field_mapping, to_tensordict
 from dataplane_client.transport import SharedMemoryUnavailable, Transport, assemble
 
 Flow = Generator[list, list, Any]
@@ -156,26 +166,19 @@ def _one(results: list) -> Any:
     return r
 
 
-def _sequence_lengths(
-    encoded: Mapping[str, EncodedField], fields: Mapping[str, Any]
-) -> list[int] | None:
+def sequence_lengths(encoded: Mapping[str, EncodedField]) -> list[int] | None:
     """A sample's sequence length: ``input_lengths`` if given, else its first jagged field."""
-    lengths = fields.get("input_lengths")
-    if (
-        lengths is not None
-        and hasattr(lengths, "ndim")
-        and lengths.ndim == 1
-        and not lengths.is_nested
-    ):
-        return [int(x) for x in lengths.tolist()]
+    lengths = encoded.get("input_lengths")
+    if lengths is not None and lengths.kind == DENSE and lengths.shape == ():
+        return [int(x) for x in decode_field(lengths).tolist()]
     for enc in encoded.values():
         if enc.kind == JAGGED:
             return enc.lengths.tolist()
     return None
 
 
-class DataPlaneClient:
-    """Client of one data-plane service (controller + storage units)."""
+class RayDataPlaneClient(DataPlaneClient):
+    """Client of one data-plane service (controller + storage units) on Ray."""
 
     def __init__(self, controller: Any, name: str = "dataplane", namespace: str = "dataplane"):
         self.name, self.namespace = name, namespace
@@ -187,6 +190,8 @@ class DataPlaneClient:
         self._alive = list(routing.alive)
         # (partition, sample) -> unit, learnt from puts and gets: a hint the controller checks.
         self._routes: dict[tuple[str, str], int] = {}
+        # partition -> its enums and object fields, as this client registered them.
+        self._codecs: dict[str, FieldCodecs] = {}
 
     # ---- helpers ------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -200,6 +205,7 @@ class DataPlaneClient:
 
     def _forget(self, partition_id: str, sample_ids: Sequence[str] | None) -> None:
         if sample_ids is None:
+            self._codecs.pop(partition_id, None)
             self._routes = {k: v for k, v in self._routes.items() if k[0] != partition_id}
         else:
             for s in sample_ids:
@@ -226,7 +232,7 @@ class DataPlaneClient:
         self._alive = list(routing.alive)
 
     # ---- partitions ---------------------------------------------------------------
-    @_rpc_verb
+    @_flow_verb
     def register_partition(
         self,
         partition_id: str,
@@ -236,29 +242,35 @@ class DataPlaneClient:
         grpo_group_size: int | None = None,
         enums: Mapping[str, Sequence[str]] | None = None,
         *,
+        object_fields: Sequence[str] = (),
         task_leases: Mapping[str, float] | None = None,
-    ) -> None:
+    ) -> Flow:
         """Declare a partition; one of the same id is replaced (its samples deleted).
 
-        ``task_leases`` (ours, opt-in) maps a consumer task to a lease in seconds:
-        that task's claims must be acknowledged with ``ack``, and samples whose
-        lease runs out are handed out again.
+        ``enums`` maps a field to its vocabulary: puts give strings, rows travel
+        as int32 codes, gets return the strings. Ours, opt-in: ``object_fields``
+        may hold msgpack values (any other non-tensor value is refused);
+        ``task_leases`` maps a consumer task to a lease in seconds: that task's
+        claims must be acknowledged with ``ack``, and samples whose lease runs
+        out are handed out again.
         """
-        if enums:
-            raise InvalidBatch(
-                "enums are not supported by this service yet",
-                fields=list(enums),
-                partition_id=partition_id,
-            )
+        codecs = arguments.field_codecs(enums, object_fields)
         self._forget(partition_id, None)
-        return self._controller.register_partition.remote(
-            partition_id,
-            arguments.name_list(fields, "fields", allow_empty=True),
-            num_samples,
-            arguments.name_list(consumer_tasks, "consumer_tasks", allow_empty=True),
-            grpo_group_size,
-            dict(task_leases or {}),
+        _one(
+            (
+                yield [
+                    self._controller.register_partition.remote(
+                        partition_id,
+                        arguments.name_list(fields, "fields", allow_empty=True),
+                        num_samples,
+                        arguments.name_list(consumer_tasks, "consumer_tasks", allow_empty=True),
+                        grpo_group_size,
+                        dict(task_leases or {}),
+                    )
+                ]
+            )
         )
+        self._codecs[partition_id] = codecs
 
     @_rpc_verb
     def delete_partition(self, partition_id: str) -> ClearResult:
@@ -272,17 +284,28 @@ class DataPlaneClient:
         self,
         sample_ids: Sequence[str],
         partition_id: str,
-        fields: Mapping[str, Any],
+        fields: Any = None,
         tags: Sequence[dict] | None = None,
         overwrite: bool = False,
     ) -> Flow:
-        """Write fields of samples (new samples, or new fields of existing ones)."""
+        """Write fields of samples (new samples, or new fields of existing ones).
+
+        ``fields``: a TensorDict, dict or BatchedDataDict of one row per id.
+        ``overwrite`` (ours) replaces fields already produced.
+        """
         sample_ids = arguments.id_list(sample_ids, partition_id=partition_id)
         tags = arguments.tag_list(tags, len(sample_ids), partition_id=partition_id)
         if not isinstance(overwrite, bool):
             raise InvalidBatch(f"overwrite must be a bool, got {overwrite!r}")
-        encoded = encode_fields(fields, num_rows=len(sample_ids))
-        seq_lens = _sequence_lengths(encoded, fields)
+        fields = as_field_mapping(fields)
+        codecs = self._codecs.get(partition_id, FieldCodecs())
+        encoded = encode_fields(
+            fields,
+            num_rows=len(sample_ids),
+            enums=codecs.enums,
+            object_fields=codecs.object_fields,
+        )
+        seq_lens = sequence_lengths(encoded)
         schemas = {name: enc.schema for name, enc in encoded.items()}
 
         units = np.array(
@@ -362,12 +385,12 @@ class DataPlaneClient:
     def get_samples(
         self, sample_ids: Sequence[str], partition_id: str, select_fields: Sequence[str]
     ) -> Flow:
-        """Read fields of samples, in the order of ``sample_ids`` (touches no cursor)."""
+        """Read fields of samples as a TensorDict in ``sample_ids`` order (touches no cursor)."""
         return self._read(sample_ids, partition_id, select_fields)
 
     @_flow_verb
     def get_data(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None) -> Flow:
-        """Read the samples a meta names: ``select_fields``, else the meta's fields."""
+        """Read a meta's samples as a TensorDict: ``select_fields``, else the meta's fields."""
         fields = select_fields if select_fields is not None else meta.fields
         if not fields:
             raise InvalidBatch(
@@ -406,7 +429,7 @@ class DataPlaneClient:
         order = np.empty(len(sample_ids), dtype=np.int64)
         order[position] = np.arange(len(sample_ids))
         try:
-            return {name: assemble([r[name] for r in results], order) for name in fields}
+            decoded = {name: assemble([r[name] for r in results], order) for name in fields}
         except OSError:
             # A chunk was freed between our validation and our mapping (a concurrent
             # clear or overwrite): read through Ray, which re-validates on the unit.
@@ -416,7 +439,9 @@ class DataPlaneClient:
             for r in results:
                 if isinstance(r, BaseException):
                     raise r from None
-            return {name: assemble([r[name] for r in results], order) for name in fields}
+            decoded = {name: assemble([r[name] for r in results], order) for name in fields}
+        codecs = self._codecs.get(partition_id, FieldCodecs())
+        return to_tensordict(decoded, len(sample_ids), enums=codecs.enums)
 
     # ---- claims and consumption ---------------------------------------------------
     @_rpc_verb
@@ -501,11 +526,12 @@ class DataPlaneClient:
     def close(self) -> None:
         """Release the handles; idempotent."""
         self._routes.clear()
+        self._codecs.clear()
         self._controller = None
         self._transport = None
 
 
-def connect(name: str = "dataplane", namespace: str = "dataplane") -> DataPlaneClient:
+def connect(name: str = "dataplane", namespace: str = "dataplane") -> RayDataPlaneClient:
     """Attach to a running service from any process of the Ray cluster."""
     if not ray.is_initialized():
         raise ServiceUnavailable(
@@ -517,4 +543,4 @@ def connect(name: str = "dataplane", namespace: str = "dataplane") -> DataPlaneC
         raise ServiceUnavailable(
             f"no data-plane service named {name!r} in namespace {namespace!r}"
         ) from None
-    return DataPlaneClient(controller, name=name, namespace=namespace)
+    return RayDataPlaneClient(controller, name=name, namespace=namespace)

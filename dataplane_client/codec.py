@@ -12,8 +12,8 @@ A batch of N samples becomes, per field, one :class:`EncodedField`:
 Strings of an enum field (a vocabulary declared at registration) travel as a
 dense ``int32`` field of codes (:mod:`dataplane_client.enum_codes`). Python
 objects travel only in fields declared as object fields; any other non-tensor
-value is :class:`NonTensorField`, once strict mode is on (see
-:data:`STRICT_NON_TENSOR`).
+value is :class:`NonTensorField` (NeMo-RL's contract: no Python objects on the
+bus unless asked for).
 
 Buffers are numpy ``uint8`` arrays so Ray moves them out-of-band (zero-copy on
 the same node); headers are plain builtins. Nothing here pickles.
@@ -42,11 +42,6 @@ from dataplane_client.tensordict_io import as_field_mapping
 
 DENSE, JAGGED, OBJECT = "dense", "jagged", "object"
 KINDS = (DENSE, JAGGED, OBJECT)
-
-# Whether a non-tensor value in a field declared neither in ``enums`` nor in
-# ``object_fields`` is refused (NonTensorField, NeMo-RL's contract) or, while
-# callers still migrate, sent as msgpack objects. Integration flips this to True.
-STRICT_NON_TENSOR = False
 
 # Every dtype a training loop stores. Names are the wire names.
 DTYPES: dict[str, torch.dtype] = {
@@ -268,7 +263,7 @@ def encode_field(
     value: Any,
     *,
     vocabulary: tuple[str, ...] | None = None,
-    objects_allowed: bool = True,
+    objects_allowed: bool = False,
 ) -> EncodedField:
     """Encode one field's value for N samples.
 
@@ -317,19 +312,16 @@ def encode_fields(
     *,
     enums: Mapping[str, Any] | None = None,
     object_fields: Collection[str] = (),
-    strict: bool | None = None,
 ) -> dict[str, EncodedField]:
     """Encode every field of a TensorDict, dict or BatchedDataDict; all must have the same rows.
 
     ``enums`` maps a field to its vocabulary (strings travel as codes);
-    ``object_fields`` names the fields that may hold msgpack values. Other
-    non-tensor values are NonTensorField when ``strict`` (default:
-    :data:`STRICT_NON_TENSOR`).
+    ``object_fields`` names the fields that may hold msgpack values. Any other
+    non-tensor value is NonTensorField naming its field.
     """
     fields = as_field_mapping(fields)
     if not fields:
         raise InvalidBatch("fields must be a non-empty mapping of name -> value")
-    strict = STRICT_NON_TENSOR if strict is None else strict
     vocabularies = {k: enum_codes.vocabulary(k, v) for k, v in (enums or {}).items()}
     out: dict[str, EncodedField] = {}
     for name, value in fields.items():
@@ -339,7 +331,7 @@ def encode_fields(
             name,
             value,
             vocabulary=vocabularies.get(name),
-            objects_allowed=not strict or name in object_fields,
+            objects_allowed=name in object_fields,
         )
         if num_rows is None:
             num_rows = enc.num_rows

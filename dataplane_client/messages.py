@@ -57,6 +57,19 @@ class Routing:
 
 
 @dataclass(frozen=True)
+class FieldCodecs:
+    """How a partition's non-tensor fields travel, declared at registration.
+
+    ``enums`` maps a field to its vocabulary (rows travel as int32 codes and
+    read back as the strings); ``object_fields`` may hold msgpack values. Any
+    other field takes tensors only.
+    """
+
+    enums: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    object_fields: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class CommitRequest:
     """A writer's commit: its bytes are staged under ``write_id`` on ``staged_units``.
 

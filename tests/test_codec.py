@@ -107,7 +107,7 @@ def _assert_same(value, got):
 @given(batches())
 def test_round_trip_is_bit_exact_through_the_byte_format(batch):
     n, fields = batch
-    decoded = _decode_all(unpack(pack(encode_fields(fields))))
+    decoded = _decode_all(unpack(pack(encode_fields(fields, object_fields=list(fields)))))
     assert set(decoded) == set(fields)
     for name, value in fields.items():
         _assert_same(value, decoded[name])
@@ -119,7 +119,7 @@ def test_split_rows_reassemble_in_request_order(batch, rnd):
     """take_rows splits a batch the way a put splits it over units; assemble joins
     the parts back in request order the way a get does."""
     n, fields = batch
-    enc = encode_fields(fields)
+    enc = encode_fields(fields, object_fields=list(fields))
     perm = list(range(n))
     rnd.shuffle(perm)
     cut = rnd.randint(0, n)
@@ -204,24 +204,16 @@ def test_non_contiguous_and_sliced_inputs_encode_their_logical_values():
     [["a", "b"], [{"k": 1}, None], np.array(["a", "b"], dtype=object), np.array(["a", "b"]), "ab"],
     ids=["str-list", "dict-list", "object-ndarray", "str-ndarray", "bare-str"],
 )
-def test_strict_mode_refuses_undeclared_non_tensor_values_naming_the_field(value):
+def test_undeclared_non_tensor_values_are_refused_naming_the_field(value):
     with pytest.raises(NonTensorField, match="non-tensor") as e:
-        encode_fields({"ok": torch.zeros(2), "prompt": value}, strict=True)
+        encode_fields({"ok": torch.zeros(2), "prompt": value})
     assert isinstance(e.value, TypeError)
     assert "prompt" in str(e.value)
 
 
-def test_strict_mode_follows_the_module_switch(monkeypatch):
-    monkeypatch.setattr(codec, "STRICT_NON_TENSOR", True)
-    with pytest.raises(NonTensorField, match="non-tensor"):
-        encode_fields({"prompt": ["a", "b"]})
-    monkeypatch.setattr(codec, "STRICT_NON_TENSOR", False)
-    assert encode_fields({"prompt": ["a", "b"]})["prompt"].kind == codec.OBJECT
-
-
 def test_declared_object_fields_travel_as_msgpack_rows_that_split_and_rejoin():
     values = [{"k": [1, 2]}, "text", None, 3.5, [True, b"\x00"]]
-    enc = encode_fields({"meta": values}, object_fields=["meta"], strict=True)["meta"]
+    enc = encode_fields({"meta": values}, object_fields=["meta"])["meta"]
     assert enc.kind == codec.OBJECT
     assert enc.lengths.tolist() == [
         len(codec.object_columns.encode_rows("x", [v])[0]) for v in values
@@ -229,12 +221,12 @@ def test_declared_object_fields_travel_as_msgpack_rows_that_split_and_rejoin():
     assert decode_field(enc) == values
     assert decode_field(take_rows(enc, np.array([4, 0, 2]))) == [values[4], values[0], None]
     with pytest.raises(InvalidBatch, match="msgpack") as e:
-        encode_fields({"meta": [object()]}, object_fields=["meta"], strict=True)
+        encode_fields({"meta": [object()]}, object_fields=["meta"])
     assert e.value.fields == ["meta"]
 
 
 def test_object_rows_with_a_wrong_boundary_are_corrupt():
-    enc = encode_fields({"o": ["ab", "cd"]})["o"]
+    enc = encode_fields({"o": ["ab", "cd"]}, object_fields=["o"])["o"]
     enc.lengths = np.array([2, 4])  # the bytes are intact; the row cut is not
     with pytest.raises(CorruptPayload):
         codec.object_columns.check_row_boundaries(enc.values, enc.lengths)
@@ -246,7 +238,7 @@ def test_object_rows_with_a_wrong_boundary_are_corrupt():
 # ---- enums ------------------------------------------------------------------------------
 def test_enum_fields_travel_as_int32_codes_and_come_back_as_strings():
     vocab = ["easy", "medium", "hard"]
-    enc = encode_fields({"level": ["hard", "easy", "hard"]}, enums={"level": vocab}, strict=True)
+    enc = encode_fields({"level": ["hard", "easy", "hard"]}, enums={"level": vocab})
     level = enc["level"]
     assert (level.kind, level.dtype, level.shape) == (codec.DENSE, "int32", ())
     codes = decode_field(level)
@@ -287,7 +279,7 @@ def test_a_tensordict_and_a_batched_data_dict_encode_like_the_dict():
         got = {k: (e.schema, e.values.tobytes()) for k, e in encode_fields(container).items()}
         assert got == want
     td = to_tensordict({"d": torch.arange(2), "s": ["x", "y"]}, 2)
-    enc = encode_fields(td, enums={"s": ["x", "y"]}, strict=True)
+    enc = encode_fields(td, enums={"s": ["x", "y"]})
     assert decode_field(enc["s"]).tolist() == [0, 1]
     with pytest.raises(NonTensorField, match="non-tensor"):
-        encode_fields(td, strict=True)
+        encode_fields(td)

@@ -17,6 +17,7 @@ from dataplane_client.errors import (
     FieldAlreadyProduced,
     FieldNotProduced,
     InvalidBatch,
+    NonTensorField,
     SamplesNotFound,
     SchemaConflict,
     ServiceUnavailable,
@@ -40,6 +41,9 @@ def _jagged(lengths, dtype=torch.float32, seed=0):
     ]
 
 
+ENVS = ("math", "code")
+
+
 def _grpo_fields(n, seed=0):
     lengths = [5 + (i * 7) % 23 for i in range(n)]
     return lengths, {
@@ -48,13 +52,13 @@ def _grpo_fields(n, seed=0):
         "token_mask": [torch.rand(n_) > 0.3 for n_ in lengths],
         "sample_mask": torch.ones(n, dtype=torch.float32),
         "generation_logprobs": _jagged(lengths, torch.float32, seed + 1),
-        "prompt": [f"prompt {i}" for i in range(n)],
+        "env": [ENVS[i % 2] for i in range(n)],
     }
 
 
 def test_round_trip_every_dtype_dense_and_jagged(client):
     pid = _pid()
-    client.register_partition(pid, fields=[])
+    client.register_partition(pid, [], None, [], object_fields=["obj"])
     ids = [f"s{i}" for i in range(7)]
     lengths = [3, 0, 1, 9, 4, 4, 2]
     fields = {}
@@ -93,12 +97,12 @@ def test_round_trip_every_dtype_dense_and_jagged(client):
             for j, i in enumerate(order):
                 assert torch.equal(got.unbind()[j], want[i])
         else:
-            assert got == [value[i] for i in order]
+            assert out.get(name).tolist() == [value[i] for i in order]
 
 
 def test_put_returns_meta_and_sequence_lengths(client):
     pid = _pid()
-    client.register_partition(pid, fields=["input_ids"])
+    client.register_partition(pid, ["input_ids"], None, [], enums={"env": ENVS})
     lengths, fields = _grpo_fields(10)
     meta = client.put_samples(
         [f"a{i}" for i in range(10)], pid, fields, tags=[{"i": i} for i in range(10)]
@@ -107,7 +111,8 @@ def test_put_returns_meta_and_sequence_lengths(client):
     assert meta.sequence_lengths == lengths
     assert meta.tags[3] == {"i": 3}
     back = client.get_data(meta)
-    assert back["prompt"] == fields["prompt"]
+    assert back.batch_size == torch.Size([10])
+    assert back.get("env").tolist() == fields["env"]
     for got, want in zip(back["token_mask"].unbind(), fields["token_mask"]):
         assert got.dtype == torch.bool
         assert torch.equal(got, want)
@@ -115,7 +120,7 @@ def test_put_returns_meta_and_sequence_lengths(client):
 
 def test_write_back_new_field_and_overwrite(client):
     pid = _pid()
-    client.register_partition(pid, fields=["input_ids"])
+    client.register_partition(pid, ["input_ids"], None, [], enums={"env": ENVS})
     lengths, fields = _grpo_fields(6)
     ids = [f"w{i}" for i in range(6)]
     client.put_samples(ids, pid, fields)
@@ -172,10 +177,11 @@ def test_bad_batches_are_rejected_with_what_was_wrong(client):
     assert e.value.fields == ["x"]
     with pytest.raises(InvalidBatch, match="tags"):
         client.put_samples(["a", "b"], pid, {"x": torch.zeros(2)}, tags=[{}])
-    with pytest.raises(InvalidBatch, match="unsupported"):
+    with pytest.raises(NonTensorField, match="non-tensor") as e:
         client.put_samples(["a"], pid, {"x": object()})
-    with pytest.raises(InvalidBatch, match="msgpack"):
-        client.put_samples(["a"], pid, {"x": [object()]})
+    assert e.value.fields == ["x"]
+    with pytest.raises(TypeError, match="'x'.*non-tensor"):
+        client.put_samples(["a"], pid, {"x": ["a string"]})
     with pytest.raises(InvalidBatch):
         client.put_samples([], pid, {"x": torch.zeros(0)})
     # Nothing of the rejected puts is visible.
