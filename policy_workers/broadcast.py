@@ -1,10 +1,12 @@
 """Two-phase broadcast of a BatchedDataDict inside a replica group.
 
 Phase 1 ships a small descriptor with ``broadcast_object_list``: for every key
-its kind and, for tensors, dtype and shape (python lists ride in the
-descriptor itself; they are small per-sample values). Phase 2 ships each
-tensor's bytes with ``dist.broadcast`` on the communication device (CPU for
-gloo, the current GPU for NCCL). Tensor payloads are never pickled.
+its kind and, for tensors, dtype and shape. Plain Python values (str, int,
+float, bool, None, and lists / tuples / dicts of them: per-sample strings,
+scalars a host stored) ride in the descriptor itself; they are small. Phase 2
+ships each tensor's bytes with ``dist.broadcast`` on the communication device
+(CPU for gloo, the current GPU for NCCL). Tensor payloads are never pickled:
+a tensor inside a list is refused, not smuggled through the descriptor.
 
 Every tensor travels as its raw bytes (a flat ``uint8`` view), so any dtype
 (bf16, bool, int64, ...) arrives bit-identical on every backend without
@@ -20,9 +22,22 @@ import torch
 import torch.distributed as dist
 
 from dataplane_client.batched_data_dict import BatchedDataDict
+from dataplane_client.errors import InvalidBatch, NonTensorField
 
 # BatchedDataDict attributes that travel with the data (small python values).
 _ATTRS = ("micro_batch_indices", "micro_batch_lengths", "elem_counts_per_gb")
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _is_plain(value: Any) -> bool:
+    """A value that may travel pickled in the descriptor: scalars and containers of them."""
+    if isinstance(value, _SCALARS):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, _SCALARS) and _is_plain(v) for k, v in value.items())
+    return False
 
 
 def comm_device(group: Any) -> torch.device:
@@ -66,12 +81,15 @@ def _describe(data: BatchedDataDict) -> dict[str, Any]:
             )
         elif isinstance(value, torch.Tensor):
             entries.append((key, "tensor", value.dtype, tuple(value.shape)))
-        elif isinstance(value, list):
-            entries.append((key, "list", value))
+        elif _is_plain(value):
+            entries.append((key, "plain", value))
         else:
-            raise TypeError(
-                f"cannot broadcast field {key!r} of type {type(value).__name__}; "
-                "expected a tensor, a jagged nested tensor or a list"
+            raise NonTensorField(
+                f"cannot broadcast a value of type {type(value).__name__}: a field holds a "
+                "tensor, a jagged nested tensor, or plain Python values (str, int, float, "
+                "bool, None, and lists / tuples / dicts of them; a tensor inside a list "
+                "must become a nested tensor first)",
+                fields=[key],
             )
     attrs = {a: getattr(data, a, None) for a in _ATTRS}
     return {"entries": entries, "attrs": attrs}
@@ -87,19 +105,29 @@ def broadcast_batched_data_dict(
     communication device and are byte-identical across the group.
     """
     if is_leader and data is None:
-        raise ValueError("the leader must pass the data to broadcast")
+        raise InvalidBatch("the leader must pass the data to broadcast")
     if not is_leader and data is not None:
-        raise ValueError("non-leaders must pass data=None (they receive it)")
-    holder = [_describe(data) if is_leader else None]
+        raise InvalidBatch("non-leaders must pass data=None (they receive it)")
+    descriptor: dict[str, Any] | None = None
+    if is_leader:
+        try:
+            descriptor = _describe(data)
+        except NonTensorField as e:
+            # Ship the error instead: the siblings are already waiting in the collective
+            # below, and raising here alone would leave them hanging until its timeout.
+            descriptor = {"error": e}
+    holder = [descriptor]
     dist.broadcast_object_list(holder, src=src, group=group)
     descriptor = holder[0]
+    if "error" in descriptor:
+        raise descriptor["error"]
     device = comm_device(group)
 
     out = BatchedDataDict()
     for entry in descriptor["entries"]:
         key, kind = entry[0], entry[1]
-        if kind == "list":
-            out[key] = data[key] if is_leader else list(entry[2])
+        if kind == "plain":
+            out[key] = data[key] if is_leader else entry[2]
         elif kind == "tensor":
             mine = data[key] if is_leader else None
             out[key] = _send_or_recv_bytes(

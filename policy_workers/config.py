@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dataplane_client.config import DataPlaneConfig
+from dataplane_client.errors import ConfigError
 
 
 @dataclass
@@ -67,6 +68,22 @@ class LossConfig:
     # Multiply each token's loss by exp(prev_logprobs - generation_logprobs) (detached):
     # corrects for the generation engine's numerics differing from the trainer's.
     use_importance_sampling_correction: bool = False
+    # beta of the reference-policy KL term (k3 estimator); 0 = off, no reference logprobs read.
+    reference_policy_kl_penalty: float = 0.0
+    # True: every valid token weighs the same; False: each sample's tokens are averaged
+    # first, then samples weigh the same (NeMo-RL's token_level_loss).
+    token_level_loss: bool = True
+
+    def __post_init__(self) -> None:
+        beta = self.reference_policy_kl_penalty
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta >= 0:
+            raise ConfigError(
+                f"loss.reference_policy_kl_penalty must be a number >= 0, got {beta!r}"
+            )
+        for name in ("ratio_clip_min", "ratio_clip_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigError(f"loss.{name} must be a number >= 0, got {value!r}")
 
 
 @dataclass

@@ -8,34 +8,30 @@ Reads top to bottom, like a training recipe:
    step, the next step's rollouts running while the current step trains;
 4. per step, the driver claims complete groups (keys only), runs reference and
    policy logprob passes through the data plane, reads back only the rewards,
-   writes group-normalised advantages, trains one step, clears the partition;
-5. a table per step and pass/fail checks; exit code 1 if any check fails.
+   writes one group-normalised advantage per sample, trains one step (clipped
+   policy gradient plus the reference-policy KL penalty), deletes the partition;
+5. a table per step (80 columns) beside what the classic driver path would
+   have moved, pass/fail checks and a summary; exit code 1 if any check fails.
+   ``--keep-serving`` then keeps the service up for ``dataplane status``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import pickle
+import signal
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
+from policy_workers.demo_report import StepReport, report_lines
 
-@dataclass
-class StepReport:
-    step: int
-    samples: int
-    tokens: int
-    store_bytes: int  # bytes the storage units received and served during the step
-    driver_bytes: int  # bytes the driver serialized or deserialized for the step
-    times: dict = field(default_factory=dict)
-    loss: float = float("nan")
-    grad_norm: float = float("nan")
-    mean_reward: float = float("nan")
+TOLERANCE = 1e-5  # logprobs through the data plane vs a direct computation (float32)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -56,10 +52,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--mb-tokens", type=int, default=256, help="tokens per microbatch (dynamic/sequence)"
     )
     p.add_argument(
+        "--kl-penalty",
+        type=float,
+        default=0.01,
+        help="reference-policy KL coefficient of the loss (0 = off)",
+    )
+    p.add_argument(
         "--model-path", default=None, help="local transformers checkpoint (default: tiny model)"
     )
     p.add_argument("--num-storage-units", type=int, default=2)
     p.add_argument("--small", action="store_true", help="a quick configuration (CI)")
+    p.add_argument(
+        "--keep-serving",
+        action="store_true",
+        help="after training, keep the service up (inspect it with `dataplane status`) "
+        "until Ctrl-C or SIGTERM",
+    )
     p.add_argument(
         "--json", dest="json_out", default=None, help="also write the report as JSON here"
     )
@@ -73,7 +81,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.min_new_tokens > args.max_new_tokens:
         p.error("--min-new-tokens must be <= --max-new-tokens")
+    if not args.kl_penalty >= 0:
+        p.error("--kl-penalty must be >= 0")
     return args
+
+
+class _DropMessage(logging.Filter):
+    """Drops one logger's records that start with ``prefix``; every other record passes."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+def _quiet_known_warnings() -> None:
+    """Silence the two warnings a healthy run printed, each at its source, nothing else.
+
+    - torch logs that ``is_fx_tracing`` is deprecated the first time
+      ``torch.nested.nested_tensor_from_jagged`` (torch's own code, reached
+      whenever a jagged field is read) calls it: advice to torch's developers,
+      nothing a caller can change. Only that record of that logger is dropped.
+    - Ray logs a WARNING when it turns token authentication on by default for a
+      new local cluster. The demo wants exactly that mode, so it says so
+      (``RAY_AUTH_MODE=token``, unless the user set a mode); Ray then has
+      nothing to warn about. Auth stays on, as Ray's default has it.
+    """
+    logging.getLogger("torch.fx._symbolic_trace").addFilter(
+        _DropMessage("is_fx_tracing will return true")
+    )
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def _nbytes(obj) -> int:
@@ -81,16 +120,12 @@ def _nbytes(obj) -> int:
 
 
 def _store_bytes(handle) -> int:
+    """Bytes the storage units received plus served so far (their own counters)."""
     import ray
 
     snaps = ray.get([u.metrics_snapshot.remote() for u in handle.units])
-    return int(
-        sum(
-            s["stats"]["counters"].get("put_bytes_total", 0)
-            + s["stats"]["counters"].get("get_bytes_total", 0)
-            for s in snaps
-        )
-    )
+    counters = [s.stats.get("counters", {}) for s in snaps]
+    return int(sum(c.get("put_bytes_total", 0) + c.get("get_bytes_total", 0) for c in counters))
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: list[str]) -> torch.Tensor:
@@ -115,31 +150,80 @@ class Progress:
         return tqdm(total=total, desc=desc, disable=not self.enabled, leave=False, file=sys.stderr)
 
 
+def wait_for_rollouts(client, pid: str, want: int, pending: list, bar) -> list:
+    """Return once partition ``pid`` holds ``want`` samples; returns the rollout runs still going.
+
+    Watches the partition's sample count (no claim is attempted, so no claim
+    times out). ``ray.wait`` paces the loop and surfaces a crashed rollout actor
+    at once instead of waiting forever.
+    """
+    import ray
+
+    while True:
+        produced = client.describe_partition(pid).num_samples
+        bar.update(produced - bar.n)
+        if produced >= want:
+            return pending
+        if not pending:
+            raise RuntimeError(
+                f"every rollout actor finished but partition {pid!r} holds {produced} of "
+                f"{want} samples"
+            )
+        ready, pending = ray.wait(pending, num_returns=1, timeout=0.25)
+        for ref in ready:
+            ray.get(ref)
+
+
+def classic_bytes_of_passes(policy, leaders: list[int]) -> int:
+    """Bytes of the tensors the DP leaders fetched and wrote back since the last call.
+
+    On the classic path the driver ships each DP rank exactly the batch its
+    leader fetched here (siblings get it by broadcast on both paths) and gathers
+    exactly what the leaders wrote back; the recorder measured those tensors.
+    """
+    logs = policy.run_on_all_workers("get_io_log")
+    policy.run_on_all_workers("clear_io_log")
+    return sum(entry["nbytes"] for rank in leaders for entry in logs[rank])
+
+
+def wait_for_stop_signal() -> None:
+    """Block until Ctrl-C or SIGTERM (the service stays up meanwhile)."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(3600):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    _quiet_known_warnings()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import ray
 
     from dataplane_client.config import DataPlaneConfig
-    from dataplane_client.errors import ClaimTimeout
     from dataplane_client.materialize import materialize
-    from dataplane_server import ensure_local_ray, start
+    from dataplane_server import start
+    from dataplane_server.local_ray import init_local_ray
     from policy_workers.config import (
         DynamicBatchingConfig,
+        LossConfig,
         ModelConfig,
         PolicyConfig,
         SequencePackingConfig,
     )
     from policy_workers.model import build_hf_model, reference_logprobs
+    from policy_workers.recording import DispatchRecorder
     from policy_workers.rollout import GRPO_FIELDS, RolloutActor, RolloutConfig
+    from policy_workers.sharding import REPLICA_AXES
     from policy_workers.tq_policy import TQPolicy, contains_tensor
 
     group = args.generations
     per_step = args.prompts_per_step * group
     workers = args.dp * args.tp
     t_setup = time.perf_counter()
-    ensure_local_ray(num_cpus=workers + args.rollout_actors + 4)
+    own_ray = not ray.is_initialized()
+    init_local_ray(workers + args.rollout_actors + 4, namespace="dataplane-demo")
     progress = Progress(enabled=not args.no_progress and sys.stderr.isatty())
 
     dp_cfg = DataPlaneConfig(name="dataplane-demo", num_storage_units=args.num_storage_units)
@@ -155,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         dp=args.dp,
         tp=args.tp,
         model=model_cfg,
+        loss=LossConfig(reference_policy_kl_penalty=args.kl_penalty),
         data_plane=dp_cfg,
         train_global_batch_size=per_step,
         train_micro_batch_size=max(1, per_step // args.dp // 2),
@@ -170,11 +255,24 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     print(
-        f"policy: {workers} workers (DP={args.dp} x TP={args.tp}), packing={args.packing}; "
-        f"rollouts: {args.rollout_actors} async actors, {args.prompts_per_step} prompts x {group} generations "
-        f"per step, {args.steps} steps"
+        f"policy: {workers} workers (DP={args.dp} x TP={args.tp}), packing={args.packing}, "
+        f"KL penalty {args.kl_penalty:g}"
     )
-    policy = TQPolicy(policy_cfg)
+    print(
+        f"rollouts: {args.rollout_actors} async actors, {args.prompts_per_step} prompts x "
+        f"{group} generations per step, {args.steps} steps"
+    )
+    # The demo inspects what the driver shipped and received (at most one step's worth).
+    recorder = DispatchRecorder(keep_last=8)
+    policy = TQPolicy(policy_cfg, recorder=recorder)
+    # Workers measure their batches for the classic-path column (no digests: not needed).
+    policy.run_on_all_workers("set_io_recording", True, keep_last=64, digests=False)
+    sharding = policy.sharding
+    leaders = [
+        r
+        for r in range(sharding.size)
+        if sharding.is_axis_zero(sharding.get_worker_coords(r), REPLICA_AXES)
+    ]
     reference_model = build_hf_model(model_cfg).eval()  # the driver's own check, off the data path
     print(f"set up in {time.perf_counter() - t_setup:.1f}s (Ray, service, policy workers)")
 
@@ -185,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             fields=GRPO_FIELDS,
             num_samples=per_step,
             consumer_tasks=["train"],
-            group_size=group,
+            grpo_group_size=group,
         )
     rollout_cfg = RolloutConfig(
         generations=group,
@@ -213,27 +311,20 @@ def main(argv: list[str] | None = None) -> int:
     duplicates = 0
     max_ref_diff = 0.0
     tensors_received = False  # must stay False: workers return metrics, tensors stay in the store
+    pending = list(rollout_refs)
     try:
         for k, pid in enumerate(partitions):
             store_before = _store_bytes(handle)
-            driver_bytes = 0
             times = {}
             t0 = time.perf_counter()
             bar = progress.bar(per_step, f"step {k} rollouts")
-            meta = None
-            while meta is None:  # claim whole groups; the bar follows the partition filling up
-                try:
-                    meta = client.claim_meta(pid, "train", GRPO_FIELDS, per_step, timeout_s=1.0)
-                except ClaimTimeout:
-                    produced = client.describe_partition(pid)["num_samples"]
-                    bar.update(produced - bar.n)
-                    ready, _ = ray.wait(rollout_refs, num_returns=len(rollout_refs), timeout=0)
-                    for r in ready:
-                        ray.get(r)  # surfaces a crashed rollout actor instead of waiting forever
-            bar.update(per_step - bar.n)
+            pending = wait_for_rollouts(client, pid, per_step, pending, bar)
             bar.close()
+            meta = client.claim_meta(pid, "train", GRPO_FIELDS, per_step, timeout_s=60.0)
             times["rollout_wait"] = time.perf_counter() - t0
-            driver_bytes += _nbytes(meta)
+            driver_bytes = _nbytes(meta)  # keys, lengths and tags (plus metrics, below)
+            # The classic driver would have gathered the rollouts' fields: as stored, measured.
+            classic_bytes = sum(client.describe_partition(pid).bytes_per_unit)
             duplicates += len(seen & set(meta.sample_ids))
             seen |= set(meta.sample_ids)
 
@@ -247,16 +338,14 @@ def main(argv: list[str] | None = None) -> int:
             times["logprobs"] = time.perf_counter() - t
             passes.update()
 
-            # Only the small fields come to the driver: a reward per sample and the group tags.
+            # Only the small fields come to the driver: a reward per sample and the group
+            # tags in; one advantage per sample out (workers broadcast it over tokens).
             t = time.perf_counter()
             rewards = client.get_data(meta, ["rewards"])["rewards"]
-            driver_bytes += rewards.numel() * rewards.element_size()
             adv = group_advantages(rewards, [tag["group_id"] for tag in meta.tags])
-            per_token = [
-                torch.full((n,), float(a)) for a, n in zip(adv.tolist(), meta.sequence_lengths)
-            ]
-            meta = policy.write_to_dataplane(meta, {"advantages": per_token})
-            driver_bytes += sum(x.numel() * 4 for x in per_token)
+            meta = policy.write_to_dataplane(meta, {"advantages": adv})
+            driver_tensor_bytes = rewards.numel() * rewards.element_size()
+            driver_tensor_bytes += adv.numel() * adv.element_size()
             times["advantages"] = time.perf_counter() - t
             passes.update()
 
@@ -266,14 +355,15 @@ def main(argv: list[str] | None = None) -> int:
             passes.update()
             passes.close()
             tensors_received |= any(
-                contains_tensor(r) for results in policy.received for r in results
+                contains_tensor(r) for results in recorder.received for r in results
             )
-            driver_bytes += sum(_nbytes(m) for metas in policy.shipped for m in metas)
-            driver_bytes += sum(_nbytes(r) for results in policy.received for r in results)
-            policy.shipped.clear()
-            policy.received.clear()
+            driver_bytes += sum(_nbytes(m) for metas in recorder.shipped for m in metas)
+            driver_bytes += sum(_nbytes(r) for results in recorder.received for r in results)
+            recorder.clear()
+            classic_bytes += classic_bytes_of_passes(policy, leaders)
 
-            # Check: the data plane's reference logprobs equal a direct computation on one sample.
+            # Check (not part of the data path, so not counted): the data plane's
+            # reference logprobs equal a direct computation on one sample.
             probe = meta.subset([k % meta.size])
             got = client.get_data(probe, ["input_ids", "reference_policy_logprobs"])
             probe_batch = materialize(got)
@@ -285,45 +375,54 @@ def main(argv: list[str] | None = None) -> int:
             max_ref_diff = max(max_ref_diff, diff)
             if k == 0:  # before the first update the policy is the reference model
                 first_lp = materialize(client.get_data(probe, ["prev_logprobs"]))["prev_logprobs"]
-                checks["step-0 policy logprobs equal the direct computation (<= 1e-5)"] = bool(
-                    (want - first_lp).abs().max() <= 1e-5
+                checks["step-0 policy logprobs equal a direct computation"] = bool(
+                    (want - first_lp).abs().max() <= TOLERANCE
                 )
 
+            metrics = result["all_mb_metrics"]
             reports.append(
                 StepReport(
                     step=k,
                     samples=meta.size,
                     tokens=sum(meta.sequence_lengths),
+                    classic_bytes=classic_bytes,
+                    driver_bytes=driver_bytes + driver_tensor_bytes,
+                    driver_tensor_bytes=driver_tensor_bytes,
                     store_bytes=_store_bytes(handle) - store_before,
-                    driver_bytes=driver_bytes,
                     times=times,
                     loss=float(result["loss"]),
                     grad_norm=float(result["grad_norm"]),
+                    kl=sum(metrics["kl_sum"]) / max(sum(metrics["num_valid_tokens"]), 1.0),
                     mean_reward=float(rewards.mean()),
                 )
             )
-            client.clear_samples(None, pid)
+            client.clear_samples(None, pid)  # the whole partition: its samples and declaration
         rollout_summaries = ray.get(rollout_refs)
     finally:
         policy.shutdown()
         for a in actors:
             ray.kill(a)
 
-    checks["reference logprobs equal the direct computation on a sample every step (<= 1e-5)"] = (
-        max_ref_diff <= 1e-5
-    )
+    samples_lost = args.steps * per_step - len(seen)
+    checks["reference logprobs equal a direct computation, every step"] = max_ref_diff <= TOLERANCE
     checks["no sample duplicated across steps"] = duplicates == 0
-    checks["no sample lost: every step trained on all its samples"] = len(
-        seen
-    ) == args.steps * per_step and all(r.samples == per_step for r in reports)
-    checks[
-        "the driver received no tensor from workers (metas out, metrics back)"
-    ] = not tensors_received
-    checks["loss and grad norm are finite"] = all(
-        torch.isfinite(torch.tensor([r.loss, r.grad_norm])).all() for r in reports
+    checks["no sample lost: every step trained on all its samples"] = samples_lost == 0 and all(
+        r.samples == per_step for r in reports
+    )
+    checks["the driver received no tensor from the workers"] = not tensors_received
+    checks["loss, grad norm and KL are finite"] = all(
+        torch.isfinite(torch.tensor([r.loss, r.grad_norm, r.kl])).all() for r in reports
     )
 
-    print_report(reports, checks, max_ref_diff, sum(s["backoffs"] for s in rollout_summaries))
+    lines = report_lines(
+        reports,
+        checks,
+        max_logprob_diff=max_ref_diff,
+        tolerance=TOLERANCE,
+        samples_lost=samples_lost,
+        backoffs=sum(s["backoffs"] for s in rollout_summaries),
+    )
+    print("\n".join(lines))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(
@@ -331,41 +430,22 @@ def main(argv: list[str] | None = None) -> int:
                     "steps": [r.__dict__ for r in reports],
                     "checks": checks,
                     "max_reference_logprob_diff": max_ref_diff,
+                    "samples_lost": samples_lost,
                 },
                 f,
                 indent=2,
             )
-    handle.shutdown()
-    return 0 if all(checks.values()) else 1
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.3f}"
-
-
-def print_report(
-    reports: list[StepReport], checks: dict[str, bool], max_ref_diff: float, backoffs: int
-) -> None:
-    print()
-    print(
-        "| step | samples | tokens | store MB | driver MB | driver/store | rollout wait s | ref lp s "
-        "| lp s | adv s | train s | loss | grad norm | mean reward |"
-    )
-    print("|---:" * 14 + "|")
-    for r in reports:
-        t = r.times
+    if args.keep_serving:
         print(
-            f"| {r.step} | {r.samples} | {r.tokens} | {_mb(r.store_bytes)} | {_mb(r.driver_bytes)} | "
-            f"{r.driver_bytes / max(r.store_bytes, 1):.1%} | {t['rollout_wait']:.2f} | {t['ref_logprobs']:.2f} | "
-            f"{t['logprobs']:.2f} | {t['advantages']:.2f} | {t['train']:.2f} | {r.loss:.4f} | "
-            f"{r.grad_norm:.4f} | {r.mean_reward:.3f} |"
+            f"\nThe service stays up: dataplane status --address {handle.admin_address}\n"
+            "Press Ctrl-C (or send SIGTERM) to stop it.",
+            flush=True,
         )
-    print()
-    print(
-        f"max |reference logprob - direct| = {max_ref_diff:.2e}; rollout back-offs on a full store: {backoffs}"
-    )
-    for name, ok in checks.items():
-        print(f"[{'PASS' if ok else 'FAIL'}] {name}")
+        wait_for_stop_signal()
+    handle.shutdown()
+    if own_ray:
+        ray.shutdown()
+    return 0 if all(checks.values()) else 1
 
 
 if __name__ == "__main__":

@@ -1,25 +1,34 @@
-"""GRPO clipped policy-gradient loss, token level.
+"""GRPO clipped policy-gradient loss with the reference-policy KL penalty (NeMo-RL's ClippedPG).
 
-For every valid token ``t`` of sample ``i``::
+For every token ``t`` of sample ``i``::
 
     ratio    = exp(logprob - prev_logprob)
     pg       = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
     pg      *= exp(prev_logprob - generation_logprob)      # only with importance correction
-    loss     = sum(pg * mask) / global_valid_tokens
+    r        = reference_logprob - logprob
+    kl       = beta * (exp(r) - r - 1)                       # k3 estimator, >= 0; beta = 0: off
+    per_tok  = pg + kl
+
+Normalisation (``token_level_loss``):
+
+- token level (default): ``loss = sum(per_tok * mask) / global_valid_toks``;
+- sequence level: each sample's per-token values are averaged over its valid
+  tokens, then ``loss = sum(sample_mean * sample_mask) / global_valid_seqs``.
 
 ``mask = token_mask * sample_mask`` with position 0 (which has no logprob, by
-the logprob convention) always excluded. ``A`` (advantages) is per token
-``[B, S]`` or per sample ``[B]``. ``global_valid_tokens`` is the number of
-valid tokens of the whole global batch summed over all DP ranks (the caller
-all-reduces it), so the sum of the per-rank losses is the loss of the global
-batch whatever the DP split is, and summing gradients over DP gives its exact
-gradient.
+the logprob convention) and positions at or past the sample's length excluded.
+``A`` (advantages) is per sample ``[B]`` (one value broadcast over the
+sample's tokens, what the demo stores) or per token ``[B, S]``.
+``global_valid_toks`` / ``global_valid_seqs`` count the whole global batch
+summed over all DP ranks (the caller all-reduces them), so the sum of the
+per-rank losses is the loss of the global batch whatever the DP split is, and
+summing gradients over DP gives its exact gradient.
 
 Importance correction (``use_importance_sampling_correction``): the rollout
 engine's logprobs (``generation_logprobs``) can differ from the trainer's
 (``prev_logprobs``) for the same weights (kernels, precision). The detached
-weight ``exp(prev - generation)`` reweights each token's loss from the
-sampling distribution to the trainer's. Off by default.
+weight ``exp(prev - generation)`` reweights each token's policy-gradient term
+from the sampling distribution to the trainer's. Off by default.
 """
 
 from __future__ import annotations
@@ -33,13 +42,11 @@ import torch
 from policy_workers.config import LossConfig
 
 
-def valid_token_mask(batch: Mapping[str, Any], seqlen: int | None = None) -> torch.Tensor:
-    """``token_mask * sample_mask`` as float32 ``[B, S]``, position 0 and positions >= length zeroed."""
+def _token_mask(batch: Mapping[str, Any], seqlen: int | None) -> torch.Tensor:
+    """``token_mask`` as float32 ``[B, S]`` with position 0 and positions >= length zeroed."""
     token_mask = batch["token_mask"]
     seqlen = token_mask.shape[1] if seqlen is None else seqlen
     mask = token_mask[:, :seqlen].to(torch.float32)
-    if "sample_mask" in batch:
-        mask = mask * batch["sample_mask"].to(device=mask.device, dtype=torch.float32).unsqueeze(1)
     positions = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0)
     keep = positions > 0
     if "input_lengths" in batch:
@@ -47,46 +54,90 @@ def valid_token_mask(batch: Mapping[str, Any], seqlen: int | None = None) -> tor
     return mask * keep
 
 
+def _sample_mask(batch: Mapping[str, Any], rows: int, device: torch.device) -> torch.Tensor:
+    if "sample_mask" not in batch:
+        return torch.ones(rows, dtype=torch.float32, device=device)
+    return batch["sample_mask"].to(device=device, dtype=torch.float32)
+
+
+def valid_token_mask(batch: Mapping[str, Any], seqlen: int | None = None) -> torch.Tensor:
+    """``token_mask * sample_mask`` as float32 ``[B, S]``, position 0 and positions >= length zeroed."""
+    mask = _token_mask(batch, seqlen)
+    return mask * _sample_mask(batch, mask.shape[0], mask.device).unsqueeze(1)
+
+
+def valid_sample_count(batch: Mapping[str, Any]) -> torch.Tensor:
+    """Sum of ``sample_mask`` (the sequence-level normaliser before the DP all-reduce)."""
+    rows = batch["token_mask"].shape[0]
+    return _sample_mask(batch, rows, batch["token_mask"].device).sum()
+
+
+def k3_kl(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(policy || reference), Schulman's k3 estimator: ``exp(r) - r - 1``, ``r = ref - logp``."""
+    r = reference_logprobs - logprobs
+    return torch.exp(r) - r - 1
+
+
 @dataclass
 class ClippedPGLoss:
-    """Callable ``(logprobs [B, S], microbatch, global_valid_tokens) -> (loss, metrics)``."""
+    """Callable ``(logprobs [B, S], microbatch, global_valid_seqs, global_valid_toks) -> (loss, metrics)``."""
 
     cfg: LossConfig = field(default_factory=LossConfig)
 
-    # Fields a training batch must carry (generation_logprobs only with the correction).
     def required_fields(self) -> list[str]:
+        """Fields a training batch must carry (the optional ones only when their term is on)."""
         fields = ["input_ids", "token_mask", "sample_mask", "advantages", "prev_logprobs"]
         if self.cfg.use_importance_sampling_correction:
             fields.append("generation_logprobs")
+        if self.cfg.reference_policy_kl_penalty != 0:
+            fields.append("reference_policy_logprobs")
         return fields
 
     def __call__(
         self,
         logprobs: torch.Tensor,
         batch: Mapping[str, Any],
-        global_valid_tokens: torch.Tensor | float,
+        global_valid_seqs: torch.Tensor | float,
+        global_valid_toks: torch.Tensor | float,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         seqlen = logprobs.shape[1]
         device = logprobs.device
-        mask = valid_token_mask(batch, seqlen).to(device)
-        prev = batch["prev_logprobs"][:, :seqlen].to(device=device, dtype=torch.float32)
+
+        def per_token(name: str) -> torch.Tensor:
+            return batch[name][:, :seqlen].to(device=device, dtype=torch.float32)
+
+        token_mask = _token_mask(batch, seqlen).to(device)
+        sample_mask = _sample_mask(batch, token_mask.shape[0], device)
+        mask = token_mask * sample_mask.unsqueeze(1)
+        prev = per_token("prev_logprobs")
         adv = batch["advantages"].to(device=device, dtype=torch.float32)
         adv = adv.unsqueeze(1) if adv.dim() == 1 else adv[:, :seqlen]
 
         ratio = torch.exp(logprobs - prev)
         clipped = ratio.clamp(1.0 - self.cfg.ratio_clip_min, 1.0 + self.cfg.ratio_clip_max)
-        per_token = torch.maximum(-ratio * adv, -clipped * adv)
+        pg = torch.maximum(-ratio * adv, -clipped * adv)
         if self.cfg.use_importance_sampling_correction:
-            gen = batch["generation_logprobs"][:, :seqlen].to(device=device, dtype=torch.float32)
-            per_token = per_token * torch.exp(prev - gen).detach()
+            pg = pg * torch.exp(prev - per_token("generation_logprobs")).detach()
+        beta = float(self.cfg.reference_policy_kl_penalty)
+        kl = None
+        if beta != 0:
+            kl = k3_kl(logprobs, per_token("reference_policy_logprobs"))
+            pg = pg + beta * kl
 
-        loss = (per_token * mask).sum() / global_valid_tokens
+        if self.cfg.token_level_loss:
+            loss = (pg * mask).sum() / global_valid_toks
+        else:
+            # an all-masked sample has mean 0 (clamp) and weight 0 (sample_mask or no tokens)
+            per_sample = (pg * token_mask).sum(1) / token_mask.sum(1).clamp(min=1.0)
+            loss = (per_sample * sample_mask).sum() / global_valid_seqs
         with torch.no_grad():
-            n = mask.sum()
             was_clipped = ((ratio - clipped).abs() > 0).float()
             metrics = {
-                "num_valid_tokens": float(n),
+                "num_valid_tokens": float(mask.sum()),
+                "num_valid_samples": float(sample_mask.sum()),
                 "clip_fraction_sum": float((was_clipped * mask).sum()),
                 "ratio_sum": float((ratio * mask).sum()),
+                # unscaled KL summed over valid tokens; / num_valid_tokens = mean per token
+                "kl_sum": float((kl * mask).sum()) if kl is not None else 0.0,
             }
         return loss, metrics

@@ -75,7 +75,7 @@ class RolloutActor:
     async def _wait_for_room(self) -> None:
         while True:
             info = await self.client.service_info_async()
-            if info["bytes"] < self.cfg.high_watermark * info["capacity_bytes"]:
+            if info.bytes < self.cfg.high_watermark * info.capacity_bytes:
                 return
             self.backoffs += 1
             await asyncio.sleep(

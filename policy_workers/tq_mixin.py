@@ -10,7 +10,8 @@ class) and the leader alone writes the result back as a new field.
 The host class provides:
 
 - ``cfg``: a :class:`policy_workers.config.PolicyConfig`;
-- ``_local_coords()`` and ``_get_replica_group()`` (abstract here, no default);
+- ``_local_coords()`` (abstract here, no default) and, when the rank has TP/CP/PP
+  siblings, ``_get_replica_group()`` (default None: a lone worker);
 - ``get_logprobs(data, micro_batch_size=None)``,
   ``get_reference_policy_logprobs(data, micro_batch_size=None)``,
   ``train(data, loss_fn=None, eval_mode=False, gbs=None, mbs=None)``.
@@ -18,7 +19,7 @@ The host class provides:
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -35,6 +36,7 @@ from dataplane_client.preshard import (
     MICRO_BATCH_LENGTHS,
 )
 from policy_workers.broadcast import broadcast_batched_data_dict
+from policy_workers.recording import IORecorder
 from policy_workers.sharding import REPLICA_AXES, NamedSharding
 
 FetchPolicy = Literal["auto", "independent", "leader_broadcast"]
@@ -49,28 +51,6 @@ class NotReplicaLeader(RuntimeError):
     """A write-back was attempted from a rank that is not its DP rank's replica leader."""
 
 
-def batch_digest(data: Mapping[str, Any]) -> str:
-    """sha256 over every field's name, dtype, shape and bytes (plus microbatch metadata)."""
-    h = hashlib.sha256()
-    for key in sorted(data):
-        value = data[key]
-        h.update(key.encode())
-        if isinstance(value, torch.Tensor):
-            if value.is_nested:
-                parts = [value.values(), value.offsets()]
-            else:
-                parts = [value]
-            for t in parts:
-                t = t.detach().cpu().contiguous()
-                h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            h.update(repr(value).encode())
-    for attr in ("micro_batch_indices", "micro_batch_lengths", "elem_counts_per_gb"):
-        h.update(repr(getattr(data, attr, None)).encode())
-    return h.hexdigest()
-
-
 def _to_cpu(value: Any) -> Any:
     return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
@@ -80,9 +60,8 @@ class TQWorkerMixin:
 
     _dp_client: Any = None
     _dp_cfg: DataPlaneConfig | None = None
-    # Test/debug bookkeeping: one entry per _fetch / _write_back on this rank.
-    _record_io: bool = False
-    _io_log: list[dict[str, Any]] | None = None
+    # Opt-in bookkeeping (tests, the demo): None keeps the data path free of it.
+    _io_recorder: IORecorder | None = None
 
     # ---- connection -------------------------------------------------------------
     def setup_data_plane(self, cfg: DataPlaneConfig) -> None:
@@ -105,8 +84,12 @@ class TQWorkerMixin:
 
     # ---- topology (the host class answers) -----------------------------------------
     def _get_replica_group(self) -> Any:
-        """Process group of the TP x CP x PP siblings of this DP rank; None when there are none."""
-        raise NotImplementedError(f"{type(self).__name__} must implement _get_replica_group()")
+        """Process group of the TP x CP x PP siblings of this DP rank; None when there are none.
+
+        The default, None, is a lone worker: its own leader, fetching for itself.
+        Hosts with TP/CP/PP siblings override it (NeMo-RL's mixin does the same).
+        """
+        return None
 
     def _local_coords(self) -> dict[str, int]:
         """This worker's axis -> index mapping.
@@ -141,8 +124,11 @@ class TQWorkerMixin:
     ) -> BatchedDataDict:
         from dataplane_client.batched_data_dict import jagged_values_offsets
         from dataplane_client.materialize import materialize
+        from dataplane_client.tensordict_io import as_field_mapping
 
-        raw = self._require_dp_client().get_data(meta)
+        # get_data returns a TensorDict; as a plain dict, fields can be added
+        # (and ``in`` tests keys: a TensorDict refuses membership tests).
+        raw = as_field_mapping(self._require_dp_client().get_data(meta))
         if "input_lengths" not in raw:
             ids = raw.get("input_ids")
             if isinstance(ids, torch.Tensor) and ids.is_nested:
@@ -193,13 +179,8 @@ class TQWorkerMixin:
             data = self._fetch_local(meta, layout, dp_aligned_seq_len)
         if preprocess is not None:
             data = preprocess(self, data)
-        self._log_io(
-            "fetch",
-            meta,
-            fields=sorted(data.keys()),
-            digest=batch_digest(data),
-            policy=fetch_policy,
-        )
+        if self._io_recorder is not None:
+            self._io_recorder.fetched(meta, data, fetch_policy)
         return data
 
     # ---- packing metadata --------------------------------------------------------------
@@ -289,7 +270,8 @@ class TQWorkerMixin:
         result = self._require_dp_client().put_samples(
             meta.sample_ids, meta.partition_id, out, overwrite=overwrite
         )
-        self._log_io("write", meta, fields=sorted(fields))
+        if self._io_recorder is not None:
+            self._io_recorder.wrote(meta, fields)
         return result
 
     def _write_back_result_field(
@@ -315,12 +297,16 @@ class TQWorkerMixin:
     # ---- per-rank entry points ---------------------------------------------------------
     @staticmethod
     def _with_fields(meta: KVBatchMeta, wanted: list[str]) -> KVBatchMeta:
-        """``meta`` reading ``wanted``; ``input_lengths`` only when the meta says it is stored
-        (otherwise it is derived from the jagged ``input_ids``)."""
+        """``meta`` reading exactly ``wanted``; ``input_lengths`` only when the meta says it
+        is stored (otherwise it is derived from the jagged ``input_ids``).
+
+        ``dataclasses.replace``, not ``meta.with_fields``: that one merges with the
+        meta's fields, and a pass would fetch every field the driver listed.
+        """
         fields = list(dict.fromkeys(f for f in wanted if f != "input_lengths"))
         if meta.fields is not None and "input_lengths" in meta.fields:
             fields.append("input_lengths")
-        return meta.with_fields(fields)
+        return dataclasses.replace(meta, fields=fields)
 
     def _dp_world_size(self) -> int:
         sharding = getattr(self, "sharding", None)
@@ -386,25 +372,17 @@ class TQWorkerMixin:
         )
         return self.train(data, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
 
-    # ---- bookkeeping (tests) -------------------------------------------------------------
-    def _log_io(self, what: str, meta: KVBatchMeta, **info: Any) -> None:
-        if not self._record_io:
-            return
-        if self._io_log is None:
-            self._io_log = []
-        self._io_log.append(
-            {
-                "op": what,
-                "partition_id": meta.partition_id,
-                "sample_ids": list(meta.sample_ids),
-                **info,
-            }
-        )
-
-    def set_io_recording(self, enabled: bool = True) -> None:
-        """Record every fetch (with a digest of the fetched batch) and write-back on this rank."""
-        self._record_io = bool(enabled)
-        self._io_log = []
+    # ---- bookkeeping (tests, the demo) ----------------------------------------------------
+    def set_io_recording(
+        self, enabled: bool = True, *, keep_last: int = 256, digests: bool = True
+    ) -> None:
+        """Record this rank's last ``keep_last`` fetches (with a digest of each fetched
+        batch when ``digests``) and write-backs; ``enabled=False`` drops the recorder."""
+        self._io_recorder = IORecorder(keep_last, digests=digests) if enabled else None
 
     def get_io_log(self) -> list[dict[str, Any]]:
-        return list(self._io_log or [])
+        return [] if self._io_recorder is None else self._io_recorder.entries()
+
+    def clear_io_log(self) -> None:
+        if self._io_recorder is not None:
+            self._io_recorder.clear()

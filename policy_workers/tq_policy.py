@@ -6,9 +6,10 @@ dynamic batching metadata rides in each rank's ``extra_info``), stamps the
 global forward pad length into every per-rank meta, and dispatches the metas to
 the workers' ``*_presharded`` methods. Workers fetch their own rows from the
 store and write results back as fields; the driver gets ``None`` (logprobs) or
-a small dict of floats (train) back, never a tensor. Every object the driver
-deserializes from a data-plane dispatch is kept in ``received`` (tests assert
-on it).
+a small dict of floats (train) back, never a tensor. With a
+:class:`~policy_workers.recording.DispatchRecorder` passed in (tests, the demo),
+the last dispatches' shipped metas and received results are kept for
+inspection; by default nothing is kept.
 
 Classic path (``get_logprobs`` / ``get_reference_policy_logprobs`` /
 ``train``): the driver holds the BatchedDataDict, shards it with
@@ -34,6 +35,7 @@ from dataplane_client.preshard import (
     shard_meta_for_dp,
 )
 from policy_workers.config import DynamicBatchingConfig, PolicyConfig, SequencePackingConfig
+from policy_workers.recording import DispatchRecorder
 from policy_workers.sharding import DATA_PARALLEL, REPLICA_AXES, NamedSharding
 from policy_workers.tq_mixin import PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS
 from policy_workers.worker import PolicyWorker
@@ -62,8 +64,10 @@ class TQPolicy:
         *,
         worker_cls: type = PolicyWorker,
         name_prefix: str | None = None,
+        recorder: DispatchRecorder | None = None,
     ):
         self.cfg = cfg
+        self.recorder = recorder
         self.sharding = NamedSharding.for_policy(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
         self.worker_group = RayWorkerGroup(
             worker_cls,
@@ -86,10 +90,6 @@ class TQPolicy:
             self.worker_group.shutdown()
             raise
         self._client = None
-        # What the driver deserialized from data-plane dispatches, one entry per dispatch.
-        self.received: list[list[Any]] = []
-        # What it shipped to workers on the data-plane path (per-rank metas).
-        self.shipped: list[list[KVBatchMeta]] = []
 
     @property
     def dp_size(self) -> int:
@@ -134,7 +134,6 @@ class TQPolicy:
         for m in metas:
             if contains_tensor(m):
                 raise AssertionError("a per-rank meta holds a tensor; metas must be keys only")
-        self.shipped.append(metas)
         futures: WorkerFutures = self.worker_group.run_all_workers_sharded_data(
             method,
             data=metas,
@@ -145,7 +144,8 @@ class TQPolicy:
             data_arg="meta",
         )
         results = self.worker_group.get_all_worker_results(futures)
-        self.received.append(results)
+        if self.recorder is not None:
+            self.recorder.dispatched(metas, results)
         return results
 
     def get_logprobs_from_meta(
@@ -159,7 +159,7 @@ class TQPolicy:
         self._dispatch_metas(
             "get_logprobs_presharded", metas, micro_batch_size=micro_batch_size, overwrite=overwrite
         )
-        return _with_field(meta, PREV_LOGPROBS)
+        return meta.with_fields([PREV_LOGPROBS])
 
     def get_reference_policy_logprobs_from_meta(
         self, meta: KVBatchMeta, micro_batch_size: int | None = None, overwrite: bool = False
@@ -172,7 +172,7 @@ class TQPolicy:
             micro_batch_size=micro_batch_size,
             overwrite=overwrite,
         )
-        return _with_field(meta, REFERENCE_POLICY_LOGPROBS)
+        return meta.with_fields([REFERENCE_POLICY_LOGPROBS])
 
     def train_from_meta(
         self,
@@ -210,10 +210,7 @@ class TQPolicy:
         self._client_or_connect().put_samples(
             meta.sample_ids, meta.partition_id, dict(fields), overwrite=overwrite
         )
-        out = meta
-        for name in fields:
-            out = _with_field(out, name)
-        return out
+        return meta.with_fields(list(fields))
 
     # ---- classic path (tensors through the driver) -------------------------------------------
     def _shard_data(
@@ -306,13 +303,6 @@ class TQPolicy:
             self._client.close()
             self._client = None
         return self.worker_group.shutdown()
-
-
-def _with_field(meta: KVBatchMeta, name: str) -> KVBatchMeta:
-    fields = list(meta.fields or [])
-    if name not in fields:
-        fields.append(name)
-    return meta.with_fields(fields)
 
 
 def _aggregate_train_results(results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -8,8 +8,8 @@ same methods).
 - ``get_logprobs`` / ``get_reference_policy_logprobs``: no-grad forward of the
   policy / of a frozen copy of the initial weights, microbatched (plain,
   dynamic batching or sequence packing).
-- ``train``: for each global batch: count valid tokens over DP, forward +
-  backward every microbatch (loss normalised by that global count), average
+- ``train``: for each global batch: count valid tokens and samples over DP,
+  forward + backward every microbatch (loss normalised by those global counts), average
   gradients over DP (the local loss is scaled by the DP size first, so the
   average is the gradient of the global loss), clip by the global grad norm,
   one optimizer step. Weights stay identical across DP ranks.
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from dataplane_client.batched_data_dict import BatchedDataDict
 from policy_workers.config import DynamicBatchingConfig, PolicyConfig, SequencePackingConfig
-from policy_workers.loss import ClippedPGLoss, valid_token_mask
+from policy_workers.loss import ClippedPGLoss, valid_sample_count, valid_token_mask
 from policy_workers.model import VocabParallelCausalLM, build_hf_model, default_device
 from policy_workers.sharding import (
     CONTEXT_PARALLEL,
@@ -229,15 +229,17 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
         grad_norms: list[float] = []
         mb_metrics: dict[str, list[float]] = defaultdict(list)
         for gb in self._global_batches(data, local_gbs):
-            local_tokens = valid_token_mask(gb).sum().to(self.device)
-            global_tokens = self._all_reduce(local_tokens, self.dp_group).clamp(min=1.0)
+            # The loss normalises by the whole global batch: valid tokens and samples over DP.
+            counts = torch.stack([valid_token_mask(gb).sum(), valid_sample_count(gb)])
+            counts = self._all_reduce(counts.to(self.device), self.dp_group).clamp(min=1.0)
+            global_tokens, global_seqs = counts[0], counts[1]
             if not eval_mode:
                 self.optimizer.zero_grad(set_to_none=True)
             gb_loss = torch.zeros((), dtype=torch.float32, device=self.device)
             with torch.set_grad_enabled(not eval_mode):
                 for mb, packed in self._microbatches(gb, mbs):
                     logprobs = self._forward(self.model, mb, packed)
-                    loss, metrics = loss_fn(logprobs, mb, global_tokens)
+                    loss, metrics = loss_fn(logprobs, mb, global_seqs, global_tokens)
                     if not eval_mode:
                         # x dp: the DP all-reduce below averages, the global loss is a sum
                         (loss * dp).backward()

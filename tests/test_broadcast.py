@@ -1,11 +1,15 @@
 """Two-phase broadcast of a BatchedDataDict: every rank of a real gloo group gets identical bytes.
 
 Mixed dtypes (bf16, bool, int64, float32, uint8, a 0-element tensor), a jagged
-nested tensor, a Python list field and microbatch metadata travel from the
-leader to its siblings; misuse (leader without data, non-leader with data)
-fails loudly before any rank enters a collective.
+nested tensor, every plain value a BatchedDataDict may hold (str, int, float,
+bool, None, and lists / tuples / dicts of them) and microbatch metadata travel
+from the leader to its siblings in other processes. A value that cannot travel
+raises the same typed error on every rank (no sibling is left waiting in the
+collective); misuse (leader without data, non-leader with data) fails loudly
+before any rank enters a collective.
 """
 
+import os
 import sys
 
 import pytest
@@ -13,9 +17,10 @@ import ray
 import torch
 
 from dataplane_client.batched_data_dict import BatchedDataDict
+from dataplane_client.errors import NonTensorField
 from policy_workers.broadcast import broadcast_batched_data_dict
+from policy_workers.recording import batch_digest
 from policy_workers.sharding import NamedSharding
-from policy_workers.tq_mixin import batch_digest
 from policy_workers.worker_group import DistributedWorker, RayWorkerGroup
 
 # Ray workers cannot import this test module by name: ship its classes by value.
@@ -37,6 +42,13 @@ def make_batch() -> BatchedDataDict:
             "empty": torch.zeros(4, 0),
             "jagged": torch.nested.nested_tensor(rows, layout=torch.jagged),
             "prompt": ["a", "bb", {"k": [1, 2]}, None],
+            "task": "grpo",  # plain scalars: str, int, float, bool, None
+            "step": 3,
+            "temperature": 0.7,
+            "greedy": False,
+            "note": None,
+            "rewards": [0.5, 1, True, -2.25],  # lists and tuples of numbers
+            "pair": (1, "x"),
         }
     )
     data.micro_batch_indices = [[[0, 2], [2, 4]]]
@@ -45,13 +57,23 @@ def make_batch() -> BatchedDataDict:
 
 
 class BroadcastProbe(DistributedWorker):
-    """Rank 0 leads; everyone returns what it holds after the broadcast."""
+    """Rank 0 leads; everyone returns who it is and what it holds after the broadcast."""
 
     def run(self):
         leader = self.rank == 0
         data = make_batch() if leader else None
         out = broadcast_batched_data_dict(data, is_leader=leader, src=0, group=self.replica_group)
-        return ("ok", out, batch_digest(out))
+        return (self.rank, os.getpid(), out, batch_digest(out))
+
+    def run_unsendable(self, value):
+        """The leader's batch holds ``value`` in field "bad"; every rank reports what it raised."""
+        leader = self.rank == 0
+        data = BatchedDataDict({"x": torch.arange(3), "bad": value}) if leader else None
+        try:
+            broadcast_batched_data_dict(data, is_leader=leader, src=0, group=self.replica_group)
+        except NonTensorField as e:
+            return (type(e).__name__, e.fields)
+        return ("no error", [])
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +94,19 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 def test_every_rank_receives_identical_bytes(group):
     results = ray.get(group.run_all_workers_single_data("run"))
-    assert [r[0] for r in results] == ["ok"] * WORLD
+    # one answer per rank, each from its own process: siblings really received it
+    assert sorted(r[0] for r in results) == list(range(WORLD))
+    assert len({r[1] for r in results}) == WORLD
     sent = make_batch()
-    digests = {r[2] for r in results}
+    digests = {r[3] for r in results}
     assert digests == {batch_digest(sent)}
-    for _, out, _ in results:
+    for _, _, out, _ in results:
         assert list(out.keys()) == list(sent.keys())
         for key, value in sent.items():
             got = out[key]
-            if isinstance(value, list):
-                assert got == value
+            if not isinstance(value, torch.Tensor):
+                assert type(got) is type(value), key
+                assert got == value, key
             elif value.is_nested:
                 assert got.is_nested
                 assert torch.equal(got.offsets(), value.offsets())
@@ -92,6 +117,16 @@ def test_every_rank_receives_identical_bytes(group):
                 assert _bytes(got) == _bytes(value), key
         assert out.micro_batch_indices == sent.micro_batch_indices
         assert out.micro_batch_lengths == sent.micro_batch_lengths
+
+
+@pytest.mark.parametrize(
+    "value",
+    [{1, 2}, [torch.zeros(2), torch.ones(3)], b"raw", object()],
+    ids=["set", "list_of_tensors", "bytes", "object"],
+)
+def test_a_value_that_cannot_travel_fails_on_every_rank(group, value):
+    results = ray.get(group.run_all_workers_single_data("run_unsendable", value))
+    assert results == [("NonTensorField", ["bad"])] * WORLD
 
 
 @pytest.mark.parametrize(

@@ -13,10 +13,13 @@ lengths:
 - one train step through the data plane gives the loss, grad norm and updated
   weights of the classic path and of a single-process reference step, and the
   weights are identical across DP ranks;
-- the driver only ever ships metas and gets back ``None`` or small dicts.
+- the driver only ever ships metas and gets back ``None`` or small dicts
+  (seen through an opt-in DispatchRecorder; workers record their I/O only
+  once switched on).
 
 The mixin's failure paths (abstract coordinates, bad fetch policy, missing
-client, non-leader write) are checked without Ray at the end.
+client, non-leader write) and the recorders' bounds are checked without Ray
+at the end.
 """
 
 import pickle
@@ -41,7 +44,8 @@ from policy_workers.config import (
 )
 from policy_workers.loss import ClippedPGLoss, valid_token_mask
 from policy_workers.model import build_hf_model, reference_logprobs
-from policy_workers.tq_mixin import NotReplicaLeader, TQWorkerMixin, batch_digest
+from policy_workers.recording import DispatchRecorder, IORecorder, batch_digest
+from policy_workers.tq_mixin import NotReplicaLeader, TQWorkerMixin
 from policy_workers.tq_policy import TQPolicy, contains_tensor
 from policy_workers.worker import PolicyWorker
 
@@ -111,7 +115,7 @@ def policy(service):
         collective_timeout_s=120,
         data_plane=service.config,
     )
-    p = TQPolicy(cfg, worker_cls=RecordingWorker)
+    p = TQPolicy(cfg, worker_cls=RecordingWorker, recorder=DispatchRecorder(keep_last=4))
     p.run_on_all_workers("save_training_state")  # the initial weights, to replay train steps
     yield p
     p.shutdown()
@@ -148,7 +152,7 @@ def batch():
 
 def _put(client, batch, fields) -> KVBatchMeta:
     pid = f"pw-{uuid.uuid4().hex[:8]}"
-    client.register_partition(pid, fields=fields)
+    client.register_partition(pid, fields=fields, consumer_tasks=[])
     values = {"input_ids": batch["rows"], **batch["dense"], **batch["jagged"]}
     return client.put_samples([f"s{i}" for i in range(N)], pid, {k: values[k] for k in fields})
 
@@ -170,18 +174,21 @@ def test_logprobs_through_data_plane_equal_reference_and_classic(policy, client,
     _mode(policy, mode)
     meta = _put(client, batch, ["input_ids", "input_lengths"])
     policy.run_on_all_workers("set_io_recording", True)
-    n_received = len(policy.received)
+    policy.recorder.clear()
 
     out = policy.get_logprobs_from_meta(meta)
     out = policy.get_reference_policy_logprobs_from_meta(out)
     assert set(out.fields) >= {"prev_logprobs", "reference_policy_logprobs"}
 
     # the driver shipped keys only and got nothing but None back
-    for metas in policy.shipped[-2:]:
+    assert len(policy.recorder.shipped) == 2
+    for metas in policy.recorder.shipped:
         assert all(isinstance(m, KVBatchMeta) and not contains_tensor(m) for m in metas)
         assert {m.extra_info[GLOBAL_FORWARD_PAD_SEQLEN] for m in metas} == {max(LENGTHS)}
         assert (MICRO_BATCH_INDICES in metas[0].extra_info) == (mode != "plain")
-    assert policy.received[n_received:] == [[None, None], [None, None]]
+        # each pass fetched only what it reads, not every field the meta lists
+        assert all(m.fields == ["input_ids", "input_lengths"] for m in metas)
+    assert policy.recorder.received == [[None, None], [None, None]]
 
     # results live in the store, jagged like input_ids, and equal the unsharded reference
     jag = policy.read_from_dataplane(
@@ -275,7 +282,7 @@ def reference_step(batch):
     )
     data = batch["padded"]
     lp = reference_logprobs(model, data["input_ids"], data["input_lengths"])
-    loss, _ = ClippedPGLoss(LOSS)(lp, data, valid_token_mask(data).sum())
+    loss, _ = ClippedPGLoss(LOSS)(lp, data, data["sample_mask"].sum(), valid_token_mask(data).sum())
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPT.max_grad_norm)
     opt.step()
@@ -303,7 +310,7 @@ def test_train_step_through_data_plane_equals_classic_and_reference(
 ):
     _mode(policy, mode)
     meta = _put(client, batch, TRAIN_FIELDS)
-    n_received = len(policy.received)
+    policy.recorder.clear()
     tq, tq_params, tq_digests = _train_and_collect(
         policy, lambda: policy.train_from_meta(meta, gbs=N, mbs=2)
     )
@@ -328,7 +335,7 @@ def test_train_step_through_data_plane_equals_classic_and_reference(
     assert float((tq_params[0]["head_weight"] - initial.lm_head.weight.detach()).abs().max()) > 1e-3
 
     # on the data-plane path the driver received small dicts of floats, no tensor
-    (received,) = policy.received[n_received:]
+    (received,) = policy.recorder.received
     assert not contains_tensor(received)
     assert len(pickle.dumps(received)) < 16_384
 
@@ -376,8 +383,20 @@ def test_local_coords_has_no_default():
 
     with pytest.raises(NotImplementedError, match="_local_coords"):
         Forgot()._is_replica_leader()
-    with pytest.raises(NotImplementedError, match="_get_replica_group"):
-        TQWorkerMixin()._get_replica_group()
+
+
+def test_a_lone_worker_is_its_own_leader():
+    class Lone(TQWorkerMixin):
+        def _local_coords(self):
+            return {"data_parallel": 3, "tensor_parallel": 0}
+
+    lone = Lone()
+    assert lone._get_replica_group() is None  # NeMo-RL's default
+    assert lone._is_replica_leader()
+    assert lone._replica_leader_rank() == 0  # no process group: rank 0 of its own
+    # no siblings, so 'auto' fetches for itself and never tries a broadcast
+    with pytest.raises(RuntimeError, match="setup_data_plane"):
+        lone._fetch(_meta(), fetch_policy="auto")
 
 
 def test_fetch_rejects_bad_policies_and_missing_client():
@@ -439,3 +458,45 @@ def test_pack_metadata_trusted_from_driver_else_rederived(mode):
     assert len(out.micro_batch_indices) == 1
     assert out["sid"] == out_meta.sample_ids
     assert out["input_lengths"].tolist() == out_meta.sequence_lengths
+
+
+# ---- opt-in bookkeeping -----------------------------------------------------------------------------
+def test_io_recording_is_off_by_default_and_bounded_when_on(client, batch):
+    meta = _put(client, batch, ["input_ids", "input_lengths"])
+    host = _Host()  # a lone worker in this process, on the real store
+    host._dp_client = client
+    host._fetch(meta)
+    assert host.get_io_log() == []  # off: no recorder, nothing computed or kept
+
+    host.set_io_recording(True, keep_last=2)
+    for n in (1, 2, 3):
+        host._fetch(meta.slice(0, n))
+    log = host.get_io_log()
+    assert [e["sample_ids"] for e in log] == [meta.sample_ids[:2], meta.sample_ids[:3]]
+    fetched = host._fetch(meta.slice(0, 3))
+    assert host.get_io_log()[-1]["digest"] == batch_digest(fetched)
+    # nbytes: input_ids [3, 17] int64 padded to the longest of the three rows + lengths [3]
+    assert host.get_io_log()[-1]["nbytes"] == 3 * max(LENGTHS[:3]) * 8 + 3 * 8
+
+    host.set_io_recording(True, digests=False)
+    host._fetch(meta)
+    (entry,) = host.get_io_log()
+    assert "digest" not in entry
+    assert entry["fields"] == ["input_ids", "input_lengths"]
+    host.set_io_recording(False)
+    assert host.get_io_log() == []
+
+
+def test_dispatch_recorder_keeps_the_last_dispatches():
+    rec = DispatchRecorder(keep_last=2)
+    for i in range(5):
+        rec.dispatched([f"meta{i}"], [i])
+    assert rec.shipped == [["meta3"], ["meta4"]]
+    assert rec.received == [[3], [4]]
+    rec.clear()
+    assert rec.shipped == rec.received == []
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="keep_last"):
+            DispatchRecorder(keep_last=bad)
+        with pytest.raises(ValueError, match="keep_last"):
+            IORecorder(keep_last=bad)
