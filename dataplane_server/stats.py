@@ -10,6 +10,13 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
+from dataplane_client.errors import ClaimTimeout
+
+# Typed errors that are a normal answer, not a fault: a blocking claim that polls with a
+# short timeout ends in ClaimTimeout whenever no batch is ready yet. They are counted
+# under their own counter so an error-rate alert does not fire on a healthy, idle trainer.
+EXPECTED_OUTCOMES: dict[type[BaseException], str] = {ClaimTimeout: "claim_timeouts_total"}
+
 LATENCY_BUCKETS_S = (
     0.0005,
     0.001,
@@ -67,6 +74,10 @@ class Stats:
         self.counters[name] += amount
 
     def error(self, exc: BaseException) -> None:
+        for kind, counter in EXPECTED_OUTCOMES.items():
+            if isinstance(exc, kind):
+                self.counters[counter] += 1
+                return
         self.errors[type(exc).__name__] += 1
 
     def observe(self, name: str, value: float) -> None:

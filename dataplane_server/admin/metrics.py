@@ -2,18 +2,9 @@
 
 The hot path never touches a metrics library: the controller and the units
 count into plain ``Stats`` objects, and this collector turns one round of their
-snapshots into metric families. Exposed (all prefixed ``dataplane_``):
-
-    up                                      1 if the controller answered this scrape
-    put_bytes_total / get_bytes_total       {unit}  bytes stored / served by each unit
-    put_requests_total / get_requests_total {unit}
-    put_latency_seconds / get_latency_seconds {unit}  histograms, measured in the unit
-    unit_up / unit_bytes / unit_samples / unit_capacity_bytes {unit, node_id}
-    partition_samples / partition_bytes     {partition}
-    claims_waiting                          blocked claim_meta calls right now
-    errors_total                            {type, actor}  typed errors raised, by class
-    controller_events_total                 {event}  the controller's own counters
-    controller_<histogram>                  the controller's own histograms
+snapshots into metric families, one family per meaning so that a ``sum`` or a
+``rate`` of any of them is a quantity someone can read. deploy/README.md lists
+every family; the tables below give each its name and help text.
 """
 
 from __future__ import annotations
@@ -27,31 +18,106 @@ from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    InfoMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from dataplane_client.version import __version__
 from dataplane_server.admin.server import advertised_host, join_host_port
-from dataplane_server.admin.sources import ActorSources, counter
+from dataplane_server.admin.sources import ActorSources, StatsPull, counter
 
 logger = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT_S = 5.0
-_UNIT_COUNTERS = (
-    ("put_bytes", "put_bytes_total", "Bytes written into the storage unit."),
-    ("get_bytes", "get_bytes_total", "Bytes read out of the storage unit."),
-    ("put_requests", "put_requests_total", "Put requests served by the storage unit."),
-    ("get_requests", "get_requests_total", "Get requests served by the storage unit."),
-)
-_UNIT_HISTOGRAMS = (
-    ("put_latency_seconds", "Time a storage unit spends storing one put."),
-    ("get_latency_seconds", "Time a storage unit spends serving one get."),
-)
+
+# Stats counter -> (family name, help). CounterMetricFamily appends "_total".
+CONTROLLER_COUNTERS = {
+    "commits_total": ("dataplane_commits", "Commits (one per put_samples call) made visible."),
+    "committed_samples_total": (
+        "dataplane_committed_samples",
+        "Samples whose fields became visible through a commit.",
+    ),
+    "claims_total": ("dataplane_claims", "claim_meta calls that handed out samples."),
+    "claimed_samples_total": ("dataplane_claimed_samples", "Samples handed out by claim_meta."),
+    "claim_timeouts_total": (
+        "dataplane_claim_timeouts",
+        "Blocking claims that ran out of time with no batch ready (normal when polling).",
+    ),
+    "acked_samples_total": (
+        "dataplane_acked_samples",
+        "Leased samples acknowledged as done by their task.",
+    ),
+    "cleared_samples_total": (
+        "dataplane_cleared_samples",
+        "Samples dropped by clear_samples or by deleting their partition.",
+    ),
+    "partitions_deleted_total": ("dataplane_partitions_deleted", "Partitions deleted."),
+    "units_lost_total": (
+        "dataplane_units_lost",
+        "Storage units found dead; the samples they held are lost.",
+    ),
+    "redeliveries_total": (
+        "dataplane_redeliveries",
+        "Leased samples handed out again after their lease ran out unacknowledged.",
+    ),
+    "partitions_retired_total": (
+        "dataplane_partitions_retired",
+        "Emptied partitions deleted by the retention policy.",
+    ),
+    "controller_restarts_total": (
+        "dataplane_controller_restarts",
+        "Times the controller restarted and rebuilt its key space from the units.",
+    ),
+    "liveness_check_errors_total": (
+        "dataplane_liveness_check_errors",
+        "Rounds of the controller's unit liveness / retention check that failed.",
+    ),
+}
+UNIT_COUNTERS = {
+    "put_bytes_total": ("dataplane_put_bytes", "Bytes written into the storage unit."),
+    "get_bytes_total": ("dataplane_get_bytes", "Bytes read out of the storage unit."),
+    "put_requests_total": ("dataplane_put_requests", "Put requests served by the unit."),
+    "get_requests_total": ("dataplane_get_requests", "Get requests served by the unit."),
+    "put_waits_total": ("dataplane_put_waits", "Puts that had to wait for room in a full unit."),
+    "stages_reclaimed_total": (
+        "dataplane_stages_reclaimed",
+        "Staged writes never committed whose bytes were reclaimed.",
+    ),
+    "stage_sweep_errors_total": (
+        "dataplane_stage_sweep_errors",
+        "Failures of the unit's sweep of expired staged writes.",
+    ),
+}
+# Stats histogram -> (family name, help); the controller's have no labels, the units' {unit}.
+CONTROLLER_HISTOGRAMS = {
+    "claim_wait_seconds": (
+        "dataplane_claim_wait_seconds",
+        "Time a blocking claim_meta waited before it returned or timed out.",
+    ),
+    "recovery_seconds": (
+        "dataplane_recovery_seconds",
+        "Time the controller took to rebuild its key space at start or restart.",
+    ),
+}
+UNIT_HISTOGRAMS = {
+    "put_latency_seconds": (
+        "dataplane_put_latency_seconds",
+        "Time a storage unit spends storing one put.",
+    ),
+    "get_latency_seconds": (
+        "dataplane_get_latency_seconds",
+        "Time a storage unit spends serving one get.",
+    ),
+}
 
 
-def _metric_name(raw: str) -> str:
-    return re.sub(r"[^a-zA-Z0-9_]", "_", raw)
+def _undescribed(name: str) -> tuple[str, str]:
+    # A counter added in an actor but not yet to the tables above still gets its own
+    # family (never silently dropped); the help says where to describe it.
+    family = "dataplane_" + re.sub(r"[^a-zA-Z0-9_]", "_", name).removesuffix("_total")
+    return family, f"{name} (not yet described in dataplane_server/admin/metrics.py)."
 
 
 def _histogram_buckets(snap: dict) -> list[tuple[str, float]]:
@@ -59,6 +125,30 @@ def _histogram_buckets(snap: dict) -> list[tuple[str, float]]:
     counts = snap["cumulative_counts"]
     les = [floatToGoString(b) for b in snap["buckets"]] + ["+Inf"]
     return list(zip(les, (float(c) for c in counts), strict=True))
+
+
+class _Families:
+    """Families by name, created on first use, so each name is emitted exactly once."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, Metric] = {}
+
+    def counter(self, table: dict, key: str, labels: list[str]) -> CounterMetricFamily:
+        name, doc = table.get(key) or _undescribed(key)
+        return self._get(name, lambda: CounterMetricFamily(name, doc, labels=labels))
+
+    def histogram(self, table: dict, key: str, labels: list[str]) -> HistogramMetricFamily:
+        name, doc = table.get(key) or _undescribed(key)
+        return self._get(name, lambda: HistogramMetricFamily(name, doc, labels=labels))
+
+    def _get(self, name, make):
+        family = self._by_name.get(name)
+        if family is None:
+            family = self._by_name[name] = make()
+        return family
+
+    def __iter__(self):
+        return iter(self._by_name.values())
 
 
 class DataPlaneCollector(Collector):
@@ -72,6 +162,9 @@ class DataPlaneCollector(Collector):
         return []  # do not scrape the actors when the collector is registered
 
     def collect(self) -> Iterable[Metric]:
+        info = InfoMetricFamily("dataplane_build", "Version of the data-plane service.")
+        info.add_metric([], {"version": __version__})
+        yield info
         up = GaugeMetricFamily("dataplane_up", "1 if the controller answered this scrape.")
         try:
             pull = self.sources.stats(timeout_s=self.timeout_s)
@@ -82,84 +175,89 @@ class DataPlaneCollector(Collector):
             return
         up.add_metric([], 1)
         yield up
-        ctrl = pull.controller
+        yield from _controller_families(pull)
+        yield from _unit_families(pull)
 
-        claims = GaugeMetricFamily("dataplane_claims_waiting", "claim_meta calls blocked now.")
-        claims.add_metric([], float(ctrl.claims_waiting))
-        yield claims
 
-        p_samples = GaugeMetricFamily(
-            "dataplane_partition_samples", "Samples in the partition.", labels=["partition"]
-        )
-        p_bytes = GaugeMetricFamily(
-            "dataplane_partition_bytes", "Bytes held for the partition.", labels=["partition"]
-        )
-        for p in pull.partitions():
-            p_samples.add_metric([p.partition_id], float(p.num_samples))
-            p_bytes.add_metric([p.partition_id], float(p.bytes))
-        yield p_samples
-        yield p_bytes
+def _controller_families(pull: StatsPull) -> Iterable[Metric]:
+    ctrl = pull.controller
+    claims = GaugeMetricFamily("dataplane_claims_waiting", "claim_meta calls blocked now.")
+    claims.add_metric([], float(ctrl.claims_waiting))
+    yield claims
 
-        unit_labels = ["unit", "node_id"]
-        u_up = GaugeMetricFamily("dataplane_unit_up", "1 if the unit answered.", labels=unit_labels)
-        u_bytes = GaugeMetricFamily("dataplane_unit_bytes", "Bytes held.", labels=unit_labels)
-        u_samples = GaugeMetricFamily("dataplane_unit_samples", "Samples held.", labels=unit_labels)
-        u_cap = GaugeMetricFamily(
-            "dataplane_unit_capacity_bytes", "Capacity of the unit.", labels=unit_labels
-        )
-        counters = {
-            key: CounterMetricFamily(f"dataplane_{name}", doc, labels=["unit"])
-            for name, key, doc in _UNIT_COUNTERS
-        }
-        histograms = {
-            name: HistogramMetricFamily(f"dataplane_{name}", doc, labels=["unit"])
-            for name, doc in _UNIT_HISTOGRAMS
-        }
-        errors = CounterMetricFamily(
-            "dataplane_errors",
-            "Typed data-plane errors raised, by class.",
-            labels=["type", "actor"],
-        )
-        for kind, n in (ctrl.stats.get("errors") or {}).items():
-            errors.add_metric([kind, "controller"], float(n))
+    # Rebuilt from the live partitions on every scrape: a deleted partition's series end.
+    p_samples = GaugeMetricFamily(
+        "dataplane_partition_samples", "Samples in the partition.", labels=["partition"]
+    )
+    p_bytes = GaugeMetricFamily(
+        "dataplane_partition_bytes", "Bytes held for the partition.", labels=["partition"]
+    )
+    for p in pull.partitions():
+        p_samples.add_metric([p.partition_id], float(p.num_samples))
+        p_bytes.add_metric([p.partition_id], float(p.bytes))
+    yield p_samples
+    yield p_bytes
 
-        for position, snap in enumerate(pull.units):
-            if snap is None:
-                u_up.add_metric([str(position), ""], 0)
-                continue
-            unit = str(snap.index)
-            labels = [unit, snap.node_id]
-            u_up.add_metric(labels, 1)
-            u_bytes.add_metric(labels, float(snap.bytes))
-            u_samples.add_metric(labels, float(snap.samples))
-            u_cap.add_metric(labels, float(snap.capacity_bytes))
-            stats = snap.stats
-            for key, family in counters.items():
-                family.add_metric([unit], counter(stats, key))
-            for name, family in histograms.items():
-                hist = (stats.get("histograms") or {}).get(name)
-                if hist:
-                    family.add_metric([unit], _histogram_buckets(hist), float(hist["sum"]))
-            for kind, n in (stats.get("errors") or {}).items():
-                errors.add_metric([kind, f"unit-{unit}"], float(n))
-        yield from (u_up, u_bytes, u_samples, u_cap)
-        yield from counters.values()
-        yield from histograms.values()
-        yield errors
+    families = _Families()
+    # Every described family is emitted even at 0 (or empty), so dashboards and alerts
+    # see the name from the first scrape, not only after the first event.
+    for key in CONTROLLER_COUNTERS:
+        families.counter(CONTROLLER_COUNTERS, key, []).add_metric([], counter(ctrl.stats, key))
+    for key, value in (ctrl.stats.get("counters") or {}).items():
+        if key not in CONTROLLER_COUNTERS:
+            families.counter(CONTROLLER_COUNTERS, key, []).add_metric([], float(value))
+    for key in CONTROLLER_HISTOGRAMS:
+        families.histogram(CONTROLLER_HISTOGRAMS, key, [])
+    for key, hist in (ctrl.stats.get("histograms") or {}).items():
+        family = families.histogram(CONTROLLER_HISTOGRAMS, key, [])
+        family.add_metric([], _histogram_buckets(hist), float(hist["sum"]))
+    yield from families
 
-        ctrl_stats = ctrl.stats
-        events = CounterMetricFamily(
-            "dataplane_controller_events", "The controller's own counters.", labels=["event"]
-        )
-        for name, value in (ctrl_stats.get("counters") or {}).items():
-            events.add_metric([name.removesuffix("_total")], float(value))
-        yield events
-        for name, hist in (ctrl_stats.get("histograms") or {}).items():
-            family = HistogramMetricFamily(
-                f"dataplane_controller_{_metric_name(name)}", f"Controller histogram {name}."
-            )
-            family.add_metric([], _histogram_buckets(hist), float(hist["sum"]))
-            yield family
+
+def _unit_families(pull: StatsPull) -> Iterable[Metric]:
+    unit_labels = ["unit", "node_id"]
+    u_up = GaugeMetricFamily("dataplane_unit_up", "1 if the unit answered.", labels=unit_labels)
+    u_bytes = GaugeMetricFamily("dataplane_unit_bytes", "Bytes held.", labels=unit_labels)
+    u_samples = GaugeMetricFamily("dataplane_unit_samples", "Samples held.", labels=unit_labels)
+    u_cap = GaugeMetricFamily(
+        "dataplane_unit_capacity_bytes", "Capacity of the unit.", labels=unit_labels
+    )
+    errors = CounterMetricFamily(
+        "dataplane_errors",
+        "Typed data-plane errors raised, by class (expected outcomes such as ClaimTimeout "
+        "are counted under their own names).",
+        labels=["type", "actor"],
+    )
+    for kind, n in (pull.controller.stats.get("errors") or {}).items():
+        errors.add_metric([kind, "controller"], float(n))
+
+    families = _Families()
+    for key in UNIT_COUNTERS:
+        families.counter(UNIT_COUNTERS, key, ["unit"])
+    for key in UNIT_HISTOGRAMS:
+        families.histogram(UNIT_HISTOGRAMS, key, ["unit"])
+    for position, snap in enumerate(pull.units):
+        if snap is None:
+            u_up.add_metric([str(position), ""], 0)
+            continue
+        unit = str(snap.index)
+        labels = [unit, snap.node_id]
+        u_up.add_metric(labels, 1)
+        u_bytes.add_metric(labels, float(snap.bytes))
+        u_samples.add_metric(labels, float(snap.samples))
+        u_cap.add_metric(labels, float(snap.capacity_bytes))
+        stats = snap.stats
+        keys = dict.fromkeys([*UNIT_COUNTERS, *(stats.get("counters") or {})])
+        for key in keys:
+            families.counter(UNIT_COUNTERS, key, ["unit"]).add_metric([unit], counter(stats, key))
+        for key, hist in (stats.get("histograms") or {}).items():
+            family = families.histogram(UNIT_HISTOGRAMS, key, ["unit"])
+            family.add_metric([unit], _histogram_buckets(hist), float(hist["sum"]))
+        for kind, n in (stats.get("errors") or {}).items():
+            errors.add_metric([kind, f"unit-{unit}"], float(n))
+    yield from (u_up, u_bytes, u_samples, u_cap)
+    yield from families
+    yield errors
 
 
 class MetricsServer:
