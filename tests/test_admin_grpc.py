@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import time
 import uuid
 
 import grpc
@@ -55,7 +56,10 @@ def filled(client):
     """A partition with 7 samples: 2 consumed by "train", 4 ready, 1 missing its "score"."""
     pid = _pid("admin")
     client.register_partition(
-        pid, fields=["input_ids", "score", "prompt"], consumer_tasks=["train"]
+        pid,
+        fields=["input_ids", "score", "prompt"],
+        consumer_tasks=["train"],
+        object_fields=["prompt"],
     )
     ids = [f"s{i}" for i in range(6)]
     client.put_samples(
@@ -289,6 +293,124 @@ def test_clear_partition_without_token_on_loopback(stub, client, no_env_token):
     assert _code(stub.ClearPartition, request) == grpc.StatusCode.NOT_FOUND
 
 
+def test_clear_partition_with_sample_ids_drops_only_those(stub, client, no_env_token):
+    pid = _pid("admin-clear-ids")
+    client.register_partition(pid, fields=["x"])
+    client.put_samples(["a", "b", "c"], pid, {"x": torch.ones(3, 4)})
+    request = admin_pb2.ClearPartitionRequest(partition_id=pid, sample_ids=["a", "c"])
+    got = stub.ClearPartition(request, timeout=TIMEOUT)
+    assert got.cleared_samples == 2
+    page = stub.ListSamples(admin_pb2.ListSamplesRequest(partition_id=pid), timeout=TIMEOUT)
+    assert [s.sample_id for s in page.samples] == ["b"]
+    duplicated = admin_pb2.ClearPartitionRequest(partition_id=pid, sample_ids=["b", "b"])
+    assert _code(stub.ClearPartition, duplicated) == grpc.StatusCode.INVALID_ARGUMENT
+    unknown = admin_pb2.ClearPartitionRequest(partition_id=pid, sample_ids=["zz"])
+    assert _code(stub.ClearPartition, unknown) == grpc.StatusCode.NOT_FOUND
+    assert client.describe_partition(pid).num_samples == 1
+
+
+def test_delete_partition(stub, client, no_env_token):
+    pid = _pid("admin-delete")
+    client.register_partition(pid, fields=["x"], consumer_tasks=["train"])
+    client.put_samples(["a", "b"], pid, {"x": torch.ones(2, 4)})
+    got = stub.DeletePartition(admin_pb2.DeletePartitionRequest(partition_id=pid), timeout=TIMEOUT)
+    assert (got.partition_id, got.deleted_samples) == (pid, 2)
+    assert got.bytes_freed > 0
+    listed = stub.ListPartitions(admin_pb2.ListPartitionsRequest(), timeout=TIMEOUT).partitions
+    assert pid not in {p.partition_id for p in listed}
+    again = admin_pb2.DeletePartitionRequest(partition_id=pid)
+    assert _code(stub.DeletePartition, again) == grpc.StatusCode.NOT_FOUND
+    assert _code(stub.DeletePartition, admin_pb2.DeletePartitionRequest()) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+
+
+def test_redeliveries_are_shown_per_sample_and_per_task(stub, client):
+    """A leased claim that runs out is handed out again; the admin API counts it."""
+    pid = _pid("admin-lease")
+    client.register_partition(
+        pid, fields=["x"], consumer_tasks=["train"], task_leases={"train": 0.3}
+    )
+    client.put_samples(["a", "b"], pid, {"x": torch.ones(2, 4)})
+    first = client.claim_meta(pid, "train", ["x"], 1, timeout_s=10)
+    assert first is not None
+    # Not acknowledged: once the lease runs out the same sample is claimable again.
+    deadline = time.monotonic() + 30
+    again = None
+    while again is None or first.sample_ids[0] not in again.sample_ids:
+        assert time.monotonic() < deadline, "the expired lease was never redelivered"
+        again = client.claim_meta(pid, "train", ["x"], 2, timeout_s=2)
+    page = stub.ListSamples(admin_pb2.ListSamplesRequest(partition_id=pid), timeout=TIMEOUT)
+    counts = {s.sample_id: s.redeliveries for s in page.samples}
+    assert counts[first.sample_ids[0]] == 1
+    got = stub.GetSample(
+        admin_pb2.GetSampleRequest(partition_id=pid, sample_id=first.sample_ids[0]),
+        timeout=TIMEOUT,
+    )
+    assert got.sample.redeliveries == 1
+    d = stub.DescribePartition(
+        admin_pb2.DescribePartitionRequest(partition_id=pid), timeout=TIMEOUT
+    )
+    (train,) = d.consumption
+    assert train.task == "train"
+    assert train.HasField("lease_s")
+    assert train.lease_s == pytest.approx(0.3)
+    assert train.redeliveries >= 1
+    assert train.total == 2
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        admin_pb2.ListSamplesRequest(partition_id="p", page_token="\u00b2"),  # isdigit() is True
+        admin_pb2.ListSamplesRequest(partition_id="p", page_token="9" * 5000),
+        admin_pb2.ListSamplesRequest(partition_id="p", page_token="-1"),
+        admin_pb2.ListSamplesRequest(partition_id="p", page_size=-1),
+        admin_pb2.ListSamplesRequest(partition_id="p", status=99),
+        admin_pb2.ListSamplesRequest(),
+        admin_pb2.GetSampleRequest(partition_id="p", sample_id="s", max_elems=-1),
+        admin_pb2.GetSampleRequest(partition_id="p"),
+        admin_pb2.ClearPartitionRequest(sample_ids=["a"]),
+        admin_pb2.DeletePartitionRequest(),
+    ],
+    ids=lambda r: f"{type(r).__name__}({str(r).strip()[:30]!r})",
+)
+def test_malformed_arguments_are_invalid_argument(stub, request_):
+    name = type(request_).__name__.removesuffix("Request")
+    # Checked before the partition is looked up: "p" need not exist.
+    assert _code(getattr(stub, name), request_) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("interval", [float("nan"), float("inf"), -1.0, 1e9])
+def test_watch_stats_rejects_bad_intervals(stub, interval):
+    with pytest.raises(grpc.RpcError) as info:
+        list(
+            stub.WatchStats(
+                admin_pb2.WatchStatsRequest(interval_s=interval, count=2), timeout=TIMEOUT
+            )
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_watch_stream_ends_unavailable_when_the_server_stops(service):
+    """A watcher must be able to tell "the server went away" from "all snapshots sent"."""
+    server = _local_server(service)
+    ch = grpc.insecure_channel(server.address)
+    try:
+        stream = admin_pb2_grpc.AdminServiceStub(ch).WatchStats(
+            admin_pb2.WatchStatsRequest(interval_s=0.05), timeout=TIMEOUT
+        )
+        next(stream)  # streaming
+        server.stop(grace_s=5)
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stream:
+                pass
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        ch.close()
+        server.stop(grace_s=0)
+
+
 def test_oversized_request_is_refused(stub, service):
     huge = "x" * (service.config.admin_max_request_bytes + 1024)
     request = admin_pb2.DescribePartitionRequest(partition_id=huge)
@@ -307,22 +429,41 @@ def secured(service):
     server.stop(grace_s=0)
 
 
-def test_token_guards_mutations_only(secured, client):
+def test_token_guards_every_rpc_with_data_but_service_info(secured, client):
     pid = _pid("admin-auth")
     client.register_partition(pid, fields=["x"])
     client.put_samples(["a"], pid, {"x": torch.ones(1, 2)})
-    # Reads need no token.
+    # Service info holds no sample data: open by default.
     secured.GetServiceInfo(admin_pb2.GetServiceInfoRequest(), timeout=TIMEOUT)
-    clear = admin_pb2.ClearPartitionRequest(partition_id=pid)
-    assert _code(secured.ClearPartition, clear) == grpc.StatusCode.UNAUTHENTICATED
+    guarded = [
+        (secured.ListPartitions, admin_pb2.ListPartitionsRequest()),
+        (secured.DescribePartition, admin_pb2.DescribePartitionRequest(partition_id=pid)),
+        (secured.ListSamples, admin_pb2.ListSamplesRequest(partition_id=pid)),
+        (secured.GetSample, admin_pb2.GetSampleRequest(partition_id=pid, sample_id="a")),
+        (secured.ClearPartition, admin_pb2.ClearPartitionRequest(partition_id=pid)),
+        (secured.DeletePartition, admin_pb2.DeletePartitionRequest(partition_id=pid)),
+    ]
     wrong = [("authorization", "Bearer not-the-token")]
-    assert _code(secured.ClearPartition, clear, metadata=wrong) == grpc.StatusCode.UNAUTHENTICATED
-    bare = [("authorization", TOKEN)]  # no "Bearer " scheme
-    assert _code(secured.ClearPartition, clear, metadata=bare) == grpc.StatusCode.UNAUTHENTICATED
+    bare = [("authorization", TOKEN)]  # no scheme
+    basic = [("authorization", f"Basic {TOKEN}")]  # another scheme
+    for call, request in guarded:
+        for metadata in (None, wrong, bare, basic):
+            assert _code(call, request, metadata=metadata) == grpc.StatusCode.UNAUTHENTICATED, (
+                call,
+                metadata,
+            )
+    with pytest.raises(grpc.RpcError) as refused:
+        list(secured.WatchStats(admin_pb2.WatchStatsRequest(count=1), timeout=TIMEOUT))
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     # Refused calls changed nothing.
     assert client.describe_partition(pid).num_samples == 1
+    # RFC 7235: the scheme name is case-insensitive, and one or more spaces follow it.
+    for header in (f"Bearer {TOKEN}", f"bearer {TOKEN}", f"BEARER  {TOKEN}"):
+        right = [("authorization", header)]
+        got = secured.GetSample(guarded[3][1], metadata=right, timeout=TIMEOUT)
+        assert got.sample.sample_id == "a"
     right = [("authorization", f"Bearer {TOKEN}")]
-    got = secured.ClearPartition(clear, metadata=right, timeout=TIMEOUT)
+    got = secured.ClearPartition(guarded[4][1], metadata=right, timeout=TIMEOUT)
     assert got.cleared_samples == 1
 
 
@@ -359,14 +500,14 @@ def test_token_for_reads_guards_everything_but_health(service):
 
 
 def test_token_for_reads_without_a_token_is_a_config_error(service, no_env_token):
-    from dataplane_client.errors import InvalidBatch
+    from dataplane_client.errors import ConfigError
 
-    with pytest.raises(InvalidBatch, match="admin_token_for_reads"):
+    with pytest.raises(ConfigError, match="admin_token_for_reads"):
         _local_server(service, admin_token_for_reads=True)
 
 
 def test_mutations_without_token_off_loopback_are_refused():
-    """Unit-level: the interceptor refuses ClearPartition when no token guards a public address."""
+    """Unit-level: the interceptor refuses mutations when no token guards a public address."""
     from dataplane_server.admin.server import BearerTokenAuth, is_loopback
 
     assert is_loopback("127.0.0.1")
@@ -375,23 +516,41 @@ def test_mutations_without_token_off_loopback_are_refused():
     assert not is_loopback("0.0.0.0")
     assert not is_loopback("10.1.2.3")
 
-    class Details:
-        method = f"/{ADMIN_SERVICE}/ClearPartition"
-        invocation_metadata = ()
-
     class Context:
         def abort(self, code, details):
             raise RuntimeError(code, details)
 
     real = grpc.unary_unary_rpc_method_handler(lambda req, ctx: "cleared")
-    auth = BearerTokenAuth(None, token_for_reads=False, mutations_open=False)
-    handler = auth.intercept_service(lambda _details: real, Details())
-    with pytest.raises(RuntimeError) as info:
-        handler.unary_unary(b"", Context())
-    assert info.value.args[0] == grpc.StatusCode.PERMISSION_DENIED
-    assert "admin_token" in info.value.args[1]
-    opened = BearerTokenAuth(None, token_for_reads=False, mutations_open=True)
-    assert opened.intercept_service(lambda _details: real, Details()) is real
+    closed = BearerTokenAuth(None, open_methods=frozenset(), mutations_open=False)
+    opened = BearerTokenAuth(None, open_methods=frozenset(), mutations_open=True)
+    for rpc in ("ClearPartition", "DeletePartition"):
+
+        class Details:
+            method = f"/{ADMIN_SERVICE}/{rpc}"
+            invocation_metadata = ()
+
+        handler = closed.intercept_service(lambda _details: real, Details())
+        with pytest.raises(RuntimeError) as info:
+            handler.unary_unary(b"", Context())
+        assert info.value.args[0] == grpc.StatusCode.PERMISSION_DENIED
+        assert "admin_token" in info.value.args[1]
+        assert opened.intercept_service(lambda _details: real, Details()) is real
+
+
+def test_bearer_credentials_are_parsed_per_rfc_7235():
+    from dataplane_server.admin.server import presented_token
+
+    def token(value):
+        return presented_token([("x-other", "1"), ("authorization", value)])
+
+    assert token("Bearer abc") == b"abc"
+    assert token("bearer abc") == b"abc"
+    assert token("BeArEr   abc") == b"abc"
+    assert token("Basic abc") is None
+    assert token("abc") is None
+    assert token("Bearerabc") is None
+    assert presented_token([]) is None
+    assert presented_token(None) is None
 
 
 # -------------------------------------------------------------------------------- TLS

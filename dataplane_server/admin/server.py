@@ -4,9 +4,11 @@
   service drains, for the overall server ("") and for AdminService; it never
   needs the token, so load balancers and k8s probes work unauthenticated.
 - Reflection lists AdminService and Health, so ``grpcurl`` works without the proto.
-- Auth: ``authorization: Bearer <admin_token>`` metadata, required for mutating
-  RPCs and, with ``admin_token_for_reads``, for every RPC (reflection included).
-  Missing or wrong -> UNAUTHENTICATED. Without a token, mutations are allowed
+- Auth: ``authorization: Bearer <admin_token>`` metadata (scheme name matched
+  case-insensitively). With a token configured every AdminService RPC needs it,
+  since all but service info return partition or sample data; service info and
+  reflection stay open unless ``admin_token_for_reads``. Missing or wrong ->
+  UNAUTHENTICATED. Without a token, reads are open and mutations are allowed
   only while the server listens on a loopback address (the default); on any
   other address they are refused with PERMISSION_DENIED until a token is set.
 - TLS when ``admin_tls_cert`` / ``admin_tls_key`` are set.
@@ -27,14 +29,25 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dataplane_client.config import DataPlaneConfig
-from dataplane_client.errors import InvalidBatch
-from dataplane_server.admin.servicer import MUTATING_METHODS, SERVICE_NAME, AdminServicer
+from dataplane_client.errors import ConfigError
+from dataplane_server.admin.servicer import (
+    MUTATING_METHODS,
+    SERVICE_NAME,
+    AdminServicer,
+    method_path,
+)
 from dataplane_server.admin.sources import ActorSources
 from dataplane_server.admin_pb import admin_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 _HEALTH_PREFIX = f"/{health.SERVICE_NAME}/"
+OPEN_WITH_TOKEN = frozenset(
+    {
+        method_path("GetServiceInfo"),
+        f"/{reflection.SERVICE_NAME}/ServerReflectionInfo",
+    }
+)
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
@@ -86,32 +99,47 @@ def _deny(handler, code: grpc.StatusCode, message: str):
     return grpc.stream_stream_rpc_method_handler(abort)
 
 
-class BearerTokenAuth(grpc.ServerInterceptor):
-    """Checks ``authorization: Bearer <token>`` on the methods that need it."""
+def presented_token(metadata) -> bytes | None:
+    """The credentials of an ``authorization: Bearer <token>`` header, else None.
 
-    def __init__(self, token: str | None, *, token_for_reads: bool, mutations_open: bool):
-        if token_for_reads and not token:
-            raise InvalidBatch("admin_token_for_reads is set but no admin_token is configured")
-        self._expected = f"Bearer {token}".encode() if token else None
-        self._token_for_reads = token_for_reads
+    The scheme name is case-insensitive and may be followed by several spaces
+    (RFC 7235 section 2.1), so ``bearer x`` and ``BEARER  x`` both present ``x``.
+    """
+    for key, value in metadata or ():
+        if key != "authorization":
+            continue
+        text = value.decode("latin-1") if isinstance(value, bytes) else value
+        scheme, _, credentials = text.partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        return credentials.lstrip(" ").encode()
+    return None
+
+
+class BearerTokenAuth(grpc.ServerInterceptor):
+    """Decides per method whether a call needs ``authorization: Bearer <token>``.
+
+    Health is always open (probes carry no secrets). With a token configured,
+    every other method needs it except ``open_methods``. Without one, reads are
+    open and mutations are allowed only when ``mutations_open`` (a loopback bind).
+    """
+
+    def __init__(self, token: str | None, *, open_methods: frozenset[str], mutations_open: bool):
+        self._expected = token.encode() if token else None
+        self._open_methods = open_methods
         self._mutations_open = mutations_open
 
     def _authorized(self, metadata) -> bool:
-        for key, value in metadata or ():
-            if key == "authorization":
-                got = value.encode() if isinstance(value, str) else bytes(value)
-                return hmac.compare_digest(got, self._expected)
-        return False
+        got = presented_token(metadata)
+        # compare_digest: the time taken does not reveal how much of the token matched.
+        return got is not None and hmac.compare_digest(got, self._expected)
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         if method.startswith(_HEALTH_PREFIX):
             return continuation(handler_call_details)
-        mutating = method in MUTATING_METHODS
-        if not (mutating or self._token_for_reads):
-            return continuation(handler_call_details)
-        if self._expected is None:  # only mutations get here without a token configured
-            if self._mutations_open:
+        if self._expected is None:
+            if method not in MUTATING_METHODS or self._mutations_open:
                 return continuation(handler_call_details)
             return _deny(
                 continuation(handler_call_details),
@@ -119,13 +147,21 @@ class BearerTokenAuth(grpc.ServerInterceptor):
                 f"{method} is disabled: the admin endpoint listens on a non-loopback address "
                 "without admin_token; set admin_token (or DATAPLANE_ADMIN_TOKEN)",
             )
-        if self._authorized(handler_call_details.invocation_metadata):
+        if method in self._open_methods or self._authorized(
+            handler_call_details.invocation_metadata
+        ):
             return continuation(handler_call_details)
         return _deny(
             continuation(handler_call_details),
             grpc.StatusCode.UNAUTHENTICATED,
             f"{method} needs a valid bearer token ('authorization: Bearer <token>' metadata)",
         )
+
+
+def open_methods(token_for_reads: bool) -> frozenset[str]:
+    """Methods answered without the token when one is configured: service info and the
+    reflection schema (neither holds sample data), unless every RPC must carry it."""
+    return frozenset() if token_for_reads else OPEN_WITH_TOKEN
 
 
 class AdminServer:
@@ -138,9 +174,14 @@ class AdminServer:
             sources, stopping=self.stopping, max_watches=max(1, config.admin_max_workers // 2)
         )
         self.health = health.HealthServicer()
+        if config.admin_token_for_reads and not config.admin_token:
+            raise ConfigError(
+                "admin_token_for_reads is set but no admin_token is configured",
+                fields=["admin_token_for_reads"],
+            )
         self._auth = BearerTokenAuth(
             config.admin_token,
-            token_for_reads=config.admin_token_for_reads,
+            open_methods=open_methods(config.admin_token_for_reads),
             mutations_open=is_loopback(config.admin_host),
         )
         self._server: grpc.Server | None = None
@@ -185,7 +226,8 @@ class AdminServer:
         self.address = join_host_port(advertised_host(cfg.admin_host), port)
         if cfg.admin_token is None and not is_loopback(cfg.admin_host):
             logger.warning(
-                "admin endpoint on %s has no admin_token: reads are open, mutations refused",
+                "admin endpoint on %s has no admin_token: reads (sample data included) are "
+                "open, mutations refused",
                 self.address,
             )
         return self.address

@@ -29,7 +29,14 @@ from dataplane_server.admin_pb import admin_pb2, admin_pb2_grpc
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
-MUTATING_METHODS = frozenset({f"/{SERVICE_NAME}/ClearPartition"})
+
+
+def method_path(rpc: str) -> str:
+    """The gRPC path of an AdminService RPC, as interceptors see it."""
+    return f"/{SERVICE_NAME}/{rpc}"
+
+
+MUTATING_METHODS = frozenset({method_path("ClearPartition"), method_path("DeletePartition")})
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
@@ -37,6 +44,9 @@ DEFAULT_PREVIEW_ELEMS = 8
 MAX_PREVIEW_ELEMS = 256
 DEFAULT_WATCH_INTERVAL_S = 1.0
 MIN_WATCH_INTERVAL_S = 0.05
+MAX_WATCH_INTERVAL_S = 3600.0
+# A page token is the decimal offset of the next page; longer ones are forged.
+MAX_PAGE_TOKEN_DIGITS = 12
 
 LAYOUTS = {
     "dense": admin_pb2.LAYOUT_DENSE,
@@ -100,6 +110,19 @@ def _unary(fn):
             context.abort(code, message)
 
     return wrapper
+
+
+def page_offset(token: str) -> int:
+    """The offset a ``next_page_token`` stands for (0 for the first page)."""
+    if not token:
+        return 0
+    # ASCII digits only: str.isdigit() also accepts other scripts' digits and superscripts.
+    if len(token) > MAX_PAGE_TOKEN_DIGITS or not (token.isascii() and token.isdigit()):
+        raise RpcAbort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"invalid page_token {token[:40]!r}: pass the next_page_token of the previous page",
+        )
+    return int(token)
 
 
 def _require(value: str, what: str) -> str:
@@ -267,14 +290,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         if request.page_size < 0:
             raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "page_size must be >= 0")
         limit = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        offset = 0
-        if request.page_token:
-            if not request.page_token.isdigit():
-                raise RpcAbort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"invalid page_token {request.page_token[:40]!r}: pass a next_page_token",
-                )
-            offset = int(request.page_token)
+        offset = page_offset(request.page_token)
         page = self.sources.call(
             "list_samples",
             pid,
@@ -313,15 +329,32 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     @_unary
     def ClearPartition(self, request, context):
         pid = _require(request.partition_id, "partition_id")
-        done = self.sources.client().clear_samples(None, pid)
-        logger.warning("admin: deleted partition %r: %s", pid, done)
+        # No ids: the whole partition, which (as clear_samples(None, p)) deletes it.
+        ids = list(request.sample_ids) or None
+        done = self.sources.client().clear_samples(ids, pid)
+        what = f"{len(ids)} samples of" if ids else "every sample of (deleted)"
+        logger.warning("admin: cleared %s partition %r: %s", what, pid, done)
         return admin_pb2.ClearPartitionResponse(
             partition_id=pid, cleared_samples=done.cleared, bytes_freed=done.bytes_freed
         )
 
+    @_unary
+    def DeletePartition(self, request, context):
+        pid = _require(request.partition_id, "partition_id")
+        done = self.sources.client().delete_partition(pid)
+        logger.warning("admin: deleted partition %r: %s", pid, done)
+        return admin_pb2.DeletePartitionResponse(
+            partition_id=pid, deleted_samples=done.cleared, bytes_freed=done.bytes_freed
+        )
+
     def WatchStats(self, request, context):
-        if request.interval_s < 0 or math.isnan(request.interval_s) or request.count < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "interval_s and count must be >= 0")
+        if not 0 <= request.interval_s <= MAX_WATCH_INTERVAL_S:  # NaN fails this too
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"interval_s must be within [0, {MAX_WATCH_INTERVAL_S:g}], got {request.interval_s}",
+            )
+        if request.count < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "count must be >= 0")
         interval = max(request.interval_s or DEFAULT_WATCH_INTERVAL_S, MIN_WATCH_INTERVAL_S)
         if not self._watch_slots.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many open WatchStats streams")
@@ -339,7 +372,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 sent += 1
                 if request.count and sent >= request.count:
                     return
-                if self.stopping.wait(interval):
-                    return
+                self.stopping.wait(interval)
+            if self.stopping.is_set():
+                # An error, not a clean end: a watcher must not read "the stream is complete".
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the admin endpoint is shutting down")
         finally:
             self._watch_slots.release()

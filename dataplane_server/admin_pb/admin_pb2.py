@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64\x61taplane/admin/v1/admin.proto\x12\x12\x64\x61taplane.admin.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x17\n\x15GetServiceInfoRequest\"\x82\x01\n\x08UnitInfo\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07node_ip\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x0f\n\x07samples\x18\x06 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x07 \x01(\x03\"\xf8\x01\n\x0bServiceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x12\n\nstarted_at\x18\x04 \x01(\x01\x12\x10\n\x08uptime_s\x18\x05 \x01(\x01\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x16\n\x0enum_partitions\x18\x07 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x08 \x01(\x03\x12\r\n\x05\x62ytes\x18\t \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\n \x01(\x03\x12+\n\x05units\x18\x0b \x03(\x0b\x32\x1c.dataplane.admin.v1.UnitInfo\"\x17\n\x15ListPartitionsRequest\"\x88\x01\n\x10PartitionSummary\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x0e\n\x06\x66ields\x18\x04 \x03(\t\x12\x16\n\x0e\x63onsumer_tasks\x18\x05 \x03(\t\x12\x12\n\ncreated_at\x18\x06 \x01(\x01\"R\n\x16ListPartitionsResponse\x12\x38\n\npartitions\x18\x01 \x03(\x0b\x32$.dataplane.admin.v1.PartitionSummary\"0\n\x18\x44\x65scribePartitionRequest\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\"~\n\tFieldInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12*\n\x06layout\x18\x03 \x01(\x0e\x32\x1a.dataplane.admin.v1.Layout\x12\x16\n\x0etrailing_shape\x18\x04 \x03(\x03\x12\x10\n\x08produced\x18\x05 \x01(\x03\"1\n\x0fTaskConsumption\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x10\n\x08\x63onsumed\x18\x02 \x01(\x03\"(\n\tUnitBytes\x12\x0c\n\x04unit\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"\xe9\x02\n\x14PartitionDescription\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x03\x12\x1d\n\x10\x65xpected_samples\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\ngroup_size\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\ncreated_at\x18\x05 \x01(\x01\x12-\n\x06\x66ields\x18\x06 \x03(\x0b\x32\x1d.dataplane.admin.v1.FieldInfo\x12\x38\n\x0b\x63onsumption\x18\x07 \x03(\x0b\x32#.dataplane.admin.v1.TaskConsumption\x12\x16\n\x0epending_claims\x18\x08 \x01(\x03\x12\x35\n\x0e\x62ytes_per_unit\x18\t \x03(\x0b\x32\x1d.dataplane.admin.v1.UnitBytesB\x13\n\x11_expected_samplesB\r\n\x0b_group_size\"\xa0\x01\n\nSampleInfo\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x0e\n\x06\x66ields\x18\x02 \x03(\t\x12\x17\n\x0fsequence_length\x18\x03 \x01(\x03\x12\x0c\n\x04unit\x18\x04 \x01(\x05\x12\x13\n\x0b\x63onsumed_by\x18\x05 \x03(\t\x12%\n\x04tags\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x0c\n\x04lost\x18\x07 \x01(\x08\"\x83\x01\n\x12ListSamplesRequest\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12\x30\n\x06status\x18\x02 \x01(\x0e\x32 .dataplane.admin.v1.SampleStatus\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"n\n\x13ListSamplesResponse\x12/\n\x07samples\x18\x01 \x03(\x0b\x32\x1e.dataplane.admin.v1.SampleInfo\x12\r\n\x05total\x18\x02 \x01(\x03\x12\x17\n\x0fnext_page_token\x18\x03 \x01(\t\"^\n\x10GetSampleRequest\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12\x11\n\tsample_id\x18\x02 \x01(\t\x12\x0e\n\x06\x66ields\x18\x03 \x03(\t\x12\x11\n\tmax_elems\x18\x04 \x01(\x05\"\xa5\x01\n\x0c\x46ieldPreview\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12*\n\x06layout\x18\x03 \x01(\x0e\x32\x1a.dataplane.admin.v1.Layout\x12\r\n\x05shape\x18\x04 \x03(\x03\x12*\n\x06values\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.ListValue\x12\x11\n\ttruncated\x18\x06 \x01(\x08\"\x8d\x01\n\x11GetSampleResponse\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12.\n\x06sample\x18\x02 \x01(\x0b\x32\x1e.dataplane.admin.v1.SampleInfo\x12\x32\n\x08previews\x18\x03 \x03(\x0b\x32 .dataplane.admin.v1.FieldPreview\"-\n\x15\x43learPartitionRequest\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\"\\\n\x16\x43learPartitionResponse\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63leared_samples\x18\x02 \x01(\x03\x12\x13\n\x0b\x62ytes_freed\x18\x03 \x01(\x03\"6\n\x11WatchStatsRequest\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\"J\n\x0ePartitionStats\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\"\xdc\x01\n\tUnitStats\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x0f\n\x07samples\x18\x05 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x03\x12\x17\n\x0fput_bytes_total\x18\x07 \x01(\x03\x12\x17\n\x0fget_bytes_total\x18\x08 \x01(\x03\x12\x1a\n\x12put_requests_total\x18\t \x01(\x03\x12\x1a\n\x12get_requests_total\x18\n \x01(\x03\"\x9c\x03\n\rStatsSnapshot\x12\x11\n\ttimestamp\x18\x01 \x01(\x01\x12\x16\n\x0e\x63laims_waiting\x18\x02 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x17\n\x0fput_bytes_total\x18\x05 \x01(\x03\x12\x17\n\x0fget_bytes_total\x18\x06 \x01(\x03\x12\x1a\n\x12put_requests_total\x18\x07 \x01(\x03\x12\x1a\n\x12get_requests_total\x18\x08 \x01(\x03\x12=\n\x06\x65rrors\x18\t \x03(\x0b\x32-.dataplane.admin.v1.StatsSnapshot.ErrorsEntry\x12\x36\n\npartitions\x18\n \x03(\x0b\x32\".dataplane.admin.v1.PartitionStats\x12,\n\x05units\x18\x0b \x03(\x0b\x32\x1d.dataplane.admin.v1.UnitStats\x1a-\n\x0b\x45rrorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*X\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x10\n\x0cLAYOUT_DENSE\x10\x01\x12\x11\n\rLAYOUT_JAGGED\x10\x02\x12\x11\n\rLAYOUT_OBJECT\x10\x03*\x95\x01\n\x0cSampleStatus\x12\x1d\n\x19SAMPLE_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13SAMPLE_STATUS_READY\x10\x01\x12\x19\n\x15SAMPLE_STATUS_PENDING\x10\x02\x12\x1a\n\x16SAMPLE_STATUS_CONSUMED\x10\x03\x12\x16\n\x12SAMPLE_STATUS_LOST\x10\x04\x32\xbf\x05\n\x0c\x41\x64minService\x12\\\n\x0eGetServiceInfo\x12).dataplane.admin.v1.GetServiceInfoRequest\x1a\x1f.dataplane.admin.v1.ServiceInfo\x12g\n\x0eListPartitions\x12).dataplane.admin.v1.ListPartitionsRequest\x1a*.dataplane.admin.v1.ListPartitionsResponse\x12k\n\x11\x44\x65scribePartition\x12,.dataplane.admin.v1.DescribePartitionRequest\x1a(.dataplane.admin.v1.PartitionDescription\x12^\n\x0bListSamples\x12&.dataplane.admin.v1.ListSamplesRequest\x1a\'.dataplane.admin.v1.ListSamplesResponse\x12X\n\tGetSample\x12$.dataplane.admin.v1.GetSampleRequest\x1a%.dataplane.admin.v1.GetSampleResponse\x12g\n\x0e\x43learPartition\x12).dataplane.admin.v1.ClearPartitionRequest\x1a*.dataplane.admin.v1.ClearPartitionResponse\x12X\n\nWatchStats\x12%.dataplane.admin.v1.WatchStatsRequest\x1a!.dataplane.admin.v1.StatsSnapshot0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64\x61taplane/admin/v1/admin.proto\x12\x12\x64\x61taplane.admin.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x17\n\x15GetServiceInfoRequest\"\x82\x01\n\x08UnitInfo\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07node_ip\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x0f\n\x07samples\x18\x06 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x07 \x01(\x03\"\xf8\x01\n\x0bServiceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x12\n\nstarted_at\x18\x04 \x01(\x01\x12\x10\n\x08uptime_s\x18\x05 \x01(\x01\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x16\n\x0enum_partitions\x18\x07 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x08 \x01(\x03\x12\r\n\x05\x62ytes\x18\t \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\n \x01(\x03\x12+\n\x05units\x18\x0b \x03(\x0b\x32\x1c.dataplane.admin.v1.UnitInfo\"\x17\n\x15ListPartitionsRequest\"\x88\x01\n\x10PartitionSummary\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x0e\n\x06\x66ields\x18\x04 \x03(\t\x12\x16\n\x0e\x63onsumer_tasks\x18\x05 \x03(\t\x12\x12\n\ncreated_at\x18\x06 \x01(\x01\"R\n\x16ListPartitionsResponse\x12\x38\n\npartitions\x18\x01 \x03(\x0b\x32$.dataplane.admin.v1.PartitionSummary\"0\n\x18\x44\x65scribePartitionRequest\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\"~\n\tFieldInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12*\n\x06layout\x18\x03 \x01(\x0e\x32\x1a.dataplane.admin.v1.Layout\x12\x16\n\x0etrailing_shape\x18\x04 \x03(\x03\x12\x10\n\x08produced\x18\x05 \x01(\x03\"\x96\x01\n\x0fTaskConsumption\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x10\n\x08\x63onsumed\x18\x02 \x01(\x03\x12\r\n\x05total\x18\x03 \x01(\x03\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x0e\n\x06leased\x18\x05 \x01(\x03\x12\x14\n\x07lease_s\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0credeliveries\x18\x07 \x01(\x03\x42\n\n\x08_lease_s\"(\n\tUnitBytes\x12\x0c\n\x04unit\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"\xe9\x02\n\x14PartitionDescription\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x03\x12\x1d\n\x10\x65xpected_samples\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\ngroup_size\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\ncreated_at\x18\x05 \x01(\x01\x12-\n\x06\x66ields\x18\x06 \x03(\x0b\x32\x1d.dataplane.admin.v1.FieldInfo\x12\x38\n\x0b\x63onsumption\x18\x07 \x03(\x0b\x32#.dataplane.admin.v1.TaskConsumption\x12\x16\n\x0epending_claims\x18\x08 \x01(\x03\x12\x35\n\x0e\x62ytes_per_unit\x18\t \x03(\x0b\x32\x1d.dataplane.admin.v1.UnitBytesB\x13\n\x11_expected_samplesB\r\n\x0b_group_size\"\xb6\x01\n\nSampleInfo\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x0e\n\x06\x66ields\x18\x02 \x03(\t\x12\x17\n\x0fsequence_length\x18\x03 \x01(\x03\x12\x0c\n\x04unit\x18\x04 \x01(\x05\x12\x13\n\x0b\x63onsumed_by\x18\x05 \x03(\t\x12%\n\x04tags\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x0c\n\x04lost\x18\x07 \x01(\x08\x12\x14\n\x0credeliveries\x18\x08 \x01(\x03\"\x83\x01\n\x12ListSamplesRequest\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12\x30\n\x06status\x18\x02 \x01(\x0e\x32 .dataplane.admin.v1.SampleStatus\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"n\n\x13ListSamplesResponse\x12/\n\x07samples\x18\x01 \x03(\x0b\x32\x1e.dataplane.admin.v1.SampleInfo\x12\r\n\x05total\x18\x02 \x01(\x03\x12\x17\n\x0fnext_page_token\x18\x03 \x01(\t\"^\n\x10GetSampleRequest\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12\x11\n\tsample_id\x18\x02 \x01(\t\x12\x0e\n\x06\x66ields\x18\x03 \x03(\t\x12\x11\n\tmax_elems\x18\x04 \x01(\x05\"\xa5\x01\n\x0c\x46ieldPreview\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12*\n\x06layout\x18\x03 \x01(\x0e\x32\x1a.dataplane.admin.v1.Layout\x12\r\n\x05shape\x18\x04 \x03(\x03\x12*\n\x06values\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.ListValue\x12\x11\n\ttruncated\x18\x06 \x01(\x08\"\x8d\x01\n\x11GetSampleResponse\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12.\n\x06sample\x18\x02 \x01(\x0b\x32\x1e.dataplane.admin.v1.SampleInfo\x12\x32\n\x08previews\x18\x03 \x03(\x0b\x32 .dataplane.admin.v1.FieldPreview\"A\n\x15\x43learPartitionRequest\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12\x12\n\nsample_ids\x18\x02 \x03(\t\"\\\n\x16\x43learPartitionResponse\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63leared_samples\x18\x02 \x01(\x03\x12\x13\n\x0b\x62ytes_freed\x18\x03 \x01(\x03\".\n\x16\x44\x65letePartitionRequest\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\"]\n\x17\x44\x65letePartitionResponse\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64\x65leted_samples\x18\x02 \x01(\x03\x12\x13\n\x0b\x62ytes_freed\x18\x03 \x01(\x03\"6\n\x11WatchStatsRequest\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\"J\n\x0ePartitionStats\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\"\xdc\x01\n\tUnitStats\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x0f\n\x07samples\x18\x05 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x03\x12\x17\n\x0fput_bytes_total\x18\x07 \x01(\x03\x12\x17\n\x0fget_bytes_total\x18\x08 \x01(\x03\x12\x1a\n\x12put_requests_total\x18\t \x01(\x03\x12\x1a\n\x12get_requests_total\x18\n \x01(\x03\"\x9c\x03\n\rStatsSnapshot\x12\x11\n\ttimestamp\x18\x01 \x01(\x01\x12\x16\n\x0e\x63laims_waiting\x18\x02 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x17\n\x0fput_bytes_total\x18\x05 \x01(\x03\x12\x17\n\x0fget_bytes_total\x18\x06 \x01(\x03\x12\x1a\n\x12put_requests_total\x18\x07 \x01(\x03\x12\x1a\n\x12get_requests_total\x18\x08 \x01(\x03\x12=\n\x06\x65rrors\x18\t \x03(\x0b\x32-.dataplane.admin.v1.StatsSnapshot.ErrorsEntry\x12\x36\n\npartitions\x18\n \x03(\x0b\x32\".dataplane.admin.v1.PartitionStats\x12,\n\x05units\x18\x0b \x03(\x0b\x32\x1d.dataplane.admin.v1.UnitStats\x1a-\n\x0b\x45rrorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*X\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x10\n\x0cLAYOUT_DENSE\x10\x01\x12\x11\n\rLAYOUT_JAGGED\x10\x02\x12\x11\n\rLAYOUT_OBJECT\x10\x03*\x95\x01\n\x0cSampleStatus\x12\x1d\n\x19SAMPLE_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13SAMPLE_STATUS_READY\x10\x01\x12\x19\n\x15SAMPLE_STATUS_PENDING\x10\x02\x12\x1a\n\x16SAMPLE_STATUS_CONSUMED\x10\x03\x12\x16\n\x12SAMPLE_STATUS_LOST\x10\x04\x32\xab\x06\n\x0c\x41\x64minService\x12\\\n\x0eGetServiceInfo\x12).dataplane.admin.v1.GetServiceInfoRequest\x1a\x1f.dataplane.admin.v1.ServiceInfo\x12g\n\x0eListPartitions\x12).dataplane.admin.v1.ListPartitionsRequest\x1a*.dataplane.admin.v1.ListPartitionsResponse\x12k\n\x11\x44\x65scribePartition\x12,.dataplane.admin.v1.DescribePartitionRequest\x1a(.dataplane.admin.v1.PartitionDescription\x12^\n\x0bListSamples\x12&.dataplane.admin.v1.ListSamplesRequest\x1a\'.dataplane.admin.v1.ListSamplesResponse\x12X\n\tGetSample\x12$.dataplane.admin.v1.GetSampleRequest\x1a%.dataplane.admin.v1.GetSampleResponse\x12g\n\x0e\x43learPartition\x12).dataplane.admin.v1.ClearPartitionRequest\x1a*.dataplane.admin.v1.ClearPartitionResponse\x12j\n\x0f\x44\x65letePartition\x12*.dataplane.admin.v1.DeletePartitionRequest\x1a+.dataplane.admin.v1.DeletePartitionResponse\x12X\n\nWatchStats\x12%.dataplane.admin.v1.WatchStatsRequest\x1a!.dataplane.admin.v1.StatsSnapshot0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATSSNAPSHOT_ERRORSENTRY']._loaded_options = None
   _globals['_STATSSNAPSHOT_ERRORSENTRY']._serialized_options = b'8\001'
-  _globals['_LAYOUT']._serialized_start=3104
-  _globals['_LAYOUT']._serialized_end=3192
-  _globals['_SAMPLESTATUS']._serialized_start=3195
-  _globals['_SAMPLESTATUS']._serialized_end=3344
+  _globals['_LAYOUT']._serialized_start=3391
+  _globals['_LAYOUT']._serialized_end=3479
+  _globals['_SAMPLESTATUS']._serialized_start=3482
+  _globals['_SAMPLESTATUS']._serialized_end=3631
   _globals['_GETSERVICEINFOREQUEST']._serialized_start=84
   _globals['_GETSERVICEINFOREQUEST']._serialized_end=107
   _globals['_UNITINFO']._serialized_start=110
@@ -54,38 +54,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEPARTITIONREQUEST']._serialized_end=789
   _globals['_FIELDINFO']._serialized_start=791
   _globals['_FIELDINFO']._serialized_end=917
-  _globals['_TASKCONSUMPTION']._serialized_start=919
-  _globals['_TASKCONSUMPTION']._serialized_end=968
-  _globals['_UNITBYTES']._serialized_start=970
-  _globals['_UNITBYTES']._serialized_end=1010
-  _globals['_PARTITIONDESCRIPTION']._serialized_start=1013
-  _globals['_PARTITIONDESCRIPTION']._serialized_end=1374
-  _globals['_SAMPLEINFO']._serialized_start=1377
-  _globals['_SAMPLEINFO']._serialized_end=1537
-  _globals['_LISTSAMPLESREQUEST']._serialized_start=1540
-  _globals['_LISTSAMPLESREQUEST']._serialized_end=1671
-  _globals['_LISTSAMPLESRESPONSE']._serialized_start=1673
-  _globals['_LISTSAMPLESRESPONSE']._serialized_end=1783
-  _globals['_GETSAMPLEREQUEST']._serialized_start=1785
-  _globals['_GETSAMPLEREQUEST']._serialized_end=1879
-  _globals['_FIELDPREVIEW']._serialized_start=1882
-  _globals['_FIELDPREVIEW']._serialized_end=2047
-  _globals['_GETSAMPLERESPONSE']._serialized_start=2050
-  _globals['_GETSAMPLERESPONSE']._serialized_end=2191
-  _globals['_CLEARPARTITIONREQUEST']._serialized_start=2193
-  _globals['_CLEARPARTITIONREQUEST']._serialized_end=2238
-  _globals['_CLEARPARTITIONRESPONSE']._serialized_start=2240
-  _globals['_CLEARPARTITIONRESPONSE']._serialized_end=2332
-  _globals['_WATCHSTATSREQUEST']._serialized_start=2334
-  _globals['_WATCHSTATSREQUEST']._serialized_end=2388
-  _globals['_PARTITIONSTATS']._serialized_start=2390
-  _globals['_PARTITIONSTATS']._serialized_end=2464
-  _globals['_UNITSTATS']._serialized_start=2467
-  _globals['_UNITSTATS']._serialized_end=2687
-  _globals['_STATSSNAPSHOT']._serialized_start=2690
-  _globals['_STATSSNAPSHOT']._serialized_end=3102
-  _globals['_STATSSNAPSHOT_ERRORSENTRY']._serialized_start=3057
-  _globals['_STATSSNAPSHOT_ERRORSENTRY']._serialized_end=3102
-  _globals['_ADMINSERVICE']._serialized_start=3347
-  _globals['_ADMINSERVICE']._serialized_end=4050
+  _globals['_TASKCONSUMPTION']._serialized_start=920
+  _globals['_TASKCONSUMPTION']._serialized_end=1070
+  _globals['_UNITBYTES']._serialized_start=1072
+  _globals['_UNITBYTES']._serialized_end=1112
+  _globals['_PARTITIONDESCRIPTION']._serialized_start=1115
+  _globals['_PARTITIONDESCRIPTION']._serialized_end=1476
+  _globals['_SAMPLEINFO']._serialized_start=1479
+  _globals['_SAMPLEINFO']._serialized_end=1661
+  _globals['_LISTSAMPLESREQUEST']._serialized_start=1664
+  _globals['_LISTSAMPLESREQUEST']._serialized_end=1795
+  _globals['_LISTSAMPLESRESPONSE']._serialized_start=1797
+  _globals['_LISTSAMPLESRESPONSE']._serialized_end=1907
+  _globals['_GETSAMPLEREQUEST']._serialized_start=1909
+  _globals['_GETSAMPLEREQUEST']._serialized_end=2003
+  _globals['_FIELDPREVIEW']._serialized_start=2006
+  _globals['_FIELDPREVIEW']._serialized_end=2171
+  _globals['_GETSAMPLERESPONSE']._serialized_start=2174
+  _globals['_GETSAMPLERESPONSE']._serialized_end=2315
+  _globals['_CLEARPARTITIONREQUEST']._serialized_start=2317
+  _globals['_CLEARPARTITIONREQUEST']._serialized_end=2382
+  _globals['_CLEARPARTITIONRESPONSE']._serialized_start=2384
+  _globals['_CLEARPARTITIONRESPONSE']._serialized_end=2476
+  _globals['_DELETEPARTITIONREQUEST']._serialized_start=2478
+  _globals['_DELETEPARTITIONREQUEST']._serialized_end=2524
+  _globals['_DELETEPARTITIONRESPONSE']._serialized_start=2526
+  _globals['_DELETEPARTITIONRESPONSE']._serialized_end=2619
+  _globals['_WATCHSTATSREQUEST']._serialized_start=2621
+  _globals['_WATCHSTATSREQUEST']._serialized_end=2675
+  _globals['_PARTITIONSTATS']._serialized_start=2677
+  _globals['_PARTITIONSTATS']._serialized_end=2751
+  _globals['_UNITSTATS']._serialized_start=2754
+  _globals['_UNITSTATS']._serialized_end=2974
+  _globals['_STATSSNAPSHOT']._serialized_start=2977
+  _globals['_STATSSNAPSHOT']._serialized_end=3389
+  _globals['_STATSSNAPSHOT_ERRORSENTRY']._serialized_start=3344
+  _globals['_STATSSNAPSHOT_ERRORSENTRY']._serialized_end=3389
+  _globals['_ADMINSERVICE']._serialized_start=3634
+  _globals['_ADMINSERVICE']._serialized_end=4445
 # @@protoc_insertion_point(module_scope)

@@ -65,6 +65,11 @@ class AdminServiceStub:
                 request_serializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.ClearPartitionRequest.SerializeToString,
                 response_deserializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.ClearPartitionResponse.FromString,
                 _registered_method=True)
+        self.DeletePartition = channel.unary_unary(
+                '/dataplane.admin.v1.AdminService/DeletePartition',
+                request_serializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.DeletePartitionRequest.SerializeToString,
+                response_deserializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.DeletePartitionResponse.FromString,
+                _registered_method=True)
         self.WatchStats = channel.unary_stream(
                 '/dataplane.admin.v1.AdminService/WatchStats',
                 request_serializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.WatchStatsRequest.SerializeToString,
@@ -112,7 +117,15 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClearPartition(self, request, context):
-        """Drops every sample of a partition (mutating: needs the token).
+        """Drops the listed samples of a partition; with no sample_ids, drops the
+        whole partition (clear_samples(None, p): the partition is deleted). Mutating.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeletePartition(self, request, context):
+        """Deletes a partition: its samples, bytes and declaration. Mutating.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -157,6 +170,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.ClearPartition,
                     request_deserializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.ClearPartitionRequest.FromString,
                     response_serializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.ClearPartitionResponse.SerializeToString,
+            ),
+            'DeletePartition': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeletePartition,
+                    request_deserializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.DeletePartitionRequest.FromString,
+                    response_serializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.DeletePartitionResponse.SerializeToString,
             ),
             'WatchStats': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchStats,
@@ -327,6 +345,33 @@ class AdminService:
             '/dataplane.admin.v1.AdminService/ClearPartition',
             dataplane_dot_admin_dot_v1_dot_admin__pb2.ClearPartitionRequest.SerializeToString,
             dataplane_dot_admin_dot_v1_dot_admin__pb2.ClearPartitionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeletePartition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dataplane.admin.v1.AdminService/DeletePartition',
+            dataplane_dot_admin_dot_v1_dot_admin__pb2.DeletePartitionRequest.SerializeToString,
+            dataplane_dot_admin_dot_v1_dot_admin__pb2.DeletePartitionResponse.FromString,
             options,
             channel_credentials,
             insecure,
