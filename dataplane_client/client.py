@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 import uuid
 import zlib
 from collections.abc import Generator, Mapping, Sequence
@@ -30,16 +31,11 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+import ray._private.state as ray_state
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from dataplane_client import arguments
-from dataplane_client.codec import (
-    DENSE,
-    JAGGED,
-    EncodedField,
-    decode_field,
-    encode_fields,
-)
+from dataplane_client import arguments, prepare
+from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import (
     DataPlaneError,
     InvalidBatch,
@@ -57,7 +53,7 @@ from dataplane_client.messages import (
     TaskConsumption,
 )
 from dataplane_client.meta import KVBatchMeta
-from dataplane_client.tensordict_io import as_field_mapping, to_tensordict
+from dataplane_client.tensordict_io import to_tensordict
 from dataplane_client.transport import SharedMemoryUnavailable, Transport, assemble
 
 Flow = Generator[list, list, Any]
@@ -65,28 +61,104 @@ _MAX_REROUTES = 3
 _ROUTE_CACHE_LIMIT = 4_000_000
 
 
+# A call to a restarting controller is retried by Ray (the controller runs with task
+# retries); the client only bounds how long it waits for the restart to finish.
+_POLL_S = 1.0
+_budget_s: float | None = None
+
+
+def _retry_budget_s() -> float:
+    global _budget_s
+    if _budget_s is None:  # the config's default, or DATAPLANE_CONTROLLER_RETRY_BUDGET_S
+        _budget_s = DataPlaneConfig().controller_retry_budget_s
+    return _budget_s
+
+
+def _actor_state(actor_id: str) -> tuple[str, str]:
+    """(class name, state) of an actor in Ray's view; ('', '') when unknown."""
+    try:
+        info = ray_state.actors(actor_id)
+    except Exception:  # noqa: BLE001 - unknown is treated as not restarting
+        return "", ""
+    return info.get("ActorClassName", ""), info.get("State", "")
+
+
 def _unwrap(exc: BaseException) -> BaseException:
-    """A typed error raised inside an actor, as its own class (not Ray's wrapper)."""
+    """A typed error raised inside an actor, as its own class (not Ray's wrapper); a dead
+    controller (restarts exhausted) as ServiceUnavailable."""
     if isinstance(exc, RayTaskError):
         cause = getattr(exc, "cause", None)
         if isinstance(cause, DataPlaneError):
             return cause
+    if (
+        isinstance(exc, RayActorError)
+        and exc.actor_id
+        and _actor_state(exc.actor_id)[0] == "Controller"
+    ):
+        return ServiceUnavailable(f"the data-plane controller is gone ({exc.error_msg})")
     return exc
+
+
+class _RestartClock:
+    """How long the actor behind a call has been restarting; raises past the budget."""
+
+    def __init__(self, ref: Any):
+        self.actor_id = ref.task_id().actor_id().hex() if hasattr(ref, "task_id") else None
+        self.since: float | None = None
+
+    def check(self) -> None:
+        if self.actor_id is None:
+            return
+        cls, state = _actor_state(self.actor_id)
+        if state != "RESTARTING":
+            self.since = None
+            return
+        now = time.monotonic()
+        self.since = self.since or now
+        if now - self.since > _retry_budget_s():
+            raise ServiceUnavailable(
+                f"the data-plane {cls or 'actor'} has been restarting for over "
+                f"{_retry_budget_s():.0f}s (controller_retry_budget_s)"
+            )
+
+
+def _wait_sync(ref: Any) -> Any:
+    clock = _RestartClock(ref)
+    while True:
+        try:
+            return ray.get(ref, timeout=_POLL_S)
+        except GetTimeoutError:
+            clock.check()
+
+
+async def _wait_async(ref: Any) -> Any:
+    clock = _RestartClock(ref)
+    future = asyncio.ensure_future(ref) if not asyncio.isfuture(ref) else ref
+    while True:
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), _POLL_S)
+        except asyncio.TimeoutError:
+            clock.check()
 
 
 def _resolve_sync(refs: list) -> list:
     out = []
     for ref in refs:
         try:
-            out.append(ray.get(ref))
+            out.append(_wait_sync(ref))
         except Exception as e:  # noqa: BLE001 - handed to the flow, which re-raises typed errors
             out.append(_unwrap(e))
     return out
 
 
 async def _resolve_async(refs: list) -> list:
-    results = await asyncio.gather(*refs, return_exceptions=True)
-    return [_unwrap(r) if isinstance(r, BaseException) else r for r in results]
+    async def one(ref: Any) -> Any:
+        try:
+            return await _wait_async(ref)
+        except Exception as e:  # noqa: BLE001 - handed to the flow, which re-raises typed errors
+            return _unwrap(e)
+
+    return list(await asyncio.gather(*[one(r) for r in refs]))
 
 
 def _run_sync(flow: Flow) -> Any:
@@ -109,14 +181,14 @@ async def _run_async(flow: Flow) -> Any:
 
 def _get_sync(ref: Any) -> Any:
     try:
-        return ray.get(ref)
+        return _wait_sync(ref)
     except Exception as e:  # noqa: BLE001 - re-raised, as the typed error when it is one
         raise _unwrap(e) from None
 
 
 async def _get_async(ref: Any) -> Any:
     try:
-        return await ref
+        return await _wait_async(ref)
     except Exception as e:  # noqa: BLE001 - re-raised, as the typed error when it is one
         raise _unwrap(e) from None
 
@@ -166,17 +238,6 @@ def _one(results: list) -> Any:
     return r
 
 
-def sequence_lengths(encoded: Mapping[str, EncodedField]) -> list[int] | None:
-    """A sample's sequence length: ``input_lengths`` if given, else its first jagged field."""
-    lengths = encoded.get("input_lengths")
-    if lengths is not None and lengths.kind == DENSE and lengths.shape == ():
-        return [int(x) for x in decode_field(lengths).tolist()]
-    for enc in encoded.values():
-        if enc.kind == JAGGED:
-            return enc.lengths.tolist()
-    return None
-
-
 class RayDataPlaneClient(DataPlaneClient):
     """Client of one data-plane service (controller + storage units) on Ray."""
 
@@ -197,6 +258,11 @@ class RayDataPlaneClient(DataPlaneClient):
     def _check_open(self) -> None:
         if self._controller is None:
             raise ServiceUnavailable(f"this client of {self.name!r} was closed")
+
+    def _codecs_of(self, partition_id: str) -> FieldCodecs:
+        """The partition's enums and object fields, as this client registered it (none
+        for a partition registered elsewhere: the service does not hand them out yet)."""
+        return self._codecs.get(partition_id, FieldCodecs())
 
     def _remember(self, partition_id: str, sample_ids: Sequence[str], units: Sequence[int]) -> None:
         if len(self._routes) > _ROUTE_CACHE_LIMIT:
@@ -293,20 +359,10 @@ class RayDataPlaneClient(DataPlaneClient):
         ``fields``: a TensorDict, dict or BatchedDataDict of one row per id.
         ``overwrite`` (ours) replaces fields already produced.
         """
-        sample_ids = arguments.id_list(sample_ids, partition_id=partition_id)
-        tags = arguments.tag_list(tags, len(sample_ids), partition_id=partition_id)
-        if not isinstance(overwrite, bool):
-            raise InvalidBatch(f"overwrite must be a bool, got {overwrite!r}")
-        fields = as_field_mapping(fields)
-        codecs = self._codecs.get(partition_id, FieldCodecs())
-        encoded = encode_fields(
-            fields,
-            num_rows=len(sample_ids),
-            enums=codecs.enums,
-            object_fields=codecs.object_fields,
+        w = prepare.write(
+            sample_ids, partition_id, fields, tags, overwrite, self._codecs_of(partition_id)
         )
-        seq_lens = sequence_lengths(encoded)
-        schemas = {name: enc.schema for name, enc in encoded.items()}
+        sample_ids, encoded = w.sample_ids, w.encoded
 
         units = np.array(
             [self._routes.get((partition_id, s), -1) for s in sample_ids], dtype=np.int64
@@ -349,10 +405,10 @@ class RayDataPlaneClient(DataPlaneClient):
                 write_id=write_id,
                 sample_ids=sample_ids,
                 units=units.tolist(),
-                schemas=schemas,
-                sequence_lengths=seq_lens,
-                tags=tags,
-                overwrite=overwrite,
+                schemas=w.schemas,
+                sequence_lengths=w.sequence_lengths,
+                tags=w.tags,
+                overwrite=w.overwrite,
                 staged_units=staged,
             )
             try:
@@ -372,7 +428,7 @@ class RayDataPlaneClient(DataPlaneClient):
                 sample_ids=sample_ids,
                 fields=list(encoded),
                 sequence_lengths=result.sequence_lengths,
-                tags=tags,
+                tags=w.tags,
             )
         raise RoutingUnstable(
             "samples kept moving between units while writing; retry",
@@ -391,13 +447,9 @@ class RayDataPlaneClient(DataPlaneClient):
     @_flow_verb
     def get_data(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None) -> Flow:
         """Read a meta's samples as a TensorDict: ``select_fields``, else the meta's fields."""
-        fields = select_fields if select_fields is not None else meta.fields
-        if not fields:
-            raise InvalidBatch(
-                "get_data needs select_fields or meta.fields: say which fields to fetch",
-                partition_id=meta.partition_id,
-            )
-        return self._read(meta.sample_ids, meta.partition_id, fields)
+        return self._read(
+            meta.sample_ids, meta.partition_id, prepare.read_fields(meta, select_fields)
+        )
 
     def _read(self, sample_ids: Sequence[str], partition_id: str, fields: Sequence[str]) -> Flow:
         """The get flow, once its arguments are valid (checked before anything is sent)."""
@@ -440,8 +492,7 @@ class RayDataPlaneClient(DataPlaneClient):
                 if isinstance(r, BaseException):
                     raise r from None
             decoded = {name: assemble([r[name] for r in results], order) for name in fields}
-        codecs = self._codecs.get(partition_id, FieldCodecs())
-        return to_tensordict(decoded, len(sample_ids), enums=codecs.enums)
+        return to_tensordict(decoded, len(sample_ids), enums=self._codecs_of(partition_id).enums)
 
     # ---- claims and consumption ---------------------------------------------------
     @_rpc_verb

@@ -1,0 +1,79 @@
+"""What every implementation of the client checks and prepares before touching a store.
+
+The Ray client and the in-process twin (``dataplane_server.inprocess``) share
+these, so the same bad input raises the same typed error on both, and a write
+reaches either store in the same encoded form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dataplane_client import arguments
+from dataplane_client.codec import DENSE, JAGGED, EncodedField, decode_field, encode_fields
+from dataplane_client.errors import InvalidBatch
+from dataplane_client.messages import FieldCodecs
+from dataplane_client.meta import KVBatchMeta
+from dataplane_client.tensordict_io import as_field_mapping
+
+
+@dataclass(frozen=True)
+class Write:
+    """A put, checked and encoded: nothing of it is stored yet."""
+
+    sample_ids: list[str]
+    encoded: dict[str, EncodedField]
+    sequence_lengths: list[int] | None
+    tags: list[dict] | None
+    overwrite: bool
+
+    @property
+    def schemas(self) -> dict[str, tuple]:
+        return {name: enc.schema for name, enc in self.encoded.items()}
+
+
+def sequence_lengths(encoded: Mapping[str, EncodedField]) -> list[int] | None:
+    """A sample's sequence length: ``input_lengths`` if given, else its first jagged field."""
+    lengths = encoded.get("input_lengths")
+    if lengths is not None and lengths.kind == DENSE and lengths.shape == ():
+        return [int(x) for x in decode_field(lengths).tolist()]
+    for enc in encoded.values():
+        if enc.kind == JAGGED:
+            return enc.lengths.tolist()
+    return None
+
+
+def write(
+    sample_ids: Any,
+    partition_id: str,
+    fields: Any,
+    tags: Any,
+    overwrite: Any,
+    codecs: FieldCodecs,
+) -> Write:
+    """A put's arguments checked and its fields encoded (TensorDict, dict or BatchedDataDict)."""
+    ids = arguments.id_list(sample_ids, partition_id=partition_id)
+    tag_list = arguments.tag_list(tags, len(ids), partition_id=partition_id)
+    if not isinstance(overwrite, bool):
+        raise InvalidBatch(f"overwrite must be a bool, got {overwrite!r}")
+    encoded = encode_fields(
+        as_field_mapping(fields),
+        num_rows=len(ids),
+        enums=codecs.enums,
+        object_fields=codecs.object_fields,
+    )
+    return Write(ids, encoded, sequence_lengths(encoded), tag_list, overwrite)
+
+
+def read_fields(meta: KVBatchMeta, select_fields: Sequence[str] | None) -> list[str]:
+    """The fields a ``get_data`` reads: ``select_fields``, else ``meta.fields``, else an error
+    (NeMo-RL's contract: never every field silently)."""
+    fields = select_fields if select_fields is not None else meta.fields
+    if not fields:
+        raise InvalidBatch(
+            "get_data needs select_fields or meta.fields: say which fields to fetch",
+            partition_id=meta.partition_id,
+        )
+    return arguments.name_list(fields, "select_fields")

@@ -1,0 +1,336 @@
+"""InProcessDataPlaneClient: the whole data plane in one process, without Ray.
+
+The same key space as the Ray service (:mod:`dataplane_server.keyspace`:
+partitions, commit check and apply, claims, leases, consumption) over an
+in-memory byte store, behind the same abstract
+:class:`~dataplane_client.interface.DataPlaneClient`. For users' unit tests
+and ours: code written against the ABC runs unchanged on either, with the same
+semantics and the same typed errors. Opt-in extras kept where cheap: ``*_async``
+twins, ``ack``, ``reset_consumption``, ``delete_partition``,
+``consumption_detail``, object fields and ``overwrite``.
+
+Thread-safe: one lock around the key space and the store; a blocking claim
+waits on a condition that every commit, clear and registration notifies, so a
+claim in one thread is served by a put in another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from dataplane_client import arguments, prepare
+from dataplane_client.codec import EncodedField, row_byte_offsets
+from dataplane_client.errors import ClaimTimeout, InvalidBatch, ServiceUnavailable, UnknownPartition
+from dataplane_client.interface import DataPlaneClient
+from dataplane_client.messages import ClearResult, CommitRequest, FieldCodecs, TaskConsumption
+from dataplane_client.meta import KVBatchMeta
+from dataplane_client.tensordict_io import to_tensordict
+from dataplane_client.transport import assemble
+from dataplane_server.keyspace import CommitPlan, Declaration, KeySpace
+
+_UNIT = 0  # the one in-memory "storage unit" every sample lives on
+
+
+def _rows_of(enc: EncodedField) -> list[EncodedField]:
+    """One single-row field per row, each owning a copy of its bytes (the caller's
+    tensors may change after the put; what was stored must not)."""
+    offs = row_byte_offsets(enc).tolist()
+    return [
+        EncodedField(
+            kind=enc.kind,
+            dtype=enc.dtype,
+            shape=enc.shape,
+            values=enc.values[offs[i] : offs[i + 1]].copy(),
+            lengths=None if enc.lengths is None else enc.lengths[i : i + 1].copy(),
+            num_rows=1,
+        )
+        for i in range(enc.num_rows)
+    ]
+
+
+def declaration(
+    partition_id: str,
+    fields: Any,
+    num_samples: Any,
+    consumer_tasks: Any,
+    grpo_group_size: Any,
+    task_leases: Mapping[str, Any] | None,
+) -> Declaration:
+    """A registration's arguments checked, as the key space keeps them."""
+    arguments.partition_name(partition_id)
+    leases = {t: arguments.seconds(s, f"lease of {t!r}") for t, s in (task_leases or {}).items()}
+    if any(s <= 0 for s in leases.values()):
+        raise InvalidBatch("a lease must be longer than 0 s", partition_id=partition_id)
+    return Declaration(
+        fields=arguments.name_list(fields, "fields", allow_empty=True),
+        expected_samples=arguments.optional_count(num_samples, "num_samples", minimum=0),
+        consumer_tasks=list(
+            dict.fromkeys(arguments.name_list(consumer_tasks, "consumer_tasks", allow_empty=True))
+        ),
+        group_size=arguments.optional_count(grpo_group_size, "grpo_group_size", minimum=1),
+        task_leases=leases,
+    )
+
+
+class InProcessDataPlaneClient(DataPlaneClient):
+    """A data plane held in this process's memory (one client = one store)."""
+
+    def __init__(self) -> None:
+        self._keys: KeySpace | None = KeySpace()
+        self._keys.unit_alive = [True]
+        # partition -> sample -> field -> that row's bytes
+        self._store: dict[str, dict[str, dict[str, EncodedField]]] = {}
+        self._codecs: dict[str, FieldCodecs] = {}
+        self._changed = threading.Condition()
+
+    def _open(self) -> KeySpace:
+        if self._keys is None:
+            raise ServiceUnavailable("this in-process client was closed")
+        return self._keys
+
+    def _notify(self) -> None:
+        self._changed.notify_all()
+
+    # ---- partitions ---------------------------------------------------------------
+    def register_partition(
+        self,
+        partition_id: str,
+        fields: Sequence[str] = (),
+        num_samples: int | None = None,
+        consumer_tasks: Sequence[str] = (),
+        grpo_group_size: int | None = None,
+        enums: Mapping[str, Sequence[str]] | None = None,
+        *,
+        object_fields: Sequence[str] = (),
+        task_leases: Mapping[str, float] | None = None,
+    ) -> None:
+        """Declare a partition; one of the same id is replaced (its samples deleted)."""
+        codecs = arguments.field_codecs(enums, object_fields)
+        decl = declaration(
+            partition_id, fields, num_samples, consumer_tasks, grpo_group_size, task_leases
+        )
+        with self._changed:
+            self._open().register(partition_id, decl)
+            self._store[partition_id] = {}
+            self._codecs[partition_id] = codecs
+            self._notify()  # claims waiting on the replaced partition fail
+
+    def delete_partition(self, partition_id: str) -> ClearResult:
+        """Delete the partition: its samples, bytes and declaration."""
+        with self._changed:
+            part = self._open().delete(partition_id)
+            freed = self._nbytes(self._store.pop(partition_id, {}).values())
+            self._codecs.pop(partition_id, None)
+            self._notify()
+            return ClearResult(cleared=part.num_samples, bytes_freed=freed)
+
+    @staticmethod
+    def _nbytes(samples: Any) -> int:
+        return sum(int(enc.values.nbytes) for fields in samples for enc in fields.values())
+
+    # ---- put ----------------------------------------------------------------------
+    def put_samples(
+        self,
+        sample_ids: Sequence[str],
+        partition_id: str,
+        fields: Any = None,
+        tags: Sequence[dict] | None = None,
+        overwrite: bool = False,
+    ) -> KVBatchMeta:
+        """Write fields of samples (new samples, or new fields of existing ones)."""
+        with self._changed:
+            keys = self._open()
+            w = prepare.write(
+                sample_ids,
+                partition_id,
+                fields,
+                tags,
+                overwrite,
+                self._codecs.get(partition_id, FieldCodecs()),
+            )
+            plan = keys.check_commit(
+                CommitRequest(
+                    partition_id=partition_id,
+                    write_id=uuid.uuid4().hex,
+                    sample_ids=w.sample_ids,
+                    units=[_UNIT] * len(w.sample_ids),
+                    schemas=w.schemas,
+                    sequence_lengths=w.sequence_lengths,
+                    tags=w.tags,
+                    overwrite=w.overwrite,
+                    staged_units=[_UNIT],
+                )
+            )
+            # One unit and one lock: nothing is ever re-routed, so this is always a plan.
+            assert isinstance(plan, CommitPlan)
+            store = self._store[partition_id]
+            for name, enc in w.encoded.items():
+                for sid, row in zip(w.sample_ids, _rows_of(enc)):
+                    store.setdefault(sid, {})[name] = row
+            result, _ = keys.apply_commit(plan)
+            self._notify()
+        return KVBatchMeta(
+            partition_id=partition_id,
+            task_name=None,
+            sample_ids=w.sample_ids,
+            fields=list(w.encoded),
+            sequence_lengths=result.sequence_lengths,
+            tags=w.tags,
+        )
+
+    # ---- get ----------------------------------------------------------------------
+    def get_samples(
+        self, sample_ids: Sequence[str], partition_id: str, select_fields: Sequence[str]
+    ) -> Any:
+        """Read fields of samples as a TensorDict in ``sample_ids`` order (touches no cursor)."""
+        return self._read(sample_ids, partition_id, select_fields)
+
+    def get_data(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None) -> Any:
+        """Read a meta's samples as a TensorDict: ``select_fields``, else the meta's fields."""
+        return self._read(
+            meta.sample_ids, meta.partition_id, prepare.read_fields(meta, select_fields)
+        )
+
+    def _read(self, sample_ids: Any, partition_id: str, fields: Any) -> Any:
+        ids = arguments.id_list(sample_ids, partition_id=partition_id)
+        names = arguments.name_list(fields, "select_fields")
+        with self._changed:
+            self._open().locate(partition_id, ids, names)
+            samples = [self._store[partition_id][s] for s in ids]
+            codecs = self._codecs.get(partition_id, FieldCodecs())
+        order = np.arange(len(ids))
+        decoded = {name: assemble([s[name] for s in samples], order) for name in names}
+        return to_tensordict(decoded, len(ids), enums=codecs.enums)
+
+    # ---- claims and consumption ---------------------------------------------------
+    def claim_meta(
+        self,
+        partition_id: str,
+        task_name: str,
+        required_fields: Sequence[str],
+        batch_size: int,
+        dp_rank: int | None = None,
+        blocking: bool = True,
+        timeout_s: float = 60.0,
+    ) -> KVBatchMeta | None:
+        """Claim up to ``batch_size`` ready samples the task has not consumed yet."""
+        required = arguments.name_list(required_fields, "required_fields", allow_empty=True)
+        batch_size = arguments.count(batch_size, "batch_size", minimum=1)
+        timeout_s = arguments.seconds(timeout_s, "timeout_s")
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            keys = self._open()
+            part = keys.partition(partition_id)
+            keys.task_of(part, task_name)
+            meta = keys.claim(
+                part, task_name, required, batch_size, partial_ok=not blocking, dp_rank=dp_rank
+            )
+            while meta is None and blocking:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    have = keys.ready_count(part, task_name, required, batch_size)
+                    raise ClaimTimeout(
+                        f"only {have} of {batch_size} samples ready after {timeout_s}s "
+                        f"(task {task_name!r})",
+                        fields=required,
+                        partition_id=partition_id,
+                    )
+                expiry = keys.next_lease_expiry(part, task_name)
+                if expiry is not None:  # wake when a lease runs out, too
+                    remaining = min(remaining, max(expiry - keys.clock(), 0.001))
+                self._changed.wait(remaining)
+                if self._keys is None:
+                    raise ServiceUnavailable("this in-process client was closed during the claim")
+                if keys.partitions.get(partition_id) is not part:
+                    raise UnknownPartition(
+                        "partition deleted while the claim waited", partition_id=partition_id
+                    )
+                meta = keys.claim(part, task_name, required, batch_size, partial_ok=False)
+            return meta
+
+    def ack(self, meta: KVBatchMeta) -> int:
+        """Acknowledge a leased claim (or a slice of it): its samples are done for its task."""
+        lease_id = meta.extra_info.get("lease_id")
+        if lease_id is None or meta.task_name is None:
+            raise InvalidBatch(
+                "this meta holds no lease: only claims of a leased task are acknowledged",
+                partition_id=meta.partition_id,
+            )
+        with self._changed:
+            return self._open().ack(
+                meta.partition_id, meta.task_name, arguments.id_list(meta.sample_ids), lease_id
+            )
+
+    def reset_consumption(self, partition_id: str, task_name: str) -> None:
+        """Make every sample of the partition claimable again by the task."""
+        with self._changed:
+            self._open().reset_consumption(partition_id, task_name)
+            self._notify()
+
+    def consumption_detail(
+        self, partition_id: str, task_names: Sequence[str]
+    ) -> list[TaskConsumption]:
+        """Per task: consumed / total / expected, held leases and redeliveries."""
+        with self._changed:
+            keys = self._open()
+            part = keys.partition(partition_id)
+            return [keys.consumption(part, t) for t in arguments.name_list(task_names, "tasks")]
+
+    def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool:
+        """True iff every named task has consumed every sample of the partition."""
+        names = arguments.name_list(task_names, "task_names")
+        return all(t.done for t in self.consumption_detail(partition_id, names))
+
+    # ---- clear --------------------------------------------------------------------
+    def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> ClearResult:
+        """Forget samples and free their bytes; ``None`` deletes the whole partition."""
+        if sample_ids is None:
+            return self.delete_partition(partition_id)
+        ids = arguments.id_list(sample_ids, partition_id=partition_id)
+        with self._changed:
+            self._open().clear_samples(partition_id, ids)
+            store = self._store[partition_id]
+            freed = self._nbytes(store.pop(s) for s in ids if s in store)
+            self._notify()
+        return ClearResult(cleared=len(ids), bytes_freed=freed)
+
+    def close(self) -> None:
+        """Drop everything held; idempotent."""
+        with self._changed:
+            self._keys = None
+            self._store.clear()
+            self._codecs.clear()
+            self._notify()  # waiting claims see the client closed
+
+
+def _async_twin(name: str):
+    async def twin(self, *args, **kwargs):
+        # A thread, so a blocking claim never stalls the caller's event loop.
+        return await asyncio.to_thread(getattr(self, name), *args, **kwargs)
+
+    twin.__name__ = twin.__qualname__ = f"{name}_async"
+    twin.__doc__ = f"Awaitable ``{name}`` (runs in a worker thread)."
+    return twin
+
+
+for _verb in (
+    "register_partition",
+    "delete_partition",
+    "put_samples",
+    "get_samples",
+    "get_data",
+    "claim_meta",
+    "ack",
+    "reset_consumption",
+    "consumption_detail",
+    "check_consumption_status",
+    "clear_samples",
+):
+    setattr(InProcessDataPlaneClient, f"{_verb}_async", _async_twin(_verb))
