@@ -130,6 +130,41 @@ class DataPlaneConfig(BaseModel):
         0.0, ge=0, description="Logical CPUs reserved per storage unit (0 = none)."
     )
 
+    # --- reliability ---------------------------------------------------------------
+    controller_max_restarts: int = Field(
+        -1, ge=-1, description="Times Ray restarts a crashed controller (-1 = always)."
+    )
+    controller_state_dir: str | None = Field(
+        None,
+        description="Directory of the controller's journal (declarations, cursors, leases) "
+        "on its node; None = a fresh temporary directory per service.",
+    )
+    journal_fsync: bool = Field(
+        False,
+        description="fsync every journal record: survives a machine crash, not only the "
+        "controller's process (slower claims).",
+    )
+    controller_retry_budget_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long a client waits for a restarting controller before raising "
+        "ServiceUnavailable.",
+    )
+    liveness_interval_s: float = Field(
+        1.0, gt=0, description="Seconds between the controller's checks of unit and node liveness."
+    )
+    retain_emptied_partitions: int | None = Field(
+        None,
+        ge=0,
+        description="Keep only this many partitions emptied by clears (older ones are "
+        "deleted); None = keep all.",
+    )
+    retain_emptied_partitions_s: float | None = Field(
+        None,
+        ge=0,
+        description="Delete a partition emptied by clears this many seconds ago; None = never.",
+    )
+
     # --- admin endpoint (gRPC) ---------------------------------------------------
     admin_enabled: bool = Field(True, description="Start the gRPC admin endpoint.")
     admin_host: str = Field(

@@ -6,6 +6,7 @@ loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps it off external addresses).
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,16 +94,24 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
             )
         )
     # The controller sits beside whoever started the service, so losing a worker node
-    # never takes the key space with it.
+    # never takes the key space with it. Ray restarts it after a crash with the same
+    # arguments; it rebuilds from the units and its journal on this node's disk, and
+    # calls in flight are retried (each verb is safe to retry: see RELIABILITY.md).
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    raw = config.to_dict()
+    state_dir = raw.get("controller_state_dir") or tempfile.mkdtemp(
+        prefix=f"dataplane-{config.name}-journal-"
+    )
     controller = Controller.options(
         name=config.name,
         namespace=config.namespace,
         num_cpus=config.controller_num_cpus,
         max_concurrency=10_000,
         scheduling_strategy=here,
-    ).remote(config.to_dict())
-    ray.get(controller.attach_units.remote(units))
+        max_restarts=int(raw.get("controller_max_restarts", -1)),
+        max_task_retries=-1,
+    ).remote(raw, units, state_dir)
+    ray.get(controller.attach_units.remote())
     handle = ServiceHandle(config=config, controller=controller, units=units)
     if config.admin_enabled:
         _start_admin(handle)

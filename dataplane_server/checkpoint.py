@@ -1,0 +1,88 @@
+"""Checkpoint directories: layout, manifest and checksums (no Ray here).
+
+A checkpoint is one directory:
+
+- ``unit-<i>.bin``: every sample unit ``i`` held (ids, commit order, lengths,
+  tags, and the bytes of every field), written by the unit itself;
+- ``state.msgpack``: what only the controller knows (declarations,
+  consumption and leases by sample id);
+- ``manifest.json``: format version, the files with their sizes and SHA-256.
+
+Everything is written into ``<dir>.tmp-<random>`` and renamed to ``<dir>`` only
+once the manifest is complete and synced, so a crash mid-save leaves no
+directory of the final name, and a directory without a valid manifest never
+loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+
+import msgpack
+
+from dataplane_client.errors import CorruptPayload, InvalidBatch
+from dataplane_server.recovery_messages import DumpedFile
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+STATE = "state.msgpack"
+
+
+def start(directory: str) -> str:
+    """A fresh temporary directory beside ``directory`` (which must not exist yet)."""
+    directory = os.path.abspath(directory)
+    if os.path.exists(directory):
+        raise InvalidBatch(f"checkpoint directory {directory} exists; choose a new one")
+    tmp = f"{directory}.tmp-{uuid.uuid4().hex[:8]}"
+    os.makedirs(tmp)
+    return tmp
+
+
+def finish(tmp: str, directory: str, files: list[DumpedFile], state: dict) -> None:
+    """Write state and manifest into ``tmp``, sync everything, rename it to ``directory``."""
+    data = msgpack.packb(state, use_bin_type=True)
+    with open(os.path.join(tmp, STATE), "wb") as f:
+        f.write(data)
+    manifest = {
+        "format": FORMAT,
+        "units": [
+            {"unit": d.unit, "name": d.name, "nbytes": d.nbytes, "sha256": d.sha256} for d in files
+        ],
+        "state": {"name": STATE, "nbytes": len(data), "sha256": hashlib.sha256(data).hexdigest()},
+    }
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+    for name in os.listdir(tmp):
+        with open(os.path.join(tmp, name), "rb") as f:
+            os.fsync(f.fileno())
+    os.rename(tmp, os.path.abspath(directory))
+
+
+def abandon(tmp: str) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read(directory: str) -> tuple[list[DumpedFile], dict]:
+    """The unit files (checked by each unit as it loads) and the verified state."""
+    directory = os.path.abspath(directory)
+    try:
+        with open(os.path.join(directory, MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CorruptPayload(f"{directory} holds no readable checkpoint manifest ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise CorruptPayload(f"{directory}: checkpoint format {manifest.get('format')!r} unknown")
+    st = manifest["state"]
+    try:
+        with open(os.path.join(directory, st["name"]), "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise CorruptPayload(f"{directory}: cannot read the checkpoint state ({e})") from None
+    if len(data) != st["nbytes"] or hashlib.sha256(data).hexdigest() != st["sha256"]:
+        raise CorruptPayload(f"{directory}: the checkpoint state does not match its manifest")
+    files = [DumpedFile(u["unit"], u["name"], u["nbytes"], u["sha256"]) for u in manifest["units"]]
+    return files, msgpack.unpackb(data, raw=False)

@@ -1,0 +1,84 @@
+"""Rebuilding the controller's key space from the storage units and its journal.
+
+Used when a controller starts (after a crash, Ray restarts it with the same
+arguments) and when a checkpoint is restored. Order matters:
+
+1. commits a dead controller had prepared on several units are settled: rolled
+   forward where every unit still holds (or already published) the write, rolled
+   back otherwise, so no sample is ever half-visible;
+2. each partition the journal declares is rebuilt from what the units hold,
+   then its consumption and leases are put back by sample id;
+3. bytes of partitions the journal does not declare (deleted just before a
+   crash) are named for freeing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from dataplane_server.keyspace import Declaration, KeySpace
+from dataplane_server.recovery_messages import UnitRecovery
+
+
+async def settle_pending_writes(units: list, alive: list[bool]) -> list[UnitRecovery | None]:
+    """Roll prepared multi-unit commits forward or back; the units' views afterwards."""
+    views = await _views(units, alive)
+    pinned: dict[str, tuple[list[int], set[int]]] = {}
+    published: dict[int, set[str]] = {}
+    for v in views:
+        if v is None:
+            continue
+        published[v.index] = set(v.published)
+        for wid, p in v.pinned.items():
+            pinned.setdefault(wid, (p.staged_units, set()))[1].add(v.index)
+    if not pinned:
+        return views
+    calls = []
+    for wid, (staged, holders) in pinned.items():
+        complete = all(u in holders or wid in published.get(u, ()) for u in staged)
+        for u in holders:
+            method = units[u].publish if complete else units[u].discard
+            calls.append(method.remote(wid))
+    await asyncio.gather(*calls, return_exceptions=True)  # a unit dying now is seen as lost
+    return await _views(units, alive)
+
+
+async def _views(units: list, alive: list[bool]) -> list[UnitRecovery | None]:
+    async def one(i: int) -> UnitRecovery | None:
+        if not alive[i]:
+            return None
+        try:
+            return await units[i].recovery_view.remote()
+        except Exception:  # noqa: BLE001 - a unit that cannot answer is lost; its samples with it
+            alive[i] = False
+            return None
+
+    return list(await asyncio.gather(*[one(i) for i in range(len(units))]))
+
+
+def rebuild(keys: KeySpace, state: dict[str, dict], views: list[UnitRecovery | None]) -> dict:
+    """Partitions of ``state`` rebuilt into ``keys`` from the units' views.
+
+    Returns {partition id: [units]} of partitions units hold that ``state`` does
+    not declare: their bytes belong to nobody.
+    """
+    held: dict[str, list] = {}
+    for v in views:
+        if v is not None:
+            for pid, rows in v.partitions.items():
+                held.setdefault(pid, []).append((v.index, rows))
+    for pid, p in state.items():
+        part = keys.rebuild_partition(pid, Declaration(**p["declaration"]), held.get(pid, []))
+        keys.restore_consumption(part, p["tasks"])
+    return {pid: [u for u, _ in got] for pid, got in held.items() if pid not in state}
+
+
+def next_commit_seq(views: list[UnitRecovery | None]) -> int:
+    return 1 + max(
+        (max(rows.seq, default=0) for v in views if v for rows in v.partitions.values()),
+        default=0,
+    )
+
+
+def published_write_ids(views: list[UnitRecovery | None]) -> list[str]:
+    return [w for v in views if v for w in v.published]
