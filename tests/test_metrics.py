@@ -7,12 +7,14 @@ files share the service, so absolute values are not ours to assert).
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import shutil
 import subprocess
 import threading
 import time
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -236,3 +238,13 @@ def test_claims_waiting_counts_a_blocked_claim(service, client):
     assert not thread.is_alive()
     assert result["meta"] is not None
     assert sorted(result["meta"].sample_ids) == ["a", "b"]
+
+
+def test_readme_table_lists_exactly_the_exported_families(traffic):
+    readme = (Path(__file__).resolve().parents[1] / "deploy" / "README.md").read_text()
+    section = readme[readme.index("## Metrics") :]
+    documented = set(re.findall(r"^\| `(dataplane_\w+)` \|", section, re.MULTILINE))
+    with urllib.request.urlopen(f"http://{traffic['metrics_address']}/metrics", timeout=10) as resp:
+        families = list(text_string_to_metric_families(resp.read().decode()))
+    exported = {f.name + ("_total" if f.type == "counter" else "") for f in families}
+    assert documented == exported
