@@ -1,16 +1,20 @@
 """The `dataplane` CLI, run as a subprocess against the live service's admin endpoint.
 
 Tables for people, `--json` for scripts, and one clear line plus a distinct
-exit code when the endpoint is unreachable (3) or refuses the token (4).
+exit code when the endpoint is unreachable or a watch stream drops (3) or the
+token is missing or wrong (4). Usage errors and the parts that need no service
+are in test_cli_usage.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -18,6 +22,7 @@ import pytest
 import torch
 
 from dataplane_client.config import DataPlaneConfig
+from dataplane_client.errors import UnknownPartition
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "cli-token"
@@ -35,6 +40,25 @@ def dataplane(*args: str, address: str | None = None, timeout: float = 60):
         text=True,
         timeout=timeout,
     )
+
+
+class LineReader:
+    """Lines of a child's pipe with a deadline per line (a thread does the blocking reads)."""
+
+    def __init__(self, pipe):
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, args=(pipe,), daemon=True).start()
+
+    def _pump(self, pipe) -> None:
+        for line in pipe:
+            self._lines.put(line)
+        self._lines.put("")  # end of stream
+
+    def next(self, timeout_s: float) -> str:
+        try:
+            return self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            pytest.fail(f"no line from the child within {timeout_s}s")
 
 
 def ok(proc) -> str:
@@ -98,7 +122,14 @@ def test_partitions_and_describe(addr, part):
     assert fields["input_ids"]["dtype"] == "int64"
     assert (fields["input_ids"]["produced"], fields["score"]["produced"]) == (5, 4)
     assert d["expected_samples"] is None
-    assert d["consumption"] == [{"task": "train", "consumed": 0}]
+    (train,) = d["consumption"]
+    assert (train["task"], train["consumed"], train["total"], train["done"]) == (
+        "train",
+        0,
+        5,
+        False,
+    )
+    assert (train["lease_s"], train["leased"], train["redeliveries"]) == (None, 0, 0)
 
 
 def test_samples_paging_and_status_filter(addr, part):
@@ -151,13 +182,89 @@ def test_watch_json_lines(addr, part):
     assert snaps[-1]["put_bytes_total"] > 0
 
 
-def test_clear(addr, client):
+def test_clear_ids_then_the_whole_partition(addr, client):
     pid = f"cli-clear-{uuid.uuid4().hex[:8]}"
     client.register_partition(pid, fields=["x"])
-    client.put_samples(["a", "b"], pid, {"x": torch.ones(2, 8)})
+    client.put_samples(["a", "b", "c"], pid, {"x": torch.ones(3, 8)})
+    out = ok(dataplane("clear", pid, "a", "--address", addr))
+    assert out.strip() == f"cleared partition {pid} (1 samples)"
+    assert client.describe_partition(pid).num_samples == 2
     out = ok(dataplane("clear", pid, "--address", addr))
     assert out.strip() == f"cleared partition {pid} (2 samples)"
-    assert client.describe_partition(pid)["num_samples"] == 0
+    # Clearing a whole partition deletes it (the contract of clear_samples(None, p)).
+    with pytest.raises(UnknownPartition):
+        client.describe_partition(pid)
+
+
+def test_delete(addr, client):
+    pid = f"cli-delete-{uuid.uuid4().hex[:8]}"
+    client.register_partition(pid, fields=["x"])
+    client.put_samples(["a", "b"], pid, {"x": torch.ones(2, 8)})
+    out = ok(dataplane("delete", pid, "--address", addr))
+    assert out.startswith(f"deleted partition {pid} (2 samples, ")
+    assert out.rstrip().endswith("freed)")
+    with pytest.raises(UnknownPartition):
+        client.describe_partition(pid)
+    again = dataplane("delete", pid, "--address", addr)
+    assert again.returncode == 1
+    assert "NOT_FOUND" in again.stderr
+    assert pid in again.stderr
+
+
+def test_watch_table_fits_80_columns_and_shows_rates(addr, part):
+    out = ok(dataplane("watch", "--interval", "0.2", "--count", "3", "--address", addr))
+    lines = out.splitlines()
+    assert len(lines) == 4
+    assert max(len(line) for line in lines) <= 80, lines
+    assert lines[0].split() == [
+        "TIME",
+        "SAMPLES",
+        "STORED",
+        "PUT/s",
+        "GET/s",
+        "REQ/s",
+        "WAIT",
+        "ERR/s",
+    ]
+    # The four rates (PUT/s, GET/s, REQ/s, ERR/s) need two snapshots: "-" on the first line.
+    assert lines[1].split().count("-") == 4
+    assert lines[2].split().count("-") == 0
+    assert lines[3].split().count("-") == 0
+
+
+def test_watch_exits_3_when_the_stream_drops(service):
+    from dataplane_server.admin.server import AdminServer
+    from dataplane_server.admin.sources import ActorSources
+
+    cfg = DataPlaneConfig(name=service.config.name, namespace=service.config.namespace)
+    server = AdminServer(cfg, ActorSources(cfg.name, cfg.namespace))
+    server.start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAPLANE_ADMIN_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dataplane_server", "watch", "--interval", "0.1"]
+        + ["--address", server.address],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines = LineReader(proc.stdout)
+    try:
+        assert lines.next(timeout_s=60).startswith("TIME")
+        assert lines.next(timeout_s=60).strip()  # a first snapshot: the stream is up
+        server.stop(grace_s=5)
+        rc = proc.wait(timeout=60)
+        stderr = proc.stderr.read()
+        assert rc == 3, stderr
+        assert stderr.startswith("dataplane: error: the watch stream from")
+        assert stderr.count("\n") == 1
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+        server.stop(grace_s=0)
 
 
 def test_unknown_partition_is_a_one_line_error(addr):
@@ -192,15 +299,18 @@ def test_wrong_or_missing_token(service, client):
     pid = f"cli-auth-{uuid.uuid4().hex[:8]}"
     client.register_partition(pid, fields=["x"])
     client.put_samples(["a"], pid, {"x": torch.ones(1, 2)})
+    at = ("--address", server.address)
     try:
-        proc = dataplane("clear", pid, "--token", "wrong", "--address", server.address)
-        assert proc.returncode == 4
-        assert "refused the token" in proc.stderr
-        assert proc.stderr.count("\n") == 1
-        assert client.describe_partition(pid)["num_samples"] == 1
-        got = json.loads(
-            ok(dataplane("clear", pid, "--token", TOKEN, "--json", "--address", server.address))
-        )
+        # Service info holds no sample data: it answers without the token.
+        ok(dataplane("status", *at))
+        for command in (["partitions"], ["samples", pid], ["sample", pid, "a"], ["clear", pid]):
+            for token in ([], ["--token", "wrong"]):
+                proc = dataplane(*command, *token, *at)
+                assert proc.returncode == 4, (command, token, proc.stderr)
+                assert "refused the token" in proc.stderr
+                assert proc.stderr.count("\n") == 1
+        assert client.describe_partition(pid).num_samples == 1
+        got = json.loads(ok(dataplane("clear", pid, "--token", TOKEN, "--json", *at)))
         assert got["cleared_samples"] == 1
     finally:
         server.stop(grace_s=0)
@@ -208,5 +318,5 @@ def test_wrong_or_missing_token(service, client):
 
 def test_no_address_given():
     proc = dataplane("partitions")
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert "DATAPLANE_ADMIN_ADDRESS" in proc.stderr

@@ -1,0 +1,104 @@
+"""``dataplane``: run the service, and look inside a running one through its admin endpoint.
+
+    dataplane serve --config dataplane.yaml        # until SIGTERM / SIGINT, then drain
+    dataplane status      --address HOST:PORT      # service, units, totals
+    dataplane partitions  --address HOST:PORT
+    dataplane describe P  --address HOST:PORT
+    dataplane samples P   --address HOST:PORT [--status ready] [--page-size 50] [--page-token T]
+    dataplane sample P ID --address HOST:PORT      # one sample + a preview of its values
+    dataplane clear P [ID ...] --address HOST:PORT --token T
+    dataplane delete P    --address HOST:PORT --token T
+    dataplane watch       --address HOST:PORT [--interval 1] [--count N]
+    dataplane demo ...                             # and any other dataplane.commands entry point
+
+One module per subcommand; the shared parts are ``endpoint`` (options,
+channel, what an RPC error means), ``convert`` (protobuf -> builtins),
+``render`` (tables) and ``exits`` (exit codes). Client commands read
+``DATAPLANE_ADMIN_ADDRESS`` / ``DATAPLANE_ADMIN_TOKEN`` when --address / --token
+are not given, print tables (``--json`` for scripts), and exit with 1 on a
+refused request, 2 on a usage error, 3 when the endpoint cannot be reached or
+a watch stream drops, 4 when the token is missing or wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from importlib.metadata import EntryPoint, PackageNotFoundError, version
+
+import grpc
+
+from dataplane_server.cli import (
+    clear,
+    delete,
+    describe,
+    partitions,
+    plugins,
+    sample,
+    samples,
+    serve,
+    status,
+    watch,
+)
+from dataplane_server.cli.endpoint import AdminEndpoint, endpoint_options
+from dataplane_server.cli.exits import EPILOG, EXIT_OK, CliError
+
+CLIENT_COMMANDS = (status, partitions, describe, samples, sample, clear, delete, watch)
+DISTRIBUTION = "rl-dataplane"
+
+
+def package_version() -> str:
+    try:
+        return version(DISTRIBUTION)
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"
+
+
+def build_parser(
+    found: dict[str, EntryPoint] | None = None,
+) -> tuple[argparse.ArgumentParser, dict[str, EntryPoint]]:
+    """The parser, and the entry-point commands it lists (built-in names win)."""
+    parser = argparse.ArgumentParser(
+        prog="dataplane",
+        description="Run the data-plane service, or inspect a running one.",
+        epilog=EPILOG,
+    )
+    parser.add_argument("--version", action="version", version=f"dataplane {package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve.register(sub)
+    common = endpoint_options()
+    for command in CLIENT_COMMANDS:
+        command.register(sub, common)
+    added = plugins.register(sub, plugins.commands() if found is None else found)
+    return parser, added
+
+
+def _fail(err: CliError) -> int:
+    print(f"dataplane: error: {err}", file=sys.stderr, flush=True)
+    return err.exit_code
+
+
+def _run_endpoint_command(args: argparse.Namespace) -> int:
+    endpoint = AdminEndpoint(args)
+    try:
+        args.endpoint_cmd(endpoint, args)
+    except grpc.RpcError as exc:
+        return _fail(endpoint.error(exc))
+    finally:
+        endpoint.close()
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, added = build_parser()
+    try:
+        if argv and argv[0] in added:  # their own parsers own every argument after the name
+            return plugins.run(added[argv[0]], argv[1:])
+        args = parser.parse_args(argv)
+        if hasattr(args, "run"):
+            return args.run(args)
+        return _run_endpoint_command(args)
+    except CliError as err:
+        return _fail(err)

@@ -1,0 +1,59 @@
+"""``dataplane describe P``: fields, consumption, claims and bytes of one partition."""
+
+from __future__ import annotations
+
+from dataplane_server.admin_pb import admin_pb2
+from dataplane_server.cli.convert import to_builtin
+from dataplane_server.cli.render import emit_json, human_bytes, human_time, say, table
+
+
+def register(sub, endpoint_options) -> None:
+    p = sub.add_parser(
+        "describe",
+        parents=[endpoint_options],
+        help="fields, consumption, claims, bytes of a partition",
+    )
+    p.add_argument("partition")
+    p.set_defaults(endpoint_cmd=run)
+
+
+def _lease(c: dict) -> str:
+    return f"{c['lease_s']:g}s" if c["lease_s"] is not None else "-"
+
+
+def run(ep, args) -> None:
+    request = admin_pb2.DescribePartitionRequest(partition_id=args.partition)
+    d = to_builtin(ep.call("DescribePartition", request))
+    if args.json:
+        return emit_json(d)
+    expected = d["expected_samples"]
+    say(f"partition       {d['partition_id']}")
+    say(f"samples         {d['num_samples']}" + (f" of {expected} expected" if expected else ""))
+    say(f"group size      {d['group_size'] if d['group_size'] is not None else '-'}")
+    say(f"created         {human_time(d['created_at'])}")
+    say(f"pending claims  {d['pending_claims']}")
+    say()
+    fields = [
+        [f["name"], f["dtype"] or "-", f["layout"], str(f["trailing_shape"]), f["produced"]]
+        for f in d["fields"]
+    ]
+    say(table(["FIELD", "DTYPE", "LAYOUT", "TRAILING_SHAPE", "PRODUCED"], fields))
+    if d["consumption"]:
+        say()
+        rows = [
+            [
+                c["task"],
+                c["consumed"],
+                c["total"],
+                "yes" if c["done"] else "no",
+                _lease(c),
+                c["leased"],
+                c["redeliveries"],
+            ]
+            for c in d["consumption"]
+        ]
+        say(table(["TASK", "CONSUMED", "OF", "DONE", "LEASE", "LEASED", "REDELIVERED"], rows))
+    if d["bytes_per_unit"]:
+        say()
+        rows = [[b["unit"], human_bytes(b["bytes"])] for b in d["bytes_per_unit"]]
+        say(table(["UNIT", "BYTES"], rows))

@@ -1,0 +1,135 @@
+"""``dataplane serve``: run the service until SIGTERM / SIGINT, then drain and stop.
+
+With no Ray address (flag or ``RAY_ADDRESS``) it starts an embedded Ray on
+loopback, which lives as long as this process. It prints where everything is:
+the Ray address, the admin and metrics endpoints, and the lines a trainer
+pastes to connect (with what to set when Ray token auth is on).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from dataplane_server.cli.exits import EXIT_OK, EXIT_USAGE, CliError
+from dataplane_server.cli.render import say
+
+DEFAULT_NUM_CPUS = 8  # logical slots for the embedded Ray; actors need them even when idle
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="run the service until SIGTERM/SIGINT, then drain")
+    p.add_argument("--config", metavar="FILE", help="YAML or JSON DataPlaneConfig")
+    p.add_argument(
+        "--address",
+        "--ray-address",
+        dest="address",
+        help="Ray cluster address, e.g. auto (default: $RAY_ADDRESS, else an embedded "
+        "local Ray on loopback)",
+    )
+    p.add_argument(
+        "--num-cpus",
+        type=int,
+        default=DEFAULT_NUM_CPUS,
+        help="logical CPUs of the embedded Ray (default %(default)s)",
+    )
+    p.add_argument("--ray-logs", action="store_true", help="forward actor logs to stdout")
+    p.set_defaults(run=run)
+
+
+def load_config(path: str | None):
+    """The config, or a one-line usage error naming the bad key (no traceback)."""
+    from dataplane_client.config import DataPlaneConfig
+    from dataplane_client.errors import ConfigError
+
+    try:
+        return DataPlaneConfig.from_file(path) if path else DataPlaneConfig()
+    except ConfigError as exc:
+        raise CliError(f"config error: {exc}", EXIT_USAGE) from None
+
+
+def token_auth_hint() -> str | None:
+    """What a connecting process must set when this Ray enforces token auth, else None.
+
+    Ray records the mode it runs with in RAY_AUTH_MODE (it sets "token" itself
+    when a new local cluster turns token auth on by default).
+    """
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return None
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        where = "RAY_AUTH_TOKEN (as set for this process)"
+    elif os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        where = f"RAY_AUTH_TOKEN_PATH={os.environ['RAY_AUTH_TOKEN_PATH']}"
+    else:
+        where = "the token file ~/.ray/auth_token of this user (or RAY_AUTH_TOKEN)"
+    return (
+        "Ray token auth is on: set RAY_AUTH_MODE=token in the connecting process (and for "
+        f"`ray job submit`), with the same token: {where}"
+    )
+
+
+def connect_snippet(ray_address: str, name: str, namespace: str) -> list[str]:
+    return [
+        "connect from another process:",
+        "    import ray, dataplane_client",
+        f'    ray.init(address="{ray_address}")',
+        f'    client = dataplane_client.connect(name="{name}", namespace="{namespace}")',
+    ]
+
+
+def _init_ray(args, namespace: str) -> None:
+    import ray
+
+    from dataplane_server.local_ray import init_local_ray
+
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if address:  # an existing cluster (inside `ray job submit`, RAY_ADDRESS is set)
+        ray.init(address=address, namespace=namespace, log_to_driver=args.ray_logs)
+    else:
+        init_local_ray(args.num_cpus, namespace=namespace, log_to_driver=args.ray_logs)
+
+
+def run(args) -> int:
+    # Imported here: dataplane_client pulls in Ray and torch, which the client commands skip.
+    config = load_config(args.config)
+    _init_ray(args, config.namespace)
+    import ray
+
+    from dataplane_client.errors import ConfigError
+    from dataplane_server.service import start
+
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        stop.set()
+        # A second signal while draining falls back to the default: stop at once.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    try:
+        handle = start(config)
+    except ConfigError as exc:  # settings only the actors check (TLS files, auth combos)
+        raise CliError(f"config error: {exc}", EXIT_USAGE) from None
+    ray_address = ray.get_runtime_context().gcs_address
+    say(f"dataplane: serving {config.name!r} in namespace {config.namespace!r}")
+    say(f"ray_address={ray_address}")
+    say(f"admin_address={handle.admin_address}")
+    say(f"metrics_address={handle.metrics_address}")
+    for line in connect_snippet(ray_address, config.name, config.namespace):
+        say(line)
+    hint = token_auth_hint()
+    if hint:
+        say(hint)
+    while not stop.wait(0.5):  # timed, so the handler runs promptly on every platform
+        pass
+    say("dataplane: signal received, draining")
+    try:
+        handle.drain()
+    finally:
+        handle.shutdown()
+    say("dataplane: stopped")
+    return EXIT_OK

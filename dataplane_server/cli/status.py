@@ -1,0 +1,50 @@
+"""``dataplane status``: service, units, totals."""
+
+from __future__ import annotations
+
+from dataplane_server.admin_pb import admin_pb2
+from dataplane_server.cli.convert import to_builtin
+from dataplane_server.cli.render import (
+    emit_json,
+    human_bytes,
+    human_duration,
+    human_time,
+    say,
+    table,
+)
+
+
+def register(sub, endpoint_options) -> None:
+    p = sub.add_parser(
+        "status", parents=[endpoint_options], help="service info: version, uptime, units, totals"
+    )
+    p.set_defaults(endpoint_cmd=run)
+
+
+def run(ep, args) -> None:
+    info = to_builtin(ep.call("GetServiceInfo", admin_pb2.GetServiceInfoRequest()))
+    if args.json:
+        return emit_json(info)
+    say(f"service    {info['name']} (namespace {info['namespace']}), version {info['version']}")
+    say(
+        f"uptime     {human_duration(info['uptime_s'])} (since {human_time(info['started_at'])})"
+        f", draining: {'yes' if info['draining'] else 'no'}"
+    )
+    say(
+        f"holds      {info['num_partitions']} partitions, {info['num_samples']} samples, "
+        f"{human_bytes(info['bytes'])} of {human_bytes(info['capacity_bytes'])}"
+    )
+    say()
+    rows = [
+        [
+            u["index"],
+            u["node_ip"] or "-",
+            (u["node_id"] or "-")[:12],
+            "yes" if u["alive"] else "NO",
+            u["samples"],
+            human_bytes(u["bytes"]),
+            human_bytes(u["capacity_bytes"]),
+        ]
+        for u in info["units"]
+    ]
+    say(table(["UNIT", "NODE_IP", "NODE_ID", "ALIVE", "SAMPLES", "BYTES", "CAPACITY"], rows))
