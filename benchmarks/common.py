@@ -42,19 +42,14 @@ class Options:
 
 def start_ray(num_cpus: int, object_store_bytes: int) -> None:
     """One local Ray on loopback for the whole run (no dashboard, explicit sizes)."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import ray
+    from dataplane_server.local_ray import init_local_ray
 
-    if ray.is_initialized():
-        return
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        object_store_memory=int(object_store_bytes),
+    init_local_ray(
+        num_cpus,
         namespace=BENCH_NAMESPACE,
+        object_store_memory=int(object_store_bytes),
         log_to_driver=False,
     )
 

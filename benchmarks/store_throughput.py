@@ -104,11 +104,17 @@ def make_workload(
 
 
 def touch(value: Any) -> int:
-    """Read one element per 4 KiB page of every tensor (and the length of every string)."""
+    """Read one element per 4 KiB page of every tensor (and the length of every string).
+
+    ``value``: a TensorDict (what gets return; its string columns become lists),
+    a dict, or a list of per-row values.
+    """
     import torch
 
+    from dataplane_client.tensordict_io import as_field_mapping
+
     total = 0
-    items = value.items() if hasattr(value, "items") else enumerate(value)
+    items = as_field_mapping(value).items() if hasattr(value, "items") else enumerate(value)
     for _, v in items:
         if isinstance(v, torch.Tensor):
             t = v.values() if v.is_nested else v
@@ -151,7 +157,9 @@ class StoreBenchClient:
 
     # ---- ours -----------------------------------------------------------------------
     def register(self, partition: str, fields: list[str]) -> None:
-        self.client.register_partition(partition, fields=fields)
+        # the perftest's random strings have no fixed vocabulary: declared object fields
+        strings = [f for f in fields if isinstance(self.fields.get(f), list)]
+        self.client.register_partition(partition, fields=fields, object_fields=strings)
 
     def put_ours(self, partition: str) -> None:
         self.client.put_samples(self.keys, partition, self.fields)
@@ -271,7 +279,7 @@ def _node_pin() -> dict[str, Any]:
 def _unit_latency_sums(units: list) -> dict[str, float]:
     """Seconds the units spent staging (put) and reading (get), summed over units."""
     snaps = ray.get([u.metrics_snapshot.remote() for u in units])
-    hists = [s["stats"]["histograms"] for s in snaps]
+    hists = [s.stats.get("histograms", {}) for s in snaps]
     return {
         "stage_s": sum(h.get("put_latency_seconds", {}).get("sum", 0.0) for h in hists),
         "read_s": sum(h.get("get_latency_seconds", {}).get("sum", 0.0) for h in hists),

@@ -15,6 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("store", "driver", "controller", "scale")
 
+pytestmark = pytest.mark.slow  # one full --quick run of the harness, minutes here
+
 
 def _numbers(obj):
     """Every number anywhere inside a JSON value."""
