@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import ray
 import ray._private.state as ray_state
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError, RayTaskError
 
 from dataplane_client import arguments, prepare
 from dataplane_client.config import DataPlaneConfig
@@ -582,12 +582,22 @@ class RayDataPlaneClient(DataPlaneClient):
         self._transport = None
 
 
-def connect(name: str = "dataplane", namespace: str = "dataplane") -> RayDataPlaneClient:
-    """Attach to a running service from any process of the Ray cluster."""
+def connect(
+    name: str = "dataplane", namespace: str = "dataplane", address: str | None = None
+) -> RayDataPlaneClient:
+    """Attach to a running service from any process of the Ray cluster.
+
+    ``address`` (e.g. ``"10.0.0.5:6379"``, ``"auto"``) joins that Ray cluster
+    first when this process has not initialised Ray; an initialised Ray is used
+    as it is.
+    """
     if not ray.is_initialized():
-        raise ServiceUnavailable(
-            "Ray is not initialised in this process; call ray.init(address=...) first"
-        )
+        if address is None:
+            raise ServiceUnavailable(
+                "Ray is not initialised in this process; pass connect(..., address=...) "
+                "or call ray.init(address=...) first"
+            )
+        _join_ray(address)
     try:
         controller = ray.get_actor(name, namespace=namespace)
     except ValueError:
@@ -595,3 +605,18 @@ def connect(name: str = "dataplane", namespace: str = "dataplane") -> RayDataPla
             f"no data-plane service named {name!r} in namespace {namespace!r}"
         ) from None
     return RayDataPlaneClient(controller, name=name, namespace=namespace)
+
+
+def _join_ray(address: str) -> None:
+    """``ray.init(address)``, its failures as ServiceUnavailable saying what to do."""
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except AuthenticationError as e:
+        raise ServiceUnavailable(
+            f"Ray token authentication failed joining {address!r}: a cluster with token "
+            "authentication needs RAY_AUTH_MODE=token here and the cluster's token in "
+            "RAY_AUTH_TOKEN, in the file RAY_AUTH_TOKEN_PATH names, or in ~/.ray/auth_token "
+            f"(Ray said: {e.message})"
+        ) from None
+    except ConnectionError as e:
+        raise ServiceUnavailable(f"cannot reach a Ray cluster at {address!r}: {e}") from None

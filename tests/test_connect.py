@@ -1,0 +1,62 @@
+"""connect(): joining a Ray cluster by address, and what a user is told when it cannot.
+
+Each case runs in a fresh interpreter: the session's Ray must stay as it is,
+and ``connect`` only initialises Ray in a process that has not.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import sys
+from dataplane_client import connect
+from dataplane_client.errors import ServiceUnavailable
+address = sys.argv[3] if len(sys.argv) > 3 else None
+try:
+    c = connect(sys.argv[1], sys.argv[2], address=address)
+except ServiceUnavailable as e:
+    print("UNAVAILABLE", e)
+else:
+    c.service_info()  # a real call to the controller
+    print("CONNECTED", type(c).__name__)
+"""
+
+
+def _run(*args, env=None):
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr
+
+
+def test_without_ray_and_without_an_address_it_says_to_pass_one():
+    assert _run("dp", "ns").startswith("UNAVAILABLE")
+    assert "address=" in _run("dp", "ns")
+
+
+def test_token_authentication_it_cannot_satisfy_is_service_unavailable_saying_what_to_set(tmp_path):
+    out = _run(
+        "dp",
+        "ns",
+        "127.0.0.1:1",
+        env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "no-token")},
+    )
+    assert out.startswith("UNAVAILABLE"), out
+    for needle in ("token", "RAY_AUTH_MODE=token", "RAY_AUTH_TOKEN", "~/.ray/auth_token"):
+        assert needle in out
+
+
+@pytest.mark.slow
+def test_an_address_joins_that_cluster_and_finds_the_service(service):
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    out = _run(service.config.name, service.config.namespace, address)
+    assert out.startswith("CONNECTED RayDataPlaneClient"), out
