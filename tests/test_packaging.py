@@ -1,0 +1,72 @@
+"""The wheel as pip builds it: what it installs and what it makes users download."""
+
+from __future__ import annotations
+
+import email.parser
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Only the demo and the benchmarks use these; a plain install must not pull them.
+NOT_CORE = {"transformers", "tqdm", "psutil"}
+
+
+def _requirement_name(req: str) -> str:
+    return req.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip()
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    # Built from a copy of the files git would ship, so a stale build/ in the checkout
+    # (setuptools reuses it) cannot add packages the current configuration excludes.
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        if (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, src / name)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", out, "."],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [path] = out.glob("rl_dataplane-*.whl")
+    return zipfile.ZipFile(path)
+
+
+@pytest.mark.slow
+def test_wheel_installs_only_our_packages(wheel):
+    top_level = {name.split("/")[0] for name in wheel.namelist()}
+    packages = {t for t in top_level if not t.endswith(".dist-info")}
+    assert packages == {"dataplane_client", "dataplane_server", "policy_workers"}
+    assert "dataplane_server/admin_pb/admin_pb2.py" in wheel.namelist()
+
+
+@pytest.mark.slow
+def test_core_dependencies_are_lean_and_extras_hold_the_rest(wheel):
+    [meta_name] = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    meta = email.parser.Parser().parsestr(wheel.read(meta_name).decode())
+    requires = meta.get_all("Requires-Dist")
+    core = {_requirement_name(r) for r in requires if "extra ==" not in r}
+    assert not core & NOT_CORE, f"core install pulls {sorted(core & NOT_CORE)}"
+    assert {"pydantic", "PyYAML", "prometheus-client", "grpcio"} <= core
+
+    def extra(name: str) -> set[str]:
+        return {_requirement_name(r) for r in requires if f'extra == "{name}"' in r}
+
+    assert {"transformers", "tqdm"} <= extra("demo")
+    assert "psutil" in extra("bench")
+    assert set(meta.get_all("Provides-Extra")) >= {"demo", "bench", "dev"}
