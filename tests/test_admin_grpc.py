@@ -8,8 +8,6 @@ shared endpoint's settings stay untouched.
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import time
 import uuid
 
@@ -18,6 +16,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from tls_certs import self_signed
 
 from dataplane_client.config import DataPlaneConfig
 from dataplane_server.admin_pb import admin_pb2, admin_pb2_grpc
@@ -556,46 +555,8 @@ def test_bearer_credentials_are_parsed_per_rfc_7235():
 # -------------------------------------------------------------------------------- TLS
 
 
-def _self_signed(tmp_path):
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp_path / "admin.crt", tmp_path / "admin.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
-
-
 def test_tls(service, tmp_path):
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     server = _local_server(service, admin_tls_cert=str(cert), admin_tls_key=str(key))
     creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
     secure = grpc.secure_channel(server.address, creds)

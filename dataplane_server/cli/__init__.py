@@ -20,14 +20,26 @@ refused request, 2 on a usage error, 3 when the endpoint cannot be reached or
 a watch stream drops, 4 when the token is missing or wrong.
 """
 
+# E402: grpc must be imported after GRPC_VERBOSITY is set, so imports follow code here.
+# ruff: noqa: E402
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import EntryPoint, PackageNotFoundError, version
 
+# gRPC's core logs failed handshakes to stderr itself; the CLI reports them in one line.
+# Read once when grpc is imported; a user's own setting wins, and it is not left in the
+# environment for the processes `serve` starts (Ray's own gRPC logging stays as it was).
+_QUIET_GRPC = "GRPC_VERBOSITY" not in os.environ
+if _QUIET_GRPC:
+    os.environ["GRPC_VERBOSITY"] = "NONE"
 import grpc
+
+if _QUIET_GRPC:
+    del os.environ["GRPC_VERBOSITY"]
 
 from dataplane_server.cli import (
     clear,
