@@ -90,6 +90,10 @@ class InProcessDataPlaneClient(DataPlaneClient):
         self._codecs: dict[str, FieldCodecs] = {}
         self._changed = threading.Condition()
 
+    @property
+    def closed(self) -> bool:
+        return self._keys is None
+
     def _open(self) -> KeySpace:
         if self._keys is None:
             raise ServiceUnavailable("this in-process client was closed")
