@@ -26,7 +26,7 @@ import functools
 import time
 import uuid
 import zlib
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -245,7 +245,7 @@ class RayDataPlaneClient(DataPlaneClient):
         self.name, self.namespace = name, namespace
         self._controller = controller
         routing = ray.get(controller.routing.remote())
-        self._transport = Transport(
+        self._transport: Transport | None = Transport(
             routing.units, routing.nodes, routing.shm, ray.get_runtime_context().get_node_id()
         )
         self._alive = list(routing.alive)
@@ -259,12 +259,18 @@ class RayDataPlaneClient(DataPlaneClient):
         if self._controller is None:
             raise ServiceUnavailable(f"this client of {self.name!r} was closed")
 
+    def _open_transport(self) -> Transport:
+        """The transport to the units; ServiceUnavailable once the client is closed."""
+        if self._transport is None:
+            raise ServiceUnavailable(f"this client of {self.name!r} was closed")
+        return self._transport
+
     def _codecs_of(self, partition_id: str) -> FieldCodecs:
         """The partition's enums and object fields, as this client registered it (none
         for a partition registered elsewhere: the service does not hand them out yet)."""
         return self._codecs.get(partition_id, FieldCodecs())
 
-    def _remember(self, partition_id: str, sample_ids: Sequence[str], units: Sequence[int]) -> None:
+    def _remember(self, partition_id: str, sample_ids: Sequence[str], units: Iterable[int]) -> None:
         if len(self._routes) > _ROUTE_CACHE_LIMIT:
             self._routes.clear()
         self._routes.update(zip(((partition_id, s) for s in sample_ids), (int(u) for u in units)))
@@ -374,13 +380,13 @@ class RayDataPlaneClient(DataPlaneClient):
             write_id = uuid.uuid4().hex
             plan = {int(u): np.nonzero(units == u)[0] for u in np.unique(units)}
             staged = list(plan)
-            results = yield from self._transport.stage_flow(
+            results = yield from self._open_transport().stage_flow(
                 partition_id, write_id, sample_ids, encoded, plan
             )
             errors = [(u, r) for u, r in zip(staged, results) if isinstance(r, BaseException)]
             if errors:
                 yield [
-                    self._transport.discard(u, write_id)
+                    self._open_transport().discard(u, write_id)
                     for u, r in zip(staged, results)
                     if not isinstance(r, BaseException)
                 ]
@@ -414,10 +420,10 @@ class RayDataPlaneClient(DataPlaneClient):
             try:
                 result = _one((yield [self._controller.commit.remote(request)]))
             except BaseException:
-                yield [self._transport.discard(u, write_id) for u in staged]
+                yield [self._open_transport().discard(u, write_id) for u in staged]
                 raise
             if result.rerouted:
-                yield [self._transport.discard(u, write_id) for u in staged]
+                yield [self._open_transport().discard(u, write_id) for u in staged]
                 position = {s: i for i, s in enumerate(sample_ids)}
                 for s, u in result.rerouted.items():
                     units[position[s]] = u
@@ -465,7 +471,7 @@ class RayDataPlaneClient(DataPlaneClient):
         self._remember(partition_id, sample_ids, units)
         plan = {int(u): np.nonzero(units == u)[0] for u in np.unique(units)}
         by_unit = {u: [sample_ids[i] for i in rows] for u, rows in plan.items()}
-        results = yield from self._transport.read_flow(partition_id, by_unit, fields)
+        results = yield from self._open_transport().read_flow(partition_id, by_unit, fields)
         for (u, rows), r in zip(plan.items(), results):
             if isinstance(r, RayActorError):
                 yield from self._unit_died(u)
@@ -485,7 +491,7 @@ class RayDataPlaneClient(DataPlaneClient):
         except OSError:
             # A chunk was freed between our validation and our mapping (a concurrent
             # clear or overwrite): read through Ray, which re-validates on the unit.
-            results = yield from self._transport.read_flow(
+            results = yield from self._open_transport().read_flow(
                 partition_id, by_unit, fields, via_ray=True
             )
             for r in results:
@@ -580,6 +586,17 @@ class RayDataPlaneClient(DataPlaneClient):
         self._codecs.clear()
         self._controller = None
         self._transport = None
+
+    @_rpc_verb
+    def checkpoint(self, directory: str) -> str:
+        """Save the whole store (declarations, samples, cursors, leases) to a new directory,
+        reachable from every storage unit's node; returns its absolute path."""
+        return self._controller.checkpoint.remote(str(directory))
+
+    @_rpc_verb
+    def restore(self, directory: str) -> int:
+        """Load a checkpoint into this (empty) service; returns the number of samples."""
+        return self._controller.restore.remote(str(directory))
 
 
 def connect(
