@@ -74,11 +74,11 @@ def pack(encoded: Mapping[str, EncodedField]) -> bytes:
             "dtype": enc.dtype,
             "shape": list(enc.shape),
             "rows": enc.num_rows,
-            "lengths": None if enc.kind == DENSE else enc.lengths.astype("<i8").tobytes(),
+            "lengths": None if enc.kind == DENSE else enc.require_lengths().astype("<i8").tobytes(),
         }
         for name, enc in encoded.items()
     ]
-    return seal(header, [enc.values.tobytes() for enc in encoded.values()])
+    return seal(header, [enc.require_values().tobytes() for enc in encoded.values()])
 
 
 def _field_header(entry: Any, seen: Mapping[str, EncodedField]) -> tuple[str, EncodedField]:
@@ -127,5 +127,5 @@ def unpack(data: bytes | memoryview) -> dict[str, EncodedField]:
         enc.values = np.frombuffer(payload[pos : pos + size], dtype=np.uint8).copy()
         pos += size
         if enc.kind == OBJECT:  # undecodable rows are corruption, found now rather than later
-            object_columns.check_row_boundaries(enc.values, enc.lengths)
+            object_columns.check_row_boundaries(enc.values, enc.require_lengths())
     return fields

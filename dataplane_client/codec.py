@@ -80,6 +80,18 @@ class EncodedField:
     lengths: np.ndarray | None = None  # int64[N]: jagged rows' first dim / object rows' bytes
     num_rows: int = 0
 
+    def require_values(self) -> np.ndarray:
+        """``values``; CorruptPayload if absent (only a header-only field lacks its bytes)."""
+        if self.values is None:
+            raise CorruptPayload(f"this {self.kind} field is a header without its bytes")
+        return self.values
+
+    def require_lengths(self) -> np.ndarray:
+        """``lengths`` of a jagged or object field; CorruptPayload if absent."""
+        if self.lengths is None:
+            raise CorruptPayload(f"this {self.kind} field has no row lengths")
+        return self.lengths
+
     @property
     def schema(self) -> tuple[str, str | None, tuple[int, ...]]:
         """What must agree between writes of the same field."""
@@ -98,7 +110,7 @@ class EncodedField:
         """Byte size of each row, int64[N]."""
         if self.kind == DENSE:
             return np.full(self.num_rows, self.row_unit_bytes, dtype=np.int64)
-        return self.lengths.astype(np.int64) * self.row_unit_bytes
+        return self.require_lengths().astype(np.int64) * self.row_unit_bytes
 
     @property
     def nbytes(self) -> int:
@@ -108,7 +120,7 @@ class EncodedField:
         """Bulk bytes the header describes."""
         if self.kind == DENSE:
             return self.num_rows * self.row_unit_bytes
-        return int(self.lengths.sum()) * self.row_unit_bytes
+        return int(self.require_lengths().sum()) * self.row_unit_bytes
 
     def validate(self, name: str, *, header_only: bool = False) -> None:
         """Check the header against hard bounds, then the bytes against the header.
@@ -219,7 +231,7 @@ def _encode_tensor(name: str, value: torch.Tensor) -> EncodedField:
     if value.is_nested:
         if value.layout != torch.jagged:
             return _encode_jagged_list(name, list(value.unbind()))
-        offsets = value.offsets()
+        offsets = value.offsets()  # type: ignore[attr-defined]  # nested-tensor API
         values = value.values()
         start, end = int(offsets[0]), int(offsets[-1])
         return EncodedField(
@@ -286,7 +298,7 @@ def encode_field(
     rows = _row_values(value)
     # Decided on the set of row types: one C-level pass, not an isinstance call per row.
     tensor_rows = [issubclass(t, torch.Tensor) for t in set(map(type, rows or ()))]
-    if tensor_rows and all(tensor_rows):
+    if rows is not None and tensor_rows and all(tensor_rows):
         return _encode_jagged_list(name, rows)
     if any(tensor_rows):
         raise InvalidBatch("a list mixes tensors and non-tensors", fields=[name])
@@ -345,8 +357,10 @@ def decode_field(enc: EncodedField, *, writable: bool = True) -> Any:
     """EncodedField -> dense tensor, jagged torch.nested tensor, or list."""
     if enc.kind == OBJECT:
         return decode_objects(enc)
+    if enc.dtype is None:
+        raise CorruptPayload(f"a {enc.kind} field has no dtype")
     dtype = DTYPES[enc.dtype]
-    buf = enc.values
+    buf = enc.require_values()
     if writable and not buf.flags.writeable:
         buf = buf.copy()
     if buf.nbytes == 0:
@@ -356,7 +370,7 @@ def decode_field(enc: EncodedField, *, writable: bool = True) -> Any:
         flat = flat.view(dtype) if dtype != torch.uint8 else flat
     if enc.kind == DENSE:
         return flat.reshape(enc.num_rows, *enc.shape)
-    lengths = torch.from_numpy(enc.lengths.astype(np.int64))
+    lengths = torch.from_numpy(enc.require_lengths().astype(np.int64))
     offsets = torch.zeros(enc.num_rows + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
     values = flat.reshape(int(offsets[-1]), *enc.shape)
@@ -365,7 +379,7 @@ def decode_field(enc: EncodedField, *, writable: bool = True) -> Any:
 
 def decode_objects(enc: EncodedField) -> list:
     """The Python values of an object field, decoded in one call (CorruptPayload if garbled)."""
-    return object_columns.decode_rows(enc.values, enc.num_rows)
+    return object_columns.decode_rows(enc.require_values(), enc.num_rows)
 
 
 # ---------------------------------------------------------------------------
@@ -437,10 +451,10 @@ def take_rows(
     if header_only:
         values = None
     elif out is None and len(rows) and np.all(rows[1:] == rows[:-1] + 1):
-        values = enc.values[int(starts[0]) : int(ends[-1])]
+        values = enc.require_values()[int(starts[0]) : int(ends[-1])]
     else:
         values = gather_bytes(
-            [enc.values], np.zeros(len(rows), dtype=np.int64), starts, ends, out=out
+            [enc.require_values()], np.zeros(len(rows), dtype=np.int64), starts, ends, out=out
         )
     return EncodedField(
         kind=enc.kind,

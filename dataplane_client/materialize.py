@@ -102,7 +102,7 @@ def materialize(
     batch = as_field_mapping(batch)
     pad_value_dict = dict(pad_value_dict or {})
 
-    out = BatchedDataDict()
+    out: BatchedDataDict[dict[str, Any]] = BatchedDataDict()
     sizes: dict[str, int] = {}
     for name, value in batch.items():
         if isinstance(value, torch.Tensor) and value.is_nested:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -30,6 +30,15 @@ def duplicated(ids: Sequence[str]) -> list[str]:
             dups[s] = None
         seen.add(s)
     return list(dups)
+
+
+_T = TypeVar("_T")
+
+
+def _all_given(parts: Sequence[list[_T] | None]) -> list[list[_T]] | None:
+    """``parts`` when every one is given, else None."""
+    given = [p for p in parts if p is not None]
+    return given if len(given) == len(parts) else None
 
 
 def _per_row_values(name: str, values: Any, size: int) -> list:
@@ -178,12 +187,16 @@ class KVBatchMeta:
         if dups:
             raise InvalidBatch("concat would duplicate sample ids", ids=dups)
         lengths = tags = fields = None
-        if all(m.sequence_lengths is not None for m in metas):
-            lengths = [x for m in metas for x in m.sequence_lengths]
-        if all(m.tags is not None for m in metas):
-            tags = [t for m in metas for t in m.tags]
-        if all(m.fields is not None for m in metas):
-            fields = [f for f in self.fields if all(f in m.fields for m in others)]
+        all_lengths = _all_given([m.sequence_lengths for m in metas])
+        if all_lengths is not None:
+            lengths = [x for part in all_lengths for x in part]
+        all_tags = _all_given([m.tags for m in metas])
+        if all_tags is not None:
+            tags = [t for part in all_tags for t in part]
+        all_fields = _all_given([m.fields for m in metas])
+        if all_fields is not None:
+            first, *rest = all_fields
+            fields = [f for f in first if all(f in part for part in rest)]
         extra: dict[str, Any] = {}
         for m in metas:
             extra.update(m.extra_info)

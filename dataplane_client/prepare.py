@@ -41,7 +41,7 @@ def sequence_lengths(encoded: Mapping[str, EncodedField]) -> list[int] | None:
         return [int(x) for x in decode_field(lengths).tolist()]
     for enc in encoded.values():
         if enc.kind == JAGGED:
-            return enc.lengths.tolist()
+            return enc.require_lengths().tolist()
     return None
 
 

@@ -68,13 +68,13 @@ class MemFd:
         return ChunkRef(f"/proc/{os.getpid()}/fd/{self.fd}", self.name)
 
     def write(self, offset: int, data: np.ndarray) -> None:
-        view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
         while len(view):
             done = os.pwrite(self.fd, view, offset)
             view, offset = view[done:], offset + done
 
     def read_into(self, offset: int, out: np.ndarray) -> None:
-        view = memoryview(out)
+        view = out.data
         while len(view):
             done = os.preadv(self.fd, [view], offset)
             if done <= 0:

@@ -57,7 +57,7 @@ class Transport:
             bool(use_shm and ok and node == local_node and local_node is not None)
             for node, ok in zip(unit_nodes, unit_shm)
         ]
-        self._owner = None
+        self._owner: ray.ObjectRef | None = None
 
     def _stage_owner(self) -> list:
         """A boxed object this process owns: units reclaim our stages once it is gone.
