@@ -204,3 +204,24 @@ def test_a_unit_killed_during_writes_loses_exactly_its_samples(fresh):
     with pytest.raises(SamplesLost) as e:
         c.claim_meta("p", "t", ["x"], 4, timeout_s=30)
     assert sorted(e.value.ids) == sorted(on_dead)
+
+
+def test_retention_keeps_only_the_newest_emptied_partitions(fresh):
+    """Operators' opt-in rule: emptied partitions beyond the newest N are deleted; one that is
+    written to again is not empty any more and stays. Default (off) keeps every one."""
+    h = fresh(num_storage_units=1, retain_emptied_partitions=1)
+    c = h.client()
+    for pid in ["old", "mid", "new", "busy"]:
+        c.register_partition(pid, ["x"], None, ["t"])
+        c.put_samples(["a"], pid, {"x": torch.ones(1)})
+    c.clear_samples(["a"], "busy")
+    c.put_samples(["b"], "busy", {"x": torch.ones(1)})  # written again: not empty
+    for pid in ["old", "mid", "new"]:
+        c.clear_samples(["a"], pid)
+    left = sorted(p.partition_id for p in ray.get(h.controller.list_partitions.remote()))
+    assert left == ["busy", "new"]
+    off = fresh(num_storage_units=1).client()
+    off.register_partition("p", ["x"], None, ["t"])
+    off.put_samples(["a"], "p", {"x": torch.ones(1)})
+    off.clear_samples(["a"], "p")
+    assert off.describe_partition("p").num_samples == 0  # kept by default
