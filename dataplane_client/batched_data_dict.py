@@ -41,13 +41,9 @@ from dataplane_client.preshard import (
 
 DictT = TypeVar("DictT", bound=Mapping[str, Any])
 
-# the reference's older name of the dynamic batching config
-DynamicBatchingCfg = DynamicBatchingArgs
-
 __all__ = [
     "BatchedDataDict",
     "DynamicBatchingArgs",
-    "DynamicBatchingCfg",
     "SequencePackingArgs",
     "SlicedDataDict",
 ]

@@ -133,23 +133,3 @@ class ServiceUnavailable(RetryableError, ConnectionError):
 
 class RoutingUnstable(RetryableError, ConnectionError):
     """Samples kept moving between storage units while a write was in flight."""
-
-
-ALL_ERRORS: tuple[type[DataPlaneError], ...] = (
-    UnknownPartition,
-    UnknownTask,
-    FieldNotProduced,
-    SamplesNotFound,
-    SamplesLost,
-    FieldAlreadyProduced,
-    SchemaConflict,
-    InvalidBatch,
-    CorruptPayload,
-    ConfigError,
-    NonTensorField,
-    CapacityExceeded,
-    ClaimTimeout,
-    LeaseExpired,
-    ServiceUnavailable,
-    RoutingUnstable,
-)
