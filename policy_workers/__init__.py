@@ -8,11 +8,14 @@ policy_workers`` stays cheap):
   torch.distributed world, replica / TP / DP groups, dispatch helpers;
 - ``config``: ``PolicyConfig`` and its parts (model, batching, optimizer, loss);
 - ``model``: transformers causal LM with a vocab-parallel output projection;
-- ``loss``: GRPO clipped policy-gradient loss;
+- ``loss``: GRPO clipped policy-gradient loss with the reference-policy KL penalty;
 - ``broadcast``: two-phase broadcast of a BatchedDataDict in a replica group;
 - ``tq_mixin``: ``TQWorkerMixin``, per-rank fetch / write-back / ``*_presharded``;
+- ``recording``: opt-in, bounded bookkeeping of fetches, write-backs and dispatches
+  (tests, the demo); off, the data path computes nothing for it;
 - ``worker``: ``PolicyWorker``, the actor body (logprobs, reference logprobs, train);
 - ``tq_policy``: ``TQPolicy``, the driver (metas on the data-plane path, tensors
   on the classic path);
-- ``rollout``, ``demo``: rollout actors and the end-to-end demo.
+- ``rollout``, ``demo``, ``demo_report``: rollout actors, the end-to-end demo and
+  what it prints.
 """

@@ -177,9 +177,10 @@ def wait_for_rollouts(client, pid: str, want: int, pending: list, bar) -> list:
 def classic_bytes_of_passes(policy, leaders: list[int]) -> int:
     """Bytes of the tensors the DP leaders fetched and wrote back since the last call.
 
-    On the classic path the driver ships each DP rank exactly the batch its
-    leader fetched here (siblings get it by broadcast on both paths) and gathers
-    exactly what the leaders wrote back; the recorder measured those tensors.
+    On the classic path the driver puts each DP rank's batch in the object store
+    once (that rank's TP siblings read the same copy): exactly the padded batch
+    its leader fetched here. It gathers one result per DP rank: exactly what the
+    leader wrote back. The workers' recorders measured those tensors.
     """
     logs = policy.run_on_all_workers("get_io_log")
     policy.run_on_all_workers("clear_io_log")
