@@ -92,6 +92,7 @@ def _bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+@pytest.mark.slow  # three worker processes and their first gloo rendezvous: ~40 s here
 def test_every_rank_receives_identical_bytes(group):
     results = ray.get(group.run_all_workers_single_data("run"))
     # one answer per rank, each from its own process: siblings really received it
@@ -119,6 +120,7 @@ def test_every_rank_receives_identical_bytes(group):
         assert out.micro_batch_lengths == sent.micro_batch_lengths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "value",
     [{1, 2}, [torch.zeros(2), torch.ones(3)], b"raw", object()],

@@ -153,10 +153,12 @@ def _on_both(group, method, *args):
     return ray.get(group.run_all_workers_single_data(method, *args))
 
 
+@pytest.mark.slow  # the first test on the TP=2 worker group pays its ~50 s start-up here
 def test_head_is_split_by_vocabulary(tp_group):
     assert _on_both(tp_group, "head_rows", "untied") == [(0, 66), (66, 131)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["untied", "tied"])
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_tp2_logprobs_equal_unsharded_reference(tp_group, which, packed):
@@ -170,6 +172,7 @@ def test_tp2_logprobs_equal_unsharded_reference(tp_group, which, packed):
     assert torch.equal(outs[0], outs[1])  # the log-softmax is assembled identically on both ranks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["untied", "tied"])
 def test_tp2_gradients_equal_unsharded_reference(tp_group, which):
     cfg = UNTIED if which == "untied" else TIED
