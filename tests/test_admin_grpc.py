@@ -249,6 +249,16 @@ def test_get_sample_selected_fields_and_unknown_sample(stub, filled):
         timeout=TIMEOUT,
     )
     assert [p.name for p in got.previews] == ["score"]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.GetSample(
+            admin_pb2.GetSampleRequest(
+                partition_id=filled["pid"], sample_id="s6", fields=["input_ids", "score"]
+            ),
+            timeout=TIMEOUT,
+        )
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "FieldNotProduced" in info.value.details()
+    assert "'score'" in info.value.details()
     request = admin_pb2.GetSampleRequest(partition_id=filled["pid"], sample_id="nope")
     assert _code(stub.GetSample, request) == grpc.StatusCode.NOT_FOUND
 

@@ -318,6 +318,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         if sample.lost:
             return out  # its bytes are gone with its unit: nothing to preview
         fields = list(request.fields) or None
+        missing = [f for f in fields or () if f not in sample.fields]
+        if missing:  # the unit would skip them: say so rather than show less than asked
+            raise errors.FieldNotProduced(
+                "not produced for this sample", ids=[sid], fields=missing, partition_id=pid
+            )
         raw = self.sources.call_unit(
             sample.unit, "preview", pid, sid, fields, max_elems, timeout_s=timeout
         )

@@ -67,9 +67,7 @@ def package_version() -> str:
         return "unknown"
 
 
-def build_parser(
-    found: dict[str, EntryPoint] | None = None,
-) -> tuple[argparse.ArgumentParser, dict[str, EntryPoint]]:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, EntryPoint]]:
     """The parser, and the entry-point commands it lists (built-in names win)."""
     parser = argparse.ArgumentParser(
         prog="dataplane",
@@ -82,7 +80,7 @@ def build_parser(
     common = endpoint_options()
     for command in CLIENT_COMMANDS:
         command.register(sub, common)
-    added = plugins.register(sub, plugins.commands() if found is None else found)
+    added = plugins.register(sub, plugins.commands())
     return parser, added
 
 
