@@ -467,12 +467,18 @@ def test_pack_metadata_trusted_from_driver_else_rederived(mode):
 
 
 # ---- opt-in bookkeeping -----------------------------------------------------------------------------
-def test_io_recording_is_off_by_default_and_bounded_when_on(client, batch):
+def test_io_recording_is_off_by_default_and_bounded_when_on(client, batch, monkeypatch):
+    from policy_workers import recording
+
+    digests = []  # a spy around the real digest: counts the calls, changes nothing
+    real_digest = recording.batch_digest
+    monkeypatch.setattr(recording, "batch_digest", lambda d: digests.append(1) or real_digest(d))
     meta = _put(client, batch, ["input_ids", "input_lengths"])
     host = _Host()  # a lone worker in this process, on the real store
     host._dp_client = client
     host._fetch(meta)
-    assert host.get_io_log() == []  # off: no recorder, nothing computed or kept
+    assert host.get_io_log() == []  # off: nothing kept ...
+    assert digests == []  # ... and nothing computed on the data path
 
     host.set_io_recording(True, keep_last=2)
     for n in (1, 2, 3):
@@ -485,9 +491,11 @@ def test_io_recording_is_off_by_default_and_bounded_when_on(client, batch):
     assert host.get_io_log()[-1]["nbytes"] == 3 * max(LENGTHS[:3]) * 8 + 3 * 8
 
     host.set_io_recording(True, digests=False)
+    n_digests = len(digests)
     host._fetch(meta)
     (entry,) = host.get_io_log()
     assert "digest" not in entry
+    assert len(digests) == n_digests
     assert entry["fields"] == ["input_ids", "input_lengths"]
     host.set_io_recording(False)
     assert host.get_io_log() == []
