@@ -42,6 +42,7 @@ from dataplane_client.errors import (
     RoutingUnstable,
     SamplesLost,
     ServiceUnavailable,
+    UnknownPartition,
 )
 from dataplane_client.interface import DataPlaneClient
 from dataplane_client.messages import (
@@ -251,7 +252,7 @@ class RayDataPlaneClient(DataPlaneClient):
         self._alive = list(routing.alive)
         # (partition, sample) -> unit, learnt from puts and gets: a hint the controller checks.
         self._routes: dict[tuple[str, str], int] = {}
-        # partition -> its enums and object fields, as this client registered them.
+        # partition -> its enums and object fields, as declared to the controller (asked once).
         self._codecs: dict[str, FieldCodecs] = {}
 
     # ---- helpers ------------------------------------------------------------------
@@ -265,10 +266,18 @@ class RayDataPlaneClient(DataPlaneClient):
             raise ServiceUnavailable(f"this client of {self.name!r} was closed")
         return self._transport
 
-    def _codecs_of(self, partition_id: str) -> FieldCodecs:
-        """The partition's enums and object fields, as this client registered it (none
-        for a partition registered elsewhere: the service does not hand them out yet)."""
-        return self._codecs.get(partition_id, FieldCodecs())
+    def _codecs_of(self, partition_id: str) -> Flow:
+        """The partition's enums and object fields: from the controller on first use, so a
+        client that did not register the partition encodes and decodes like the one that did.
+        An unknown partition has none (the verb's own controller call then says so)."""
+        codecs = self._codecs.get(partition_id)
+        if codecs is None:
+            try:
+                codecs = _one((yield [self._controller.field_codecs.remote(partition_id)]))
+            except UnknownPartition:
+                return FieldCodecs()
+            self._codecs[partition_id] = codecs
+        return codecs
 
     def _remember(self, partition_id: str, sample_ids: Sequence[str], units: Iterable[int]) -> None:
         if len(self._routes) > _ROUTE_CACHE_LIMIT:
@@ -338,6 +347,8 @@ class RayDataPlaneClient(DataPlaneClient):
                         arguments.name_list(consumer_tasks, "consumer_tasks", allow_empty=True),
                         grpo_group_size,
                         dict(task_leases or {}),
+                        {name: list(words) for name, words in codecs.enums.items()},
+                        sorted(codecs.object_fields),
                     )
                 ]
             )
@@ -365,9 +376,8 @@ class RayDataPlaneClient(DataPlaneClient):
         ``fields``: a TensorDict, dict or BatchedDataDict of one row per id.
         ``overwrite`` (ours) replaces fields already produced.
         """
-        w = prepare.write(
-            sample_ids, partition_id, fields, tags, overwrite, self._codecs_of(partition_id)
-        )
+        codecs = yield from self._codecs_of(partition_id)
+        w = prepare.write(sample_ids, partition_id, fields, tags, overwrite, codecs)
         sample_ids, encoded = w.sample_ids, w.encoded
 
         units = np.array(
@@ -498,7 +508,8 @@ class RayDataPlaneClient(DataPlaneClient):
                 if isinstance(r, BaseException):
                     raise r from None
             decoded = {name: assemble([r[name] for r in results], order) for name in fields}
-        return to_tensordict(decoded, len(sample_ids), enums=self._codecs_of(partition_id).enums)
+        codecs = yield from self._codecs_of(partition_id)
+        return to_tensordict(decoded, len(sample_ids), enums=codecs.enums)
 
     # ---- claims and consumption ---------------------------------------------------
     @_rpc_verb

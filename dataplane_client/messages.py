@@ -125,6 +125,8 @@ class TaskConsumption:
     acknowledged); ``leased`` counts those it holds under an unexpired lease.
     ``done``: every live sample is consumed (cleared ones count as done) and,
     when the partition's size was declared, that many samples were written.
+    ``lost`` counts live samples not yet consumed whose storage unit is gone:
+    terminal, so they count towards ``done``.
     """
 
     task: str
@@ -135,6 +137,7 @@ class TaskConsumption:
     leased: int = 0
     lease_s: float | None = None
     redeliveries: int = 0
+    lost: int = 0
 
 
 # ---- controller: admin views ---------------------------------------------------------

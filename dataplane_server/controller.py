@@ -18,7 +18,6 @@ become lost (terminal) within seconds, not at the next failed read.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import inspect
 import os
@@ -43,6 +42,7 @@ from dataplane_client.messages import (
     CommitRequest,
     CommitResult,
     ControllerSnapshot,
+    FieldCodecs,
     Location,
     PartitionDescription,
     PartitionStats,
@@ -60,7 +60,7 @@ from dataplane_server import checkpoint, recovery
 from dataplane_server.admin import views
 from dataplane_server.columns import counts_errors
 from dataplane_server.journal import Journal
-from dataplane_server.keyspace import CommitPlan, Declaration, KeySpace
+from dataplane_server.keyspace import CommitPlan, KeySpace, declaration
 from dataplane_server.recovery_messages import SampleMeta
 from dataplane_server.stats import Stats
 
@@ -151,7 +151,7 @@ class Controller:
         self._next_seq = recovery.next_commit_seq(views)
         self._committed.update(dict.fromkeys(recovery.published_write_ids(views)))
         if self.journal:
-            self.journal.compact(self._journal_state())
+            self.journal.compact(self.keys.export_state())
         self.stats.observe("recovery_seconds", time.perf_counter() - t0)
         if self.restarted:
             self.stats.inc("controller_restarts_total")
@@ -166,21 +166,12 @@ class Controller:
         except Exception:  # noqa: BLE001 - no answer: the unit is treated as lost
             return None
 
-    def _journal_state(self) -> dict[str, dict]:
-        return {
-            pid: {
-                "declaration": dataclasses.asdict(p.declaration),
-                "tasks": self.keys.export_consumption(p),
-            }
-            for pid, p in self.keys.partitions.items()
-        }
-
     def _log(self, *record) -> None:
         if self.journal is None:
             return
         self.journal.append(*record)
         if self.journal.due():
-            self.journal.compact(self._journal_state())
+            self.journal.compact(self.keys.export_state())
 
     @_recovered
     def unit_handles(self) -> list:
@@ -303,32 +294,35 @@ class Controller:
         consumer_tasks: list[str],
         grpo_group_size: int | None = None,
         task_leases: dict[str, float] | None = None,
+        enums: dict[str, list[str]] | None = None,
+        object_fields: list[str] | None = None,
     ) -> None:
-        """Declare a partition; an existing one of that id is deleted first (bytes freed)."""
-        arguments.partition_name(partition_id)
-        # Declaration refuses lease keys that are not consumer tasks (UnknownTask), so a refused
-        # registration never reaches the partition it would replace.
-        leases = {
-            t: arguments.seconds(s, f"lease of {t!r}") for t, s in (task_leases or {}).items()
-        }
-        if any(s <= 0 for s in leases.values()):
-            raise InvalidBatch("a lease must be longer than 0 s", partition_id=partition_id)
-        declaration = Declaration(
-            fields=arguments.name_list(fields, "fields", allow_empty=True),
-            expected_samples=arguments.optional_count(num_samples, "num_samples", minimum=0),
-            consumer_tasks=list(
-                dict.fromkeys(
-                    arguments.name_list(consumer_tasks, "consumer_tasks", allow_empty=True)
-                )
-            ),
-            group_size=arguments.optional_count(grpo_group_size, "grpo_group_size", minimum=1),
-            task_leases=leases,
+        """Declare a partition; an existing one of that id is deleted first (bytes freed).
+
+        Checked in full before the old partition is touched, so a refused
+        registration never reaches the partition it would replace.
+        """
+        declared = declaration(
+            partition_id,
+            fields,
+            num_samples,
+            consumer_tasks,
+            grpo_group_size,
+            task_leases,
+            enums,
+            object_fields,
         )
         async with self._lifecycle:
             if partition_id in self.keys.partitions:
                 await self._delete(partition_id)
-            self.keys.register(partition_id, declaration)
-            self._log("register", partition_id, dataclasses.asdict(declaration))
+            self.keys.register(partition_id, declared)
+            self._log("register", partition_id, declared.to_record())
+
+    @_recovered
+    @counts_errors
+    def field_codecs(self, partition_id: str) -> FieldCodecs:
+        """The partition's enums and object fields, for clients that did not register it."""
+        return self.keys.partition(partition_id).declaration.codecs
 
     @_recovered
     @counts_errors
@@ -709,7 +703,7 @@ class Controller:
         tmp = checkpoint.start(directory)
         try:
             async with self._lifecycle:  # no partition appears or goes while saving
-                state = self._journal_state()
+                state = self.keys.export_state()
                 alive = self.keys.live_units()
                 files = await asyncio.gather(*[self.units[u].dump.remote(tmp) for u in alive])
             checkpoint.finish(tmp, directory, list(files), state)

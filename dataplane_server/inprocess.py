@@ -33,7 +33,7 @@ from dataplane_client.messages import ClearResult, CommitRequest, FieldCodecs, T
 from dataplane_client.meta import KVBatchMeta
 from dataplane_client.tensordict_io import to_tensordict
 from dataplane_client.transport import assemble
-from dataplane_server.keyspace import CommitPlan, Declaration, KeySpace
+from dataplane_server.keyspace import CommitPlan, KeySpace, declaration
 
 _UNIT = 0  # the one in-memory "storage unit" every sample lives on
 
@@ -55,30 +55,6 @@ def _rows_of(enc: EncodedField) -> list[EncodedField]:
     ]
 
 
-def declaration(
-    partition_id: str,
-    fields: Any,
-    num_samples: Any,
-    consumer_tasks: Any,
-    grpo_group_size: Any,
-    task_leases: Mapping[str, Any] | None,
-) -> Declaration:
-    """A registration's arguments checked, as the key space keeps them."""
-    arguments.partition_name(partition_id)
-    leases = {t: arguments.seconds(s, f"lease of {t!r}") for t, s in (task_leases or {}).items()}
-    if any(s <= 0 for s in leases.values()):
-        raise InvalidBatch("a lease must be longer than 0 s", partition_id=partition_id)
-    return Declaration(
-        fields=arguments.name_list(fields, "fields", allow_empty=True),
-        expected_samples=arguments.optional_count(num_samples, "num_samples", minimum=0),
-        consumer_tasks=list(
-            dict.fromkeys(arguments.name_list(consumer_tasks, "consumer_tasks", allow_empty=True))
-        ),
-        group_size=arguments.optional_count(grpo_group_size, "grpo_group_size", minimum=1),
-        task_leases=leases,
-    )
-
-
 class InProcessDataPlaneClient(DataPlaneClient):
     """A data plane held in this process's memory (one client = one store)."""
 
@@ -87,7 +63,6 @@ class InProcessDataPlaneClient(DataPlaneClient):
         self._keys.unit_alive = [True]
         # partition -> sample -> field -> that row's bytes
         self._store: dict[str, dict[str, dict[str, EncodedField]]] = {}
-        self._codecs: dict[str, FieldCodecs] = {}
         self._changed = threading.Condition()
 
     @property
@@ -116,14 +91,19 @@ class InProcessDataPlaneClient(DataPlaneClient):
         task_leases: Mapping[str, float] | None = None,
     ) -> None:
         """Declare a partition; one of the same id is replaced (its samples deleted)."""
-        codecs = arguments.field_codecs(enums, object_fields)
         decl = declaration(
-            partition_id, fields, num_samples, consumer_tasks, grpo_group_size, task_leases
+            partition_id,
+            fields,
+            num_samples,
+            consumer_tasks,
+            grpo_group_size,
+            task_leases,
+            enums,
+            object_fields,
         )
         with self._changed:
             self._open().register(partition_id, decl)
             self._store[partition_id] = {}
-            self._codecs[partition_id] = codecs
             self._notify()  # claims waiting on the replaced partition fail
 
     def delete_partition(self, partition_id: str) -> ClearResult:
@@ -131,9 +111,14 @@ class InProcessDataPlaneClient(DataPlaneClient):
         with self._changed:
             part = self._open().delete(partition_id)
             freed = self._nbytes(self._store.pop(partition_id, {}).values())
-            self._codecs.pop(partition_id, None)
             self._notify()
             return ClearResult(cleared=part.num_samples, bytes_freed=freed)
+
+    @staticmethod
+    def _codecs_of(keys: KeySpace, partition_id: str) -> FieldCodecs:
+        """As the partition was declared (none for an unknown one: its commit check says so)."""
+        part = keys.partitions.get(partition_id)
+        return FieldCodecs() if part is None else part.declaration.codecs
 
     @staticmethod
     def _nbytes(samples: Any) -> int:
@@ -157,7 +142,7 @@ class InProcessDataPlaneClient(DataPlaneClient):
                 fields,
                 tags,
                 overwrite,
-                self._codecs.get(partition_id, FieldCodecs()),
+                self._codecs_of(keys, partition_id),
             )
             plan = keys.check_commit(
                 CommitRequest(
@@ -206,9 +191,10 @@ class InProcessDataPlaneClient(DataPlaneClient):
         ids = arguments.id_list(sample_ids, partition_id=partition_id)
         names = arguments.name_list(fields, "select_fields")
         with self._changed:
-            self._open().locate(partition_id, ids, names)
+            keys = self._open()
+            keys.locate(partition_id, ids, names)
             samples = [self._store[partition_id][s] for s in ids]
-            codecs = self._codecs.get(partition_id, FieldCodecs())
+            codecs = self._codecs_of(keys, partition_id)
         order = np.arange(len(ids))
         decoded = {name: assemble([s[name] for s in samples], order) for name in names}
         return to_tensordict(decoded, len(ids), enums=codecs.enums)
@@ -310,7 +296,6 @@ class InProcessDataPlaneClient(DataPlaneClient):
         with self._changed:
             self._keys = None
             self._store.clear()
-            self._codecs.clear()
             self._notify()  # waiting claims see the client closed
 
 

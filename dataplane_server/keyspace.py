@@ -16,7 +16,7 @@ injected clock, so leases are tested without sleeping.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,13 @@ from dataplane_client.errors import (
     UnknownPartition,
     UnknownTask,
 )
-from dataplane_client.messages import CommitRequest, CommitResult, Location, TaskConsumption
+from dataplane_client.messages import (
+    CommitRequest,
+    CommitResult,
+    FieldCodecs,
+    Location,
+    TaskConsumption,
+)
 from dataplane_client.meta import KVBatchMeta
 from dataplane_server.columns import grown
 from dataplane_server.recovery_messages import StoredRows
@@ -44,18 +50,84 @@ NO_LEASE = 0  # holder id of a row nobody holds
 
 @dataclass(frozen=True)
 class Declaration:
-    """What ``register_partition`` said about a partition."""
+    """What ``register_partition`` said about a partition (``declaration`` builds a checked one).
+
+    ``enums`` and ``object_fields`` live here, with the partition, so every
+    client of the service encodes and decodes them alike, not only the one
+    that registered it.
+    """
 
     fields: list[str]
     expected_samples: int | None
     consumer_tasks: list[str]
     group_size: int | None
     task_leases: dict[str, float] = field(default_factory=dict)  # task -> lease seconds
+    enums: dict[str, tuple[str, ...]] = field(default_factory=dict)  # field -> vocabulary
+    object_fields: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.task_leases) - set(self.consumer_tasks))
         if unknown:
             raise UnknownTask(f"task_leases names tasks that are not consumer tasks: {unknown}")
+
+    @property
+    def codecs(self) -> FieldCodecs:
+        return FieldCodecs(enums=dict(self.enums), object_fields=self.object_fields)
+
+    def to_record(self) -> dict[str, Any]:
+        """Plain lists and dicts (msgpack has no tuples or sets): journal and checkpoint."""
+        return {
+            "fields": list(self.fields),
+            "expected_samples": self.expected_samples,
+            "consumer_tasks": list(self.consumer_tasks),
+            "group_size": self.group_size,
+            "task_leases": dict(self.task_leases),
+            "enums": {name: list(words) for name, words in self.enums.items()},
+            "object_fields": sorted(self.object_fields),
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Declaration:
+        """Inverse of ``to_record``; a record written before codecs were kept has none."""
+        return cls(
+            fields=list(record["fields"]),
+            expected_samples=record["expected_samples"],
+            consumer_tasks=list(record["consumer_tasks"]),
+            group_size=record["group_size"],
+            task_leases=dict(record.get("task_leases") or {}),
+            enums={name: tuple(words) for name, words in (record.get("enums") or {}).items()},
+            object_fields=frozenset(record.get("object_fields") or ()),
+        )
+
+
+def declaration(
+    partition_id: str,
+    fields: Any,
+    num_samples: Any,
+    consumer_tasks: Any,
+    grpo_group_size: Any = None,
+    task_leases: Mapping[str, Any] | None = None,
+    enums: Any = None,
+    object_fields: Any = (),
+) -> Declaration:
+    """A registration's arguments checked (typed errors naming what is wrong), as the key
+    space keeps them. The one check both the Ray controller and the in-process twin use."""
+    arguments.partition_name(partition_id)
+    leases = {t: arguments.seconds(s, f"lease of {t!r}") for t, s in (task_leases or {}).items()}
+    if any(s <= 0 for s in leases.values()):
+        raise InvalidBatch("a lease must be longer than 0 s", partition_id=partition_id)
+    codecs = arguments.field_codecs(enums, object_fields or ())
+    return Declaration(
+        fields=arguments.name_list(fields, "fields", allow_empty=True),
+        expected_samples=arguments.optional_count(num_samples, "num_samples", minimum=0),
+        consumer_tasks=list(
+            dict.fromkeys(arguments.name_list(consumer_tasks, "consumer_tasks", allow_empty=True))
+        ),
+        group_size=arguments.optional_count(grpo_group_size, "grpo_group_size", minimum=1),
+        task_leases=leases,
+        enums=codecs.enums,
+        object_fields=codecs.object_fields,
+    )
 
 
 class Partition:
@@ -573,6 +645,7 @@ class KeySpace:
             leased=leased,
             lease_s=lease,
             redeliveries=redelivered,
+            lost=lost,
         )
 
     def redeliveries_of(self, part: Partition, row: int) -> int:
@@ -623,6 +696,14 @@ class KeySpace:
                 if tag:
                     self._merge_tags(part, int(row_in[u][i]), tag)
         return part
+
+    def export_state(self) -> dict[str, dict]:
+        """What only the key space knows, per partition: its declaration (as a record) and
+        its consumption. The journal's snapshot and a checkpoint's state, in this form."""
+        return {
+            pid: {"declaration": p.declaration.to_record(), "tasks": self.export_consumption(p)}
+            for pid, p in self.partitions.items()
+        }
 
     def export_consumption(self, part: Partition) -> dict:
         """Per task: consumed ids, held leases (wall-clock deadlines) and delivery counts."""

@@ -68,7 +68,9 @@ def rebuild(keys: KeySpace, state: dict[str, dict], views: list[UnitRecovery | N
             for pid, rows in v.partitions.items():
                 held.setdefault(pid, []).append((v.index, rows))
     for pid, p in state.items():
-        part = keys.rebuild_partition(pid, Declaration(**p["declaration"]), held.get(pid, []))
+        part = keys.rebuild_partition(
+            pid, Declaration.from_record(p["declaration"]), held.get(pid, [])
+        )
         keys.restore_consumption(part, p["tasks"])
     return {pid: [u for u, _ in got] for pid, got in held.items() if pid not in state}
 

@@ -156,6 +156,25 @@ def test_a_non_tensor_leaf_is_a_type_error_saying_non_tensor_and_strings_go_thro
         dp.register_partition(_pid(), ["x"], None, [], enums={"env": ["a", "a"]})
 
 
+def test_enums_and_object_fields_travel_with_the_partition_to_every_client(make_client):
+    """A worker that did not register the partition gets the strings back (not codes) and can
+    put enum strings and objects: the vocabulary is stored with the partition, not the client."""
+    pid = _pid()
+    make_client().register_partition(
+        pid, ["x"], None, [], enums={"env": ["math", "code"]}, object_fields=["info"]
+    )
+    worker = make_client()
+    worker.put_samples(
+        ["a", "b"], pid, {"x": torch.zeros(2), "env": ["code", "math"], "info": [{"k": 1}, None]}
+    )
+    reader = make_client()
+    got = reader.get_samples(["b", "a"], pid, ["env", "info"])
+    assert got.get("env").tolist() == ["math", "code"]
+    assert got.get("info").tolist() == [None, {"k": 1}]
+    with pytest.raises(ValueError, match="'chess'"):
+        reader.put_samples(["c"], pid, {"x": torch.zeros(1), "env": ["chess"]})
+
+
 def test_declared_object_fields_carry_msgpack_values(dp):
     """Ours, opt-in: objects only in fields declared at registration (msgpack, never pickle)."""
     pid = _pid()

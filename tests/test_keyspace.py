@@ -3,6 +3,7 @@
 Every test runs in milliseconds; time is an injected clock, never a sleep.
 """
 
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,8 +21,8 @@ from dataplane_client.errors import (
     UnknownPartition,
     UnknownTask,
 )
-from dataplane_client.messages import CommitRequest, CommitResult
-from dataplane_server.keyspace import CommitPlan, Declaration, KeySpace
+from dataplane_client.messages import CommitRequest, CommitResult, FieldCodecs
+from dataplane_server.keyspace import CommitPlan, Declaration, KeySpace, declaration
 
 DENSE_F32 = ("dense", "float32", ())
 
@@ -483,3 +484,48 @@ def test_commits_in_flight_applied_in_any_order_never_leave_a_short_column(steps
         ks.apply_commit(plan)
     _every_column_covers_every_row(part)
     assert set(part.row_of) == {s for s in part.ids if s is not None}
+
+
+# ---- declarations: one check for both services, kept whole through journal and checkpoint ----
+def test_a_declaration_is_checked_once_for_both_services_and_names_what_is_wrong():
+    decl = declaration(
+        "p", ["x"], 4, ["t", "t", "u"], None, {"u": 5}, {"env": ["a", "b"]}, ["info"]
+    )
+    assert decl.consumer_tasks == ["t", "u"]
+    assert decl.codecs == FieldCodecs(enums={"env": ("a", "b")}, object_fields=frozenset({"info"}))
+    with pytest.raises(UnknownTask, match="nope"):
+        declaration("p", ["x"], None, ["t"], None, {"nope": 1.0})
+    with pytest.raises(InvalidBatch, match="longer than 0"):
+        declaration("p", ["x"], None, ["t"], None, {"t": 0})
+    with pytest.raises(InvalidBatch, match="not both") as e:
+        declaration("p", ["x"], None, [], None, None, {"f": ["a"]}, ["f"])
+    assert e.value.fields == ["f"]
+    with pytest.raises(InvalidBatch, match="repeats"):
+        declaration("p", ["x"], None, [], None, None, {"f": ["a", "a"]})
+
+
+def test_a_declaration_survives_its_record_with_enums_and_object_fields():
+    """The journal and a checkpoint keep declarations as msgpack records (no tuples, no sets)."""
+    decl = declaration("p", ["x"], 2, ["t"], 2, {"t": 3.5}, {"env": ["a", "b"]}, ["o", "i"])
+    record = msgpack.unpackb(msgpack.packb(decl.to_record()), raw=False)
+    assert Declaration.from_record(record) == decl
+    ks = _space()
+    ks.register("p", decl)
+    state = msgpack.unpackb(msgpack.packb(ks.export_state()), raw=False)
+    assert Declaration.from_record(state["p"]["declaration"]).codecs == decl.codecs
+    old = {k: v for k, v in decl.to_record().items() if k not in ("enums", "object_fields")}
+    assert Declaration.from_record(old).codecs == FieldCodecs()  # a journal from before
+
+
+def test_consumption_counts_samples_lost_with_their_unit():
+    ks = _space()
+    part = _register(ks, num_samples=4)
+    _write(ks, ["a", "b"], units=[0, 0])
+    _write(ks, ["c", "d"], units=[1, 1])
+    assert ks.claim(part, "t", ["x"], 1, partial_ok=True).sample_ids == ["a"]
+    ks.unit_alive[0] = False
+    detail = ks.consumption(part, "t")
+    assert (detail.consumed, detail.lost, detail.done) == (1, 1, False)  # "b" lost, c/d open
+    ks.claim(part, "t", ["x"], 2, partial_ok=False)
+    assert ks.consumption(part, "t").lost == 1
+    assert ks.consumption(part, "t").done
