@@ -14,6 +14,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # Only the demo and the benchmarks use these; a plain install must not pull them.
 NOT_CORE = {"transformers", "tqdm", "psutil"}
+# Package data a user of the wheel needs: the admin API schema, the example config
+# and the PEP 561 marker that makes type checkers read the client's annotations.
+PACKAGE_DATA = {
+    "dataplane_server/admin/proto/dataplane/admin/v1/admin.proto": ROOT
+    / "dataplane_server/admin/proto/dataplane/admin/v1/admin.proto",
+    "dataplane_server/examples/dataplane.example.yaml": ROOT / "deploy/dataplane.example.yaml",
+    "dataplane_client/py.typed": ROOT / "dataplane_client/py.typed",
+}
 
 
 def _requirement_name(req: str) -> str:
@@ -70,3 +78,28 @@ def test_core_dependencies_are_lean_and_extras_hold_the_rest(wheel):
     assert {"transformers", "tqdm"} <= extra("demo")
     assert "psutil" in extra("bench")
     assert set(meta.get_all("Provides-Extra")) >= {"demo", "bench", "dev"}
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_proto_the_example_config_and_py_typed(wheel):
+    names = set(wheel.namelist())
+    missing = sorted(set(PACKAGE_DATA) - names)
+    assert not missing, f"the wheel lacks {missing}"
+    for name, source in PACKAGE_DATA.items():
+        assert wheel.read(name) == source.read_bytes(), f"{name} differs from {source}"
+
+
+def test_deploy_example_config_is_the_packaged_one():
+    # One source of truth: deploy/ links to the file the wheel ships.
+    linked = ROOT / "deploy/dataplane.example.yaml"
+    assert linked.is_symlink()
+    assert linked.resolve() == (ROOT / "dataplane_server/examples/dataplane.example.yaml").resolve()
+
+
+def test_packaged_files_are_found_through_importlib_resources():
+    from importlib import resources
+
+    proto = resources.files("dataplane_server.admin") / "proto/dataplane/admin/v1/admin.proto"
+    assert "service AdminService" in proto.read_text()
+    example = resources.files("dataplane_server") / "examples/dataplane.example.yaml"
+    assert "admin_port:" in example.read_text()

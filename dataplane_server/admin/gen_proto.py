@@ -1,4 +1,7 @@
-"""Regenerate ``dataplane_server/admin_pb`` from ``proto/dataplane/admin/v1/admin.proto``.
+"""Regenerate ``dataplane_server/admin_pb`` from the AdminService proto.
+
+The proto ships inside the package (``dataplane_server/admin/proto/dataplane/admin/v1/
+admin.proto``), so an installed wheel holds the schema its generated code came from.
 
     python -m dataplane_server.admin.gen_proto           # rewrite the committed code
     python -m dataplane_server.admin.gen_proto --check   # exit 1 if it drifted
@@ -15,13 +18,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-PROTO_ROOT = REPO_ROOT / "proto"
+# The include root: the file's path below it is the name compiled into the descriptor
+# ("dataplane/admin/v1/admin.proto"), which reflection serves and grpcurl shows.
+PROTO_ROOT = Path(__file__).resolve().parent / "proto"
 PROTO_FILE = "dataplane/admin/v1/admin.proto"
-OUT_DIR = REPO_ROOT / "dataplane_server" / "admin_pb"
+PROTO_PATH = PROTO_ROOT / PROTO_FILE
+OUT_DIR = Path(__file__).resolve().parents[1] / "admin_pb"
 GENERATED = ("__init__.py", "admin_pb2.py", "admin_pb2_grpc.py")
 
-_INIT = '''"""Generated from proto/dataplane/admin/v1/admin.proto; do not edit.
+_INIT = '''"""Generated from dataplane_server/admin/proto/dataplane/admin/v1/admin.proto; do not edit.
 
 Regenerate with: python -m dataplane_server.admin.gen_proto
 """
