@@ -28,7 +28,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from importlib.metadata import EntryPoint, PackageNotFoundError, version
+from importlib.metadata import EntryPoint
 
 # gRPC's core logs failed handshakes to stderr itself; the CLI reports them in one line.
 # Read once when grpc is imported; a user's own setting wins, and it is not left in the
@@ -57,14 +57,21 @@ from dataplane_server.cli.endpoint import AdminEndpoint, endpoint_options
 from dataplane_server.cli.exits import EPILOG, EXIT_OK, CliError
 
 CLIENT_COMMANDS = (status, partitions, describe, samples, sample, clear, delete, watch)
-DISTRIBUTION = "rl-dataplane"
 
 
-def package_version() -> str:
-    try:
-        return version(DISTRIBUTION)
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        return "unknown"
+class _VersionAction(argparse.Action):
+    """``--version``: the one version source, ``dataplane_client.version``, imported only
+    when asked (importing the client package pulls in Ray and torch, which the other
+    client commands never load)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, **kwargs):
+        super().__init__(option_strings, dest=dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from dataplane_client.version import __version__
+
+        print(f"dataplane {__version__}", flush=True)  # stdout, as argparse's own action
+        parser.exit()
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, EntryPoint]]:
@@ -74,7 +81,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, EntryPoint]]:
         description="Run the data-plane service, or inspect a running one.",
         epilog=EPILOG,
     )
-    parser.add_argument("--version", action="version", version=f"dataplane {package_version()}")
+    parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve.register(sub)
     common = endpoint_options()
