@@ -21,9 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 from dataplane_client.enum_codes import to_strings
 from dataplane_client.errors import InvalidBatch
+from dataplane_client.quiet import drop_torch_fx_tracing_notice
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
+
+
+# Jagged reads reach torch code that logs a notice meant for torch itself.
+drop_torch_fx_tracing_notice()
 
 
 def _from_tensordict(td: Any, tensordict: Any) -> dict[str, Any]:

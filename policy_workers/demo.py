@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import pickle
 import signal
@@ -84,35 +83,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.kl_penalty >= 0:
         p.error("--kl-penalty must be >= 0")
     return args
-
-
-class _DropMessage(logging.Filter):
-    """Drops one logger's records that start with ``prefix``; every other record passes."""
-
-    def __init__(self, prefix: str):
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefix)
-
-
-def _quiet_known_warnings() -> None:
-    """Silence the two warnings a healthy run printed, each at its source, nothing else.
-
-    - torch logs that ``is_fx_tracing`` is deprecated the first time
-      ``torch.nested.nested_tensor_from_jagged`` (torch's own code, reached
-      whenever a jagged field is read) calls it: advice to torch's developers,
-      nothing a caller can change. Only that record of that logger is dropped.
-    - Ray logs a WARNING when it turns token authentication on by default for a
-      new local cluster. The demo wants exactly that mode, so it says so
-      (``RAY_AUTH_MODE=token``, unless the user set a mode); Ray then has
-      nothing to warn about. Auth stays on, as Ray's default has it.
-    """
-    logging.getLogger("torch.fx._symbolic_trace").addFilter(
-        _DropMessage("is_fx_tracing will return true")
-    )
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def _nbytes(obj) -> int:
@@ -198,8 +168,11 @@ def wait_for_stop_signal() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    _quiet_known_warnings()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Ray 2.60 turns token auth on for a new local cluster and logs a WARNING saying so.
+    # Asking for that same mode keeps auth on and the demo's output clean. Ray reads the
+    # mode when it is imported, so this must come before `import ray`.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
     from dataplane_client.config import DataPlaneConfig

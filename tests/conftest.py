@@ -27,15 +27,9 @@ def pytest_collection_modifyitems(items):
 def ray_session():
     import ray
 
-    if not ray.is_initialized():
-        ray.init(
-            address="local",  # never attach to another Ray that happens to run on this machine
-            num_cpus=RAY_NUM_CPUS,
-            include_dashboard=False,
-            namespace="dataplane-tests",
-            log_to_driver=False,
-            object_store_memory=2 * (1 << 30),
-        )
+    from dataplane_server.local_ray import init_local_ray
+
+    init_local_ray(RAY_NUM_CPUS, namespace="dataplane-tests", object_store_memory=2 << 30)
     yield ray
     ray.shutdown()
 

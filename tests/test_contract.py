@@ -28,7 +28,8 @@ from dataplane_client.errors import (
 from dataplane_client.preshard import shard_meta_for_dp
 from dataplane_server.inprocess import InProcessDataPlaneClient
 
-IMPLS = ["ray", "in_process"]
+# The Ray case needs the session cluster (`ray` marker: make test-fast skips it).
+IMPLS = [pytest.param("ray", marks=pytest.mark.ray), "in_process"]
 
 
 @pytest.fixture(params=IMPLS)
