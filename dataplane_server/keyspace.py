@@ -15,6 +15,7 @@ injected clock, so leases are tested without sleeping.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -219,6 +220,15 @@ class Partition:
             gid = self.group_of[r]
             if gid is not None and r in self.group_rows.get(gid, ()):
                 self.group_rows[gid].remove(r)
+
+    def metadata_bytes(self) -> int:
+        """Rough bytes of this partition's metadata (benchmarks: bytes per sample)."""
+        tables = (self.produced, self.consumed, self.lease_until, self.holder, self.deliveries)
+        arrays = self.live.nbytes + self.seq_len.nbytes + self.unit.nbytes
+        arrays += sum(a.nbytes for t in tables for a in t.values())
+        dict_bytes = sys.getsizeof(self.row_of) + sum(sys.getsizeof(s) for s in self.row_of)
+        lists = sys.getsizeof(self.ids) + sys.getsizeof(self.tags) + sys.getsizeof(self.group_of)
+        return arrays + dict_bytes + lists
 
     def fields_of(self, row: int) -> list[str]:
         return [f for f, col in self.produced.items() if len(col) > row and col[row]]
@@ -451,6 +461,12 @@ class KeySpace:
                     partition_id=partition_id,
                 )
         return Location(fields=list(fields), units=units.tolist())
+
+    def committed_result(self, req: CommitRequest) -> CommitResult:
+        """The result of a commit already applied (a retry of it): lengths as stored."""
+        part = self.partition(req.partition_id)
+        rows = part.rows_of(req.sample_ids)
+        return CommitResult(sequence_lengths=[int(part.seq_len[r]) if r >= 0 else -1 for r in rows])
 
     def lookup_units(self, partition_id: str, sample_ids: list[str]) -> list[int]:
         """Recorded unit per sample (-1 = not written yet)."""

@@ -15,9 +15,52 @@ arguments) and when a checkpoint is restored. Order matters:
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
+from dataplane_client.messages import UnitInfo
+from dataplane_server import unit_calls
+from dataplane_server.journal import Journal
 from dataplane_server.keyspace import Declaration, KeySpace
 from dataplane_server.recovery_messages import UnitRecovery
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """A (re)started controller's state, rebuilt from its units and its journal."""
+
+    keys: KeySpace
+    unit_info: list[UnitInfo]
+    orphans: dict[str, list[int]]  # partition -> units holding bytes nobody declares
+    next_seq: int  # the next commit's sequence number
+    published: list[str]  # write ids the units published: a retried commit is a no-op
+
+
+async def restart(units: list, journal: Journal | None) -> Rebuilt:
+    """Everything a controller needs before serving its first call (fresh start: empty).
+
+    Units that do not answer a ping are lost from the start; their samples are
+    lost (terminal), the others are rebuilt.
+    """
+    infos = await asyncio.gather(*[unit_calls.ping(u) for u in units])
+    alive = [info is not None for info in infos]
+    unit_info = [info or UnitInfo(i, "", "", 0, False) for i, info in enumerate(infos)]
+    views = await settle_pending_writes(units, alive)
+    keys = KeySpace()
+    keys.unit_alive = alive
+    orphans = rebuild(keys, journal.load() if journal else {}, views)
+    return Rebuilt(keys, unit_info, orphans, next_commit_seq(views), published_write_ids(views))
+
+
+async def rebuild_from_units(
+    units: list, unit_alive: list[bool], state: dict[str, dict]
+) -> tuple[KeySpace, int]:
+    """A key space of ``state``'s partitions over what the units hold now (after a restore
+    loaded them), and the next commit's sequence number."""
+    views = await settle_pending_writes(units, list(unit_alive))
+    keys = KeySpace()
+    keys.unit_alive = unit_alive
+    rebuild(keys, state, views)
+    return keys, next_commit_seq(views)
 
 
 async def settle_pending_writes(units: list, alive: list[bool]) -> list[UnitRecovery | None]:

@@ -1,0 +1,93 @@
+"""The controller's read-only verbs for the admin endpoint, metrics and benchmarks.
+
+A mixin of ``Controller``: each verb reads the key space (through
+``admin.views``) and the units' metrics snapshots, and changes nothing, so the
+controller file keeps only the verbs that decide something.
+"""
+
+from __future__ import annotations
+
+from dataplane_client.messages import (
+    ControllerSnapshot,
+    PartitionDescription,
+    PartitionStats,
+    PartitionSummary,
+    SamplePage,
+    SampleStatus,
+    ServiceInfo,
+    UnitInfo,
+    UnitSnapshot,
+)
+from dataplane_client.version import __version__
+from dataplane_server import unit_calls
+from dataplane_server.admin import views
+from dataplane_server.keyspace import KeySpace
+from dataplane_server.stats import Stats
+from dataplane_server.verbs import served
+
+
+class Inspection:
+    # Kept by the controller; named here for readers and type checkers.
+    config: dict
+    keys: KeySpace
+    units: list
+    unit_info: list[UnitInfo]
+    stats: Stats
+    started_at: float
+    draining: bool
+
+    async def _unit_snapshots(self) -> list[UnitSnapshot | None]:
+        return await unit_calls.snapshots(self.units, self.keys.unit_alive)
+
+    @served
+    async def service_info(self) -> ServiceInfo:
+        return views.service_info(
+            self.keys,
+            self.unit_info,
+            await self._unit_snapshots(),
+            name=self.config.get("name", ""),
+            namespace=self.config.get("namespace", ""),
+            version=__version__,
+            started_at=self.started_at,
+            draining=self.draining,
+            default_capacity=int(self.config.get("unit_capacity_bytes", 0)),
+        )
+
+    @served
+    async def list_partitions(self) -> list[PartitionSummary]:
+        return views.list_partitions(self.keys, await self._unit_snapshots())
+
+    @served
+    async def describe_partition(self, partition_id: str) -> PartitionDescription:
+        self.keys.partition(partition_id)  # unknown -> typed error before asking the units
+        return views.describe_partition(self.keys, partition_id, await self._unit_snapshots())
+
+    @served
+    def list_samples(
+        self, partition_id: str, status: str | None = None, offset: int = 0, limit: int = 100
+    ) -> SamplePage:
+        return views.list_samples(self.keys, partition_id, status, offset, limit)
+
+    @served
+    def sample_status(self, partition_id: str, sample_id: str) -> SampleStatus:
+        return views.sample_status(self.keys, partition_id, sample_id)
+
+    @served
+    def metrics_snapshot(self) -> ControllerSnapshot:
+        self.stats.counters["redeliveries_total"] = self.keys.redeliveries_total
+        return ControllerSnapshot(
+            stats=self.stats.snapshot(),
+            claims_waiting=sum(p.waiting_claims for p in self.keys.partitions.values()),
+            partitions=[
+                PartitionStats(partition_id=pid, num_samples=p.num_samples)
+                for pid, p in self.keys.partitions.items()
+            ],
+        )
+
+    @served
+    def memory_footprint(self) -> dict[str, dict[str, int]]:
+        """Rough bytes of metadata per partition (benchmarks: bytes per sample)."""
+        return {
+            pid: {"samples": p.num_samples, "bytes": p.metadata_bytes()}
+            for pid, p in self.keys.partitions.items()
+        }

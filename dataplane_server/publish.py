@@ -1,0 +1,104 @@
+"""Publishing a checked commit's staged bytes on its storage units.
+
+A commit on one unit is one ``publish`` call carrying the samples' metadata. A
+commit spanning several units is first ``prepare``d (pinned) on each, then
+published: after that, publishing can fail only by a unit's death, and a
+controller that dies half way rolls the write forward when it restarts.
+Applied write ids are remembered, so a commit Ray retries after a restart is
+recognised and not applied twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+from dataplane_client.errors import SamplesLost
+from dataplane_client.messages import CommitRequest
+from dataplane_server import unit_calls
+from dataplane_server.recovery_messages import SampleMeta
+
+
+def sample_metas(request: CommitRequest, seq: int) -> dict[int, SampleMeta]:
+    """What each unit keeps beside the bytes so a restarted controller can rebuild."""
+    lengths: dict[int, dict] = {u: {} for u in request.staged_units}
+    tags: dict[int, dict] = {u: {} for u in request.staged_units}
+    for i, (sid, u) in enumerate(zip(request.sample_ids, request.units)):
+        if request.sequence_lengths is not None:
+            lengths[u][sid] = int(request.sequence_lengths[i])
+        if request.tags and request.tags[i]:
+            tags[u][sid] = request.tags[i]
+    return {u: SampleMeta(seq, lengths[u], tags[u]) for u in request.staged_units}
+
+
+async def publish(
+    units: list,
+    request: CommitRequest,
+    metas: dict[int, SampleMeta],
+    lose_unit: Callable[[int], Awaitable[object]],
+) -> None:
+    """Make the staged bytes visible on every unit of the commit, or raise having freed
+    what was published: a unit's typed refusal as itself, a dead unit as SamplesLost
+    naming its samples (``lose_unit`` is told first)."""
+    staged, wid = request.staged_units, request.write_id
+    if len(staged) > 1:
+        prepares = [units[u].prepare.remote(wid, metas[u], staged) for u in staged]
+        await _on_units(units, request, prepares, [], lose_unit)
+        calls = [units[u].publish.remote(wid) for u in staged]
+    else:
+        calls = [units[staged[0]].publish.remote(wid, metas[staged[0]])]
+    await _on_units(units, request, calls, staged, lose_unit)
+
+
+async def _on_units(
+    units: list,
+    request: CommitRequest,
+    calls: list,
+    published: list[int],
+    lose_unit: Callable[[int], Awaitable[object]],
+) -> None:
+    """Await one call per staged unit. A typed refusal (e.g. a stage past its deadline)
+    reaches the caller as itself; only a dead unit is a lost unit."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    failed = {u: r for u, r in zip(request.staged_units, results) if isinstance(r, BaseException)}
+    if not failed:
+        return
+    died = [u for u, r in failed.items() if unit_calls.is_dead_actor(r)]
+    for u in died:
+        await lose_unit(u)
+    # Bytes made visible on a unit for a commit that will not be applied are freed.
+    await unpublish(units, request, [u for u in published if u not in failed])
+    if not died:
+        raise unit_calls.typed(next(iter(failed.values())))
+    raise SamplesLost(
+        f"storage units {died} failed while publishing",
+        ids=[s for s, u in zip(request.sample_ids, request.units) if u in died],
+        partition_id=request.partition_id,
+    )
+
+
+async def unpublish(units: list, request: CommitRequest, on: list[int]) -> None:
+    """Free bytes published on units ``on`` for a commit that will not become visible."""
+    by_unit: dict[int, list[str]] = {}
+    for s, u in zip(request.sample_ids, request.units):
+        if u in on:
+            by_unit.setdefault(u, []).append(s)
+    await unit_calls.free(units, request.partition_id, by_unit)
+
+
+class AppliedWrites:
+    """Write ids of the newest applied commits (bounded): a retried commit is a no-op."""
+
+    def __init__(self, limit: int = 65536):
+        self.limit = limit
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, write_id: str) -> bool:
+        return write_id in self._ids
+
+    def add(self, *write_ids: str) -> None:
+        for w in write_ids:
+            self._ids[w] = None
+        while len(self._ids) > self.limit:
+            self._ids.popitem(last=False)
