@@ -195,10 +195,17 @@ def _dtype_name(t: torch.Tensor, name: str) -> str:
         raise InvalidBatch(f"unsupported dtype {t.dtype}", fields=[name]) from None
 
 
-def _check_device(t: torch.Tensor, name: str) -> None:
+def _check_storable(t: torch.Tensor, name: str) -> None:
+    """Only CPU/CUDA tensors hold bytes we can copy; only dense and nested layouts map to rows."""
     if t.device.type not in ("cpu", "cuda"):
         raise InvalidBatch(
             f"tensor on device {t.device.type!r}: only CPU and CUDA tensors hold data",
+            fields=[name],
+        )
+    if not t.is_nested and t.layout != torch.strided:
+        raise InvalidBatch(
+            f"{t.layout} tensor: only dense (strided) and jagged nested tensors are stored; "
+            "convert it with .to_dense()",
             fields=[name],
         )
 
@@ -206,7 +213,7 @@ def _check_device(t: torch.Tensor, name: str) -> None:
 def _encode_jagged_list(name: str, rows: list[torch.Tensor]) -> EncodedField:
     first = rows[0]
     for i, r in enumerate(rows):
-        _check_device(r, name)
+        _check_storable(r, name)
         if r.ndim < 1:
             raise InvalidBatch(f"jagged row {i} is 0-dim; rows must be >= 1-D", fields=[name])
         if r.dtype != first.dtype or tuple(r.shape[1:]) != tuple(first.shape[1:]):
@@ -227,7 +234,7 @@ def _encode_jagged_list(name: str, rows: list[torch.Tensor]) -> EncodedField:
 
 
 def _encode_tensor(name: str, value: torch.Tensor) -> EncodedField:
-    _check_device(value, name)
+    _check_storable(value, name)
     if value.is_nested:
         if value.layout != torch.jagged:
             return _encode_jagged_list(name, list(value.unbind()))

@@ -431,7 +431,6 @@ KNOWN_BUGS = {
     ("get_data", "meta", "str"),
     ("get_data", "meta", "dict"),
     ("register_partition", "task_leases", "str"),
-    ("put_samples", "fields", "sparse"),
 }
 UNHASHABLE_PARTITION = {"list", "set", "dict"}
 
@@ -585,12 +584,6 @@ def test_an_unhashable_partition_id_is_a_typed_error_on_every_verb(request, kind
 
 
 @_kinds()
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a sparse tensor reaches .contiguous(memory_format=...) in the encoder "
-    "(dataplane_client/codec.py:185 _as_bytes via _encode_tensor:251): raw RuntimeError, not "
-    "InvalidBatch naming the field",
-)
 def test_a_sparse_tensor_field_is_invalid_batch(request, kind):
     c = _client(request, kind)
     pid = f"sp-{uuid.uuid4().hex[:6]}"

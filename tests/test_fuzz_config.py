@@ -113,12 +113,6 @@ def test_a_config_file_of_any_text_is_a_config_or_config_error(text):
         _loads_or_config_error(lambda: DataPlaneConfig.from_file(f.name))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: dataplane_client/config.py:292 _string_adapter builds Annotated[(type,)] for a "
-    "field without constraints, a raw TypeError for any DATAPLANE_ADMIN_ENABLED / "
-    "METRICS_ENABLED / JOURNAL_FSYNC / ADMIN_TOKEN_FOR_READS / CONTROLLER_STATE_DIR value",
-)
 @pytest.mark.parametrize(
     ("field", "text", "want"),
     [
