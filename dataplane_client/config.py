@@ -287,10 +287,11 @@ def _environment_values(exclude: dict[str, Any]) -> dict[str, str]:
 def _string_adapter(name: str) -> TypeAdapter[Any]:
     # The field's type with its constraints and validators, for parsing one env string.
     info = DataPlaneConfig.model_fields[name]
+    field_type: Any = info.annotation  # built at run time from the field; no static type
     if not info.metadata:  # Annotated needs at least one piece of metadata
-        return TypeAdapter(info.annotation)
-    annotated: Any = Annotated  # built at run time from the field; no static type to check
-    return TypeAdapter(annotated[(info.annotation, *info.metadata)])
+        return TypeAdapter(field_type)
+    annotated: Any = Annotated
+    return TypeAdapter(annotated[(field_type,) + tuple(info.metadata)])
 
 
 def _parse_env(from_env: dict[str, str]) -> dict[str, Any]:
