@@ -165,11 +165,18 @@ class DataPlaneCollector(Collector):
         info = InfoMetricFamily("dataplane_build", "Version of the data-plane service.")
         info.add_metric([], {"version": __version__})
         yield info
-        up = GaugeMetricFamily("dataplane_up", "1 if the controller answered this scrape.")
-        try:
-            pull = self.sources.stats(timeout_s=self.timeout_s)
-        except Exception as exc:  # noqa: BLE001 - any failure means "down" for this scrape
-            logger.warning("metrics scrape: controller unreachable: %s", type(exc).__name__)
+        up = GaugeMetricFamily(
+            "dataplane_up",
+            "1 if the controller answered this scrape (the probe gRPC health uses); "
+            "0 while it is down or restarting.",
+        )
+        pull = None
+        if self.sources.controller_ready():
+            try:
+                pull = self.sources.stats(timeout_s=self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - any failure means "down" for this scrape
+                logger.warning("metrics scrape: controller unreachable: %s", type(exc).__name__)
+        if pull is None:
             up.add_metric([], 0)
             yield up
             return

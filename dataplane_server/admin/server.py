@@ -1,6 +1,7 @@
 """The gRPC admin server: AdminService + standard health + reflection, behind auth.
 
-- Health (``grpc.health.v1``) answers SERVING, and NOT_SERVING once the
+- Health (``grpc.health.v1``) follows the controller (``health_watch``): SERVING
+  while it answers, NOT_SERVING while it is down or restarting and once the
   service drains, for the overall server ("") and for AdminService; it never
   needs the token, so load balancers and k8s probes work unauthenticated.
 - Reflection lists AdminService and Health, so ``grpcurl`` works without the proto.
@@ -25,11 +26,12 @@ import threading
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import ConfigError
+from dataplane_server.admin.health_watch import HealthWatch
 from dataplane_server.admin.servicer import (
     MUTATING_METHODS,
     SERVICE_NAME,
@@ -174,6 +176,9 @@ class AdminServer:
             sources, stopping=self.stopping, max_watches=max(1, config.admin_max_workers // 2)
         )
         self.health = health.HealthServicer()
+        self.health_watch = HealthWatch(
+            self.health, sources.controller_ready, services=("", SERVICE_NAME)
+        )
         if config.admin_token_for_reads and not config.admin_token:
             raise ConfigError(
                 "admin_token_for_reads is set but no admin_token is configured",
@@ -219,10 +224,9 @@ class AdminServer:
             raise RuntimeError(f"admin endpoint cannot bind {bind}: {exc}") from exc
         if port == 0:
             raise RuntimeError(f"admin endpoint cannot bind {bind}")
+        self.health_watch.start()  # the first answer already reflects the controller
         server.start()
         self._server = server
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.address = join_host_port(advertised_host(cfg.admin_host), port)
         if cfg.admin_token is None and not is_loopback(cfg.admin_host):
             logger.warning(
@@ -233,15 +237,15 @@ class AdminServer:
         return self.address
 
     def drain(self) -> None:
-        """Report NOT_SERVING; RPCs keep being answered until stop()."""
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        """Report NOT_SERVING from now on; RPCs keep being answered until stop()."""
+        self.health_watch.drain()
 
     def stop(self, grace_s: float | None = None) -> None:
         """End watches, refuse new RPCs, let in-flight ones finish within ``grace_s``."""
         if self._server is None:
             return
         self.stopping.set()
+        self.health_watch.stop()
         self.health.enter_graceful_shutdown()
         grace = self.config.drain_timeout_s if grace_s is None else grace_s
         self._server.stop(grace).wait()

@@ -19,6 +19,11 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from dataplane_client.messages import ControllerSnapshot, UnitSnapshot
 
 DEFAULT_TIMEOUT_S = 10.0
+# The health probe: a controller verb that answers only once the key space is rebuilt
+# (every served verb waits for recovery), cheap and free of side effects. A controller
+# that is restarting or rebuilding does not answer within PROBE_TIMEOUT_S: down.
+PROBE_METHOD = "metrics_snapshot"
+PROBE_TIMEOUT_S = 2.0
 
 
 def unwrap(exc: BaseException) -> BaseException:
@@ -73,6 +78,16 @@ class ActorSources:
             return ray.get(ref, timeout=timeout_s)
         except RayTaskError as exc:
             raise unwrap(exc) from None
+
+    def controller_ready(self, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+        """The probe behind gRPC health and ``dataplane_up``: True only when the controller
+        answers PROBE_METHOD (its key space rebuilt) within ``timeout_s``; any error or a
+        timeout (down, restarting, rebuilding) is False."""
+        try:
+            ray.get(getattr(self.controller, PROBE_METHOD).remote(), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - every way of not answering means "not ready"
+            return False
+        return True
 
     def units(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
         """Storage-unit actor handles in index order (asked afresh: units may be replaced)."""
