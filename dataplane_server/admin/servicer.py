@@ -23,6 +23,7 @@ from google.protobuf import struct_pb2
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from dataplane_client import errors, messages
+from dataplane_server.admin import checkpoints
 from dataplane_server.admin.sources import DEFAULT_TIMEOUT_S, ActorSources, StatsPull, counter
 from dataplane_server.admin_pb import admin_pb2, admin_pb2_grpc
 
@@ -36,7 +37,11 @@ def method_path(rpc: str) -> str:
     return f"/{SERVICE_NAME}/{rpc}"
 
 
-MUTATING_METHODS = frozenset({method_path("ClearPartition"), method_path("DeletePartition")})
+# Refused without a token off loopback; SaveCheckpoint writes files on the service's nodes.
+MUTATING_METHODS = frozenset(
+    method_path(rpc)
+    for rpc in ("ClearPartition", "DeletePartition", "SaveCheckpoint", "RestoreCheckpoint")
+)
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
@@ -74,7 +79,7 @@ class RpcAbort(Exception):
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status a failure maps to, with a message safe to send to any caller."""
-    if isinstance(exc, RpcAbort):
+    if isinstance(exc, RpcAbort | checkpoints.CheckpointAbort):
         return exc.code, exc.message
     if isinstance(exc, _NOT_FOUND):
         return grpc.StatusCode.NOT_FOUND, f"{type(exc).__name__}: {exc}"
@@ -351,6 +356,18 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.DeletePartitionResponse(
             partition_id=pid, deleted_samples=done.cleared, bytes_freed=done.bytes_freed
         )
+
+    @_unary
+    def SaveCheckpoint(self, request, context):
+        done = checkpoints.save(self.sources, request, context)
+        logger.warning("admin: saved a checkpoint to %s", done.directory)
+        return done
+
+    @_unary
+    def RestoreCheckpoint(self, request, context):
+        done = checkpoints.restore(self.sources, request, context)
+        logger.warning("admin: restored %d samples from %s", done.restored_samples, done.directory)
+        return done
 
     def WatchStats(self, request, context):
         if not 0 <= request.interval_s <= MAX_WATCH_INTERVAL_S:  # NaN fails this too

@@ -75,6 +75,16 @@ class AdminServiceStub:
                 request_serializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.WatchStatsRequest.SerializeToString,
                 response_deserializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.StatsSnapshot.FromString,
                 _registered_method=True)
+        self.SaveCheckpoint = channel.unary_unary(
+                '/dataplane.admin.v1.AdminService/SaveCheckpoint',
+                request_serializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.SaveCheckpointRequest.SerializeToString,
+                response_deserializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.SaveCheckpointResponse.FromString,
+                _registered_method=True)
+        self.RestoreCheckpoint = channel.unary_unary(
+                '/dataplane.admin.v1.AdminService/RestoreCheckpoint',
+                request_serializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.RestoreCheckpointRequest.SerializeToString,
+                response_deserializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.RestoreCheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -138,6 +148,21 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveCheckpoint(self, request, context):
+        """Writes the whole store (declarations, samples and their bytes, consumption,
+        leases) into a new directory on the service's nodes. Mutating (writes files).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestoreCheckpoint(self, request, context):
+        """Loads a checkpoint into this service, which must hold no partition. Mutating.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +205,16 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.WatchStats,
                     request_deserializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.WatchStatsRequest.FromString,
                     response_serializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.StatsSnapshot.SerializeToString,
+            ),
+            'SaveCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveCheckpoint,
+                    request_deserializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.SaveCheckpointRequest.FromString,
+                    response_serializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.SaveCheckpointResponse.SerializeToString,
+            ),
+            'RestoreCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreCheckpoint,
+                    request_deserializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.RestoreCheckpointRequest.FromString,
+                    response_serializer=dataplane_dot_admin_dot_v1_dot_admin__pb2.RestoreCheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -399,6 +434,60 @@ class AdminService:
             '/dataplane.admin.v1.AdminService/WatchStats',
             dataplane_dot_admin_dot_v1_dot_admin__pb2.WatchStatsRequest.SerializeToString,
             dataplane_dot_admin_dot_v1_dot_admin__pb2.StatsSnapshot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dataplane.admin.v1.AdminService/SaveCheckpoint',
+            dataplane_dot_admin_dot_v1_dot_admin__pb2.SaveCheckpointRequest.SerializeToString,
+            dataplane_dot_admin_dot_v1_dot_admin__pb2.SaveCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dataplane.admin.v1.AdminService/RestoreCheckpoint',
+            dataplane_dot_admin_dot_v1_dot_admin__pb2.RestoreCheckpointRequest.SerializeToString,
+            dataplane_dot_admin_dot_v1_dot_admin__pb2.RestoreCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

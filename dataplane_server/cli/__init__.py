@@ -9,6 +9,7 @@
     dataplane clear P [ID ...] --address HOST:PORT --token T
     dataplane delete P    --address HOST:PORT --token T
     dataplane watch       --address HOST:PORT [--interval 1] [--count N]
+    dataplane checkpoint save|restore DIR --address HOST:PORT --token T
     dataplane demo ...                             # and any other dataplane.commands entry point
 
 One module per subcommand; the shared parts are ``endpoint`` (options,
@@ -42,6 +43,7 @@ if _QUIET_GRPC:
     del os.environ["GRPC_VERBOSITY"]
 
 from dataplane_server.cli import (
+    checkpoint,
     clear,
     delete,
     describe,
@@ -56,7 +58,17 @@ from dataplane_server.cli import (
 from dataplane_server.cli.endpoint import AdminEndpoint, endpoint_options
 from dataplane_server.cli.exits import EPILOG, EXIT_OK, CliError
 
-CLIENT_COMMANDS = (status, partitions, describe, samples, sample, clear, delete, watch)
+CLIENT_COMMANDS = (
+    status,
+    partitions,
+    describe,
+    samples,
+    sample,
+    clear,
+    delete,
+    watch,
+    checkpoint,
+)
 
 
 class _VersionAction(argparse.Action):

@@ -36,7 +36,10 @@ def endpoint_options() -> argparse.ArgumentParser:
     g.add_argument("--tls-ca", metavar="FILE", help="PEM CA bundle: connect with TLS")
     g.add_argument("--tls-server-name", help="name to verify in the server certificate")
     g.add_argument(
-        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per request (default 5)"
+        "--timeout",
+        type=float,
+        default=None,  # None: the command's own default_timeout, else DEFAULT_TIMEOUT_S
+        help="seconds per request (default 5; checkpoint save/restore: 600)",
     )
     g.add_argument("--json", action="store_true", help="print JSON for scripts")
     return common
@@ -51,7 +54,13 @@ class AdminEndpoint:
             raise CliError(
                 f"no admin address: pass --address HOST:PORT or set {ADDRESS_ENV}", EXIT_USAGE
             )
-        self.timeout = args.timeout
+        # A command that moves a lot sets default_timeout (set_defaults on its own parser:
+        # changing --timeout's default there would change it for every command sharing it).
+        self.timeout = (
+            args.timeout
+            if args.timeout is not None
+            else getattr(args, "default_timeout", DEFAULT_TIMEOUT_S)
+        )
         self.tls = bool(args.tls_ca)
         token = args.token or os.environ.get(TOKEN_ENV)
         self.metadata = [("authorization", f"Bearer {token}")] if token else []

@@ -1,0 +1,82 @@
+"""SaveCheckpoint / RestoreCheckpoint: the controller's checkpoint and restore over gRPC.
+
+The directory is a path on the service's nodes, not on the caller's machine, so
+it must be absolute (a relative one would land in a Ray worker's directory).
+Status codes, chosen for what the caller should do next:
+
+- ``InvalidBatch`` (target exists, service not empty, too few live units) ->
+  FAILED_PRECONDITION: the request is well formed, the system is not in the
+  state it needs; retrying the same call fails until someone changes that state.
+- ``CorruptPayload`` (no manifest, a checksum or size mismatch) -> DATA_LOSS:
+  the checkpoint's bytes are not what was saved; no retry helps, pick another.
+- an ``OSError`` in the controller (permission denied, disk full) ->
+  FAILED_PRECONDITION, with its message (the caller named the path).
+"""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+
+from dataplane_client import errors
+from dataplane_server.admin.sources import ActorSources
+from dataplane_server.admin_pb import admin_pb2
+
+# Without a client deadline a save or restore may take this long (it moves every byte).
+DEFAULT_TIMEOUT_S = 3600.0
+
+
+class CheckpointAbort(Exception):
+    """A checkpoint failure with the gRPC status it maps to."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def timeout_for(context: grpc.ServicerContext) -> float:
+    remaining = context.time_remaining()
+    return DEFAULT_TIMEOUT_S if remaining is None else max(0.0, remaining)
+
+
+def directory_of(request) -> str:
+    path = request.directory
+    if not path or not os.path.isabs(path):
+        raise CheckpointAbort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"directory must be an absolute path on the service's nodes, got {path!r}",
+        )
+    return path
+
+
+def _mapped(exc: BaseException) -> CheckpointAbort | None:
+    if isinstance(exc, errors.CorruptPayload):
+        return CheckpointAbort(grpc.StatusCode.DATA_LOSS, f"CorruptPayload: {exc}")
+    if isinstance(exc, errors.InvalidBatch):
+        return CheckpointAbort(grpc.StatusCode.FAILED_PRECONDITION, f"InvalidBatch: {exc}")
+    if isinstance(exc, OSError) and not isinstance(exc, ConnectionError | TimeoutError):
+        return CheckpointAbort(grpc.StatusCode.FAILED_PRECONDITION, f"{type(exc).__name__}: {exc}")
+    return None
+
+
+def _call(sources: ActorSources, method: str, directory: str, timeout_s: float):
+    try:
+        return sources.call(method, directory, timeout_s=timeout_s)
+    except Exception as exc:
+        mapped = _mapped(exc)
+        if mapped is None:
+            raise
+        raise mapped from None
+
+
+def save(sources: ActorSources, request, context) -> admin_pb2.SaveCheckpointResponse:
+    path = _call(sources, "checkpoint", directory_of(request), timeout_for(context))
+    return admin_pb2.SaveCheckpointResponse(directory=path)
+
+
+def restore(sources: ActorSources, request, context) -> admin_pb2.RestoreCheckpointResponse:
+    directory = directory_of(request)
+    count = _call(sources, "restore", directory, timeout_for(context))
+    return admin_pb2.RestoreCheckpointResponse(directory=directory, restored_samples=int(count))
