@@ -1,15 +1,25 @@
 """The data-plane service: controller, storage units, admin endpoint, launch.
 
-``start`` and friends are imported on first use, so the admin CLI (which only
-speaks gRPC) starts without importing torch or Ray.
+Everything here is imported on first use, so the admin CLI (which only speaks
+gRPC) starts without importing torch or Ray.
 """
 
-__all__ = ["ServiceHandle", "ensure_local_ray", "start"]
+# name -> the module that defines it
+_EXPORTS = {
+    "ServiceHandle": "service",
+    "ensure_local_ray": "service",
+    "start": "service",
+    "build_data_plane_client": "factory",
+    "shutdown_started": "factory",
+    "InProcessDataPlaneClient": "inprocess",
+}
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
-    if name in __all__:
-        from dataplane_server import service
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dataplane_server' has no attribute {name!r}")
+    import importlib
 
-        return getattr(service, name)
-    raise AttributeError(f"module 'dataplane_server' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"dataplane_server.{module}"), name)

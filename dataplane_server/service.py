@@ -6,6 +6,7 @@ loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps it off external addresses).
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,9 @@ class ServiceHandle:
     admin: Any = None
     admin_address: str | None = None
     metrics_address: str | None = None
+    # The controller's journal directory when ``start`` made it in a temp dir (removed at
+    # shutdown); None when the config named one, which outlives the service on purpose.
+    owned_state_dir: str | None = None
     _clients: list = field(default_factory=list)
 
     def client(self) -> DataPlaneClient:
@@ -67,6 +71,9 @@ class ServiceHandle:
                 ray.kill(actor, no_restart=True)
         self.admin = None
         self.units = []
+        if self.owned_state_dir is not None:
+            shutil.rmtree(self.owned_state_dir, ignore_errors=True)
+            self.owned_state_dir = None
 
 
 def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
@@ -99,9 +106,8 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
     # calls in flight are retried (each verb is safe to retry: see RELIABILITY.md).
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     raw = config.to_dict()
-    state_dir = raw.get("controller_state_dir") or tempfile.mkdtemp(
-        prefix=f"dataplane-{config.name}-journal-"
-    )
+    named_dir = raw.get("controller_state_dir")
+    state_dir = named_dir or tempfile.mkdtemp(prefix=f"dataplane-{config.name}-journal-")
     controller = Controller.options(
         name=config.name,
         namespace=config.namespace,
@@ -112,7 +118,12 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
         max_task_retries=-1,
     ).remote(raw, units, state_dir)
     ray.get(controller.attach_units.remote())
-    handle = ServiceHandle(config=config, controller=controller, units=units)
+    handle = ServiceHandle(
+        config=config,
+        controller=controller,
+        units=units,
+        owned_state_dir=None if named_dir else state_dir,
+    )
     if config.admin_enabled:
         _start_admin(handle)
     return handle

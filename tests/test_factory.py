@@ -112,3 +112,14 @@ def test_a_driver_starts_the_service_when_none_runs(ray_session):
     assert not shutdown_started(name)
     with pytest.raises(ServiceUnavailable):
         build_data_plane_client(cfg, bootstrap=False)
+
+
+def test_the_package_exports_the_factory_and_the_twin():
+    import dataplane_server
+    from dataplane_server import factory, inprocess
+
+    assert dataplane_server.build_data_plane_client is factory.build_data_plane_client
+    assert dataplane_server.shutdown_started is factory.shutdown_started
+    assert dataplane_server.InProcessDataPlaneClient is inprocess.InProcessDataPlaneClient
+    with pytest.raises(AttributeError, match="no_such"):
+        dataplane_server.no_such  # noqa: B018 - the attribute access is the test

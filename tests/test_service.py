@@ -1,6 +1,7 @@
 """The service end to end on a real local Ray: every client verb and every typed error."""
 
 import asyncio
+import os
 import time
 import uuid
 
@@ -792,3 +793,54 @@ def test_three_hundred_steps_leave_the_partition_count_where_it_began(service, c
         assert client.claim_meta(pid, "train", ["x"], 2).size == 2
         client.clear_samples(None, pid)
     assert counts() == before
+
+
+def test_a_blocking_claim_records_how_long_it_waited(service, client):
+    """claim_wait_seconds (a Prometheus family of the exporter) gets one observation per
+    blocking wait: served by a later put, and timed out."""
+
+    def waits() -> tuple[int, float]:
+        hist = ray.get(service.controller.metrics_snapshot.remote()).stats["histograms"]
+        h = hist.get("claim_wait_seconds", {"count": 0, "sum": 0.0})
+        return h["count"], h["sum"]
+
+    pid = _pid()
+    client.register_partition(pid, ["x"], None, ["t"])
+    before, before_s = waits()
+    claim = client.claim_meta_async(pid, "t", ["x"], 2, timeout_s=30)
+
+    async def served_later():
+        task = asyncio.ensure_future(claim)
+        deadline = time.monotonic() + 30
+        while ray.get(service.controller.metrics_snapshot.remote()).claims_waiting < 1:
+            assert time.monotonic() < deadline, "the claim never started waiting"
+            await asyncio.sleep(0.02)  # polling an observable state, with a deadline
+        await client.put_samples_async(["a", "b"], pid, {"x": torch.zeros(2)})
+        return await task
+
+    assert asyncio.run(served_later()).sample_ids == ["a", "b"]
+    with pytest.raises(ClaimTimeout):
+        client.claim_meta(pid, "t", ["x"], 2, timeout_s=0.3)
+    after, after_s = waits()
+    assert after == before + 2
+    assert after_s - before_s >= 0.3  # the timed-out wait alone lasted its timeout
+
+
+def test_shutdown_removes_the_journal_directory_it_made_and_keeps_a_named_one(
+    ray_session, tmp_path
+):
+    made = start(DataPlaneConfig(name=f"jr-{uuid.uuid4().hex[:6]}", admin_enabled=False))
+    journal = made.owned_state_dir
+    assert journal is not None
+    assert os.path.isdir(journal)
+    made.shutdown()
+    assert not os.path.exists(journal)
+    named = tmp_path / "journal"
+    kept = start(
+        DataPlaneConfig(
+            name=f"jr-{uuid.uuid4().hex[:6]}", admin_enabled=False, controller_state_dir=str(named)
+        )
+    )
+    assert kept.owned_state_dir is None
+    kept.shutdown()
+    assert named.is_dir()  # an operator's directory outlives the service
