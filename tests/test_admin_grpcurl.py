@@ -73,7 +73,7 @@ def test_reflection_lists_every_rpc_of_the_proto(addr):
     assert f"{SERVICE}.DeletePartition" in expected
 
 
-def test_every_rpc_answers_grpcurl(addr, part, client):
+def test_every_rpc_answers_grpcurl(addr, part, client, tmp_path):
     info = call(addr, "GetServiceInfo")
     assert len(info["units"]) == 2
     listed = call(addr, "ListPartitions")
@@ -88,6 +88,15 @@ def test_every_rpc_answers_grpcurl(addr, part, client):
     watch = grpcurl(addr, f"{SERVICE}/WatchStats", data={"interval_s": 0.05, "count": 2})
     assert watch.returncode == 0, watch.stderr
     assert watch.stdout.count('"timestamp"') == 2
+    target = tmp_path / "ck"
+    saved = call(addr, "SaveCheckpoint", {"directory": str(target)})
+    assert saved["directory"] == str(target)
+    assert (target / "manifest.json").is_file()
+    # This service holds data, so a restore into it is refused, naming why.
+    restore = grpcurl(addr, f"{SERVICE}/RestoreCheckpoint", data={"directory": str(target)})
+    assert restore.returncode != 0
+    assert "FailedPrecondition" in restore.stderr
+    assert "empty service" in restore.stderr
     cleared = call(addr, "ClearPartition", {"partition_id": part, "sample_ids": ["a"]})
     assert cleared["cleared_samples"] == "1"
     deleted = call(addr, "DeletePartition", {"partition_id": part})
