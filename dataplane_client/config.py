@@ -176,10 +176,13 @@ class DataPlaneConfig(BaseModel):
         None,
         min_length=1,
         repr=False,
-        description="Bearer token for mutating RPCs; set DATAPLANE_ADMIN_TOKEN, not the file.",
+        description="Bearer token: required for mutations and for every RPC that returns "
+        "partition or sample data; set DATAPLANE_ADMIN_TOKEN, not the file.",
     )
     admin_token_for_reads: bool = Field(
-        False, description="Require the token for every RPC, reads too (health stays open)."
+        False,
+        description="Also require the token for service info and reflection "
+        "(only health stays open).",
     )
     admin_tls_cert: str | None = Field(
         None, min_length=1, description="PEM certificate file; with admin_tls_key = TLS."
