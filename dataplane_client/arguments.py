@@ -16,7 +16,7 @@ import msgpack
 from dataplane_client import enum_codes
 from dataplane_client.errors import InvalidBatch
 from dataplane_client.messages import FieldCodecs
-from dataplane_client.meta import duplicated
+from dataplane_client.meta import KVBatchMeta, duplicated
 
 MAX_ID_BYTES = 1024
 
@@ -87,6 +87,31 @@ def seconds(value: Any, what: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise InvalidBatch(f"{what} must be finite and >= 0, got {value}")
     return value
+
+
+def lease_map(task_leases: Any) -> dict[str, float]:
+    """``task_leases``: a mapping of consumer task -> lease seconds (> 0); None is no leases."""
+    if task_leases is None:
+        return {}
+    if not isinstance(task_leases, Mapping):
+        raise InvalidBatch(
+            f"task_leases must map task names to seconds, got {type(task_leases).__name__}"
+        )
+    leases = {}
+    for task, value in task_leases.items():
+        if not isinstance(task, str):
+            raise InvalidBatch(f"task_leases keys are task names (str), got {task!r}")
+        leases[task] = seconds(value, f"lease of {task!r}")
+        if leases[task] <= 0:
+            raise InvalidBatch(f"the lease of {task!r} must be longer than 0 s")
+    return leases
+
+
+def batch_meta(meta: Any, verb: str) -> KVBatchMeta:
+    """The ``KVBatchMeta`` a verb was handed (a claim's or a put's result), or InvalidBatch."""
+    if not isinstance(meta, KVBatchMeta):
+        raise InvalidBatch(f"{verb} takes a KVBatchMeta, got {type(meta).__name__}")
+    return meta
 
 
 def tag_list(tags: Any, n: int, *, partition_id: str | None = None) -> list[dict] | None:

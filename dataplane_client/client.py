@@ -270,6 +270,7 @@ class RayDataPlaneClient(DataPlaneClient):
         """The partition's enums and object fields: from the controller on first use, so a
         client that did not register the partition encodes and decodes like the one that did.
         An unknown partition has none (the verb's own controller call then says so)."""
+        arguments.partition_name(partition_id)  # a typed error before any dict lookup
         codecs = self._codecs.get(partition_id)
         if codecs is None:
             try:
@@ -285,6 +286,7 @@ class RayDataPlaneClient(DataPlaneClient):
         self._routes.update(zip(((partition_id, s) for s in sample_ids), (int(u) for u in units)))
 
     def _forget(self, partition_id: str, sample_ids: Sequence[str] | None) -> None:
+        arguments.partition_name(partition_id)  # a typed error before any dict lookup
         if sample_ids is None:
             self._codecs.pop(partition_id, None)
             self._routes = {k: v for k, v in self._routes.items() if k[0] != partition_id}
@@ -346,7 +348,7 @@ class RayDataPlaneClient(DataPlaneClient):
                         num_samples,
                         arguments.name_list(consumer_tasks, "consumer_tasks", allow_empty=True),
                         grpo_group_size,
-                        dict(task_leases or {}),
+                        arguments.lease_map(task_leases),
                         {name: list(words) for name, words in codecs.enums.items()},
                         sorted(codecs.object_fields),
                     )
@@ -463,6 +465,7 @@ class RayDataPlaneClient(DataPlaneClient):
     @_flow_verb
     def get_data(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None) -> Flow:
         """Read a meta's samples as a TensorDict: ``select_fields``, else the meta's fields."""
+        meta = arguments.batch_meta(meta, "get_data")
         return self._read(
             meta.sample_ids, meta.partition_id, prepare.read_fields(meta, select_fields)
         )
@@ -541,6 +544,7 @@ class RayDataPlaneClient(DataPlaneClient):
         Late acks are harmless while nobody re-claimed the samples; once another
         claim holds them, the ack raises LeaseExpired and changes nothing.
         """
+        meta = arguments.batch_meta(meta, "ack")
         lease_id = meta.extra_info.get("lease_id")
         if lease_id is None or meta.task_name is None:
             raise InvalidBatch(

@@ -117,6 +117,7 @@ class InProcessDataPlaneClient(DataPlaneClient):
     @staticmethod
     def _codecs_of(keys: KeySpace, partition_id: str) -> FieldCodecs:
         """As the partition was declared (none for an unknown one: its commit check says so)."""
+        arguments.partition_name(partition_id)  # a typed error before any dict lookup
         part = keys.partitions.get(partition_id)
         return FieldCodecs() if part is None else part.declaration.codecs
 
@@ -183,6 +184,7 @@ class InProcessDataPlaneClient(DataPlaneClient):
 
     def get_data(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None) -> Any:
         """Read a meta's samples as a TensorDict: ``select_fields``, else the meta's fields."""
+        meta = arguments.batch_meta(meta, "get_data")
         return self._read(
             meta.sample_ids, meta.partition_id, prepare.read_fields(meta, select_fields)
         )
@@ -247,6 +249,7 @@ class InProcessDataPlaneClient(DataPlaneClient):
 
     def ack(self, meta: KVBatchMeta) -> int:
         """Acknowledge a leased claim (or a slice of it): its samples are done for its task."""
+        meta = arguments.batch_meta(meta, "ack")
         lease_id = meta.extra_info.get("lease_id")
         if lease_id is None or meta.task_name is None:
             raise InvalidBatch(

@@ -114,9 +114,7 @@ def declaration(
     """A registration's arguments checked (typed errors naming what is wrong), as the key
     space keeps them. The one check both the Ray controller and the in-process twin use."""
     arguments.partition_name(partition_id)
-    leases = {t: arguments.seconds(s, f"lease of {t!r}") for t, s in (task_leases or {}).items()}
-    if any(s <= 0 for s in leases.values()):
-        raise InvalidBatch("a lease must be longer than 0 s", partition_id=partition_id)
+    leases = arguments.lease_map(task_leases)
     codecs = arguments.field_codecs(enums, object_fields or ())
     return Declaration(
         fields=arguments.name_list(fields, "fields", allow_empty=True),
@@ -279,6 +277,8 @@ class KeySpace:
 
     # ---- partitions ---------------------------------------------------------------
     def partition(self, partition_id: str) -> Partition:
+        if not isinstance(partition_id, str):  # unhashable ids would fail the lookup untyped
+            raise InvalidBatch(f"partition_id must be a str, got {type(partition_id).__name__}")
         part = self.partitions.get(partition_id)
         if part is None:
             raise UnknownPartition("no such partition", partition_id=partition_id)

@@ -8,8 +8,9 @@ typed error from ``dataplane_client.errors`` that is also the matching built-in,
 anything else; it never hangs (pytest-timeout); and the store is unchanged afterwards
 (partition description, consumption, every sample's bytes, the partitions that exist).
 
-Inputs a known bug turns into a raw exception are left out of the pools and pinned by
-``xfail(strict=True)`` tests at the end, each naming the file and line to fix.
+The bugs this file found (raw errors for a non-meta, non-mapping leases,
+unhashable partition ids, sparse tensors) are fixed; their regression tests
+are at the end.
 Inputs tried per surface are printed at the end of the module.
 """
 
@@ -423,24 +424,6 @@ def _verbs(s) -> dict:
     }
 
 
-# Inputs a known bug answers with a raw exception (pinned by the xfail tests below).
-KNOWN_BUGS = {
-    ("ack", "meta", "none"),
-    ("ack", "meta", "str"),
-    ("get_data", "meta", "none"),
-    ("get_data", "meta", "str"),
-    ("get_data", "meta", "dict"),
-    ("register_partition", "task_leases", "str"),
-}
-UNHASHABLE_PARTITION = {"list", "set", "dict"}
-
-
-def _known_bug(verb: str, arg: str, label: str) -> bool:
-    if arg == "partition_id" and label in UNHASHABLE_PARTITION and verb != "register_partition":
-        return True
-    return (verb, arg, label) in KNOWN_BUGS
-
-
 # Well-formed calls that would change the store: at least one argument must break them.
 MUTATING = {"register_partition", "put_samples", "clear_samples", "delete_partition",
             "reset_consumption"}  # fmt: skip
@@ -470,10 +453,6 @@ def _untyped(exc: BaseException | None) -> bool:
 def test_malformed_arguments_get_typed_errors_and_leave_the_store_unchanged(store, verb, data):
     c = store["client"]
     base, pools, extra = _verbs(store)[verb]
-    pools = {
-        arg: {k: v for k, v in pool.items() if not _known_bug(verb, arg, k)}
-        for arg, pool in pools.items()
-    }
     broken = data.draw(st.sets(st.sampled_from(sorted(pools)), min_size=1), label="broken")
     kwargs = dict(base)
     chosen = {}
@@ -510,7 +489,7 @@ def test_the_fuzzed_store_still_serves_well_formed_calls(store):
     assert c.check_consumption_status(pid, TASKS)
 
 
-# ---- known bugs: raw exceptions where a typed error is due -----------------------------
+# ---- regressions: raw exceptions where a typed error was due (fixed) -----------------------------
 
 
 def _kinds():
@@ -531,12 +510,6 @@ def _raises_typed(call) -> BaseException | None:
 
 @_kinds()
 @pytest.mark.parametrize("meta", [None, "meta", {"partition_id": "p"}], ids=["none", "str", "dict"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: ack/get_data read meta.extra_info / meta.sample_ids without checking the type "
-    "(dataplane_client/client.py:533 and :458 via prepare.read_fields, "
-    "dataplane_server/inprocess.py:264 and :201): AttributeError, not InvalidBatch",
-)
 def test_a_meta_that_is_not_a_kvbatchmeta_is_invalid_batch(request, kind, meta):
     c = _client(request, kind)
     for call in (lambda: c.ack(meta), lambda: c.get_data(meta, ["x"])):
@@ -546,12 +519,6 @@ def test_a_meta_that_is_not_a_kvbatchmeta_is_invalid_batch(request, kind, meta):
 
 
 @_kinds()
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: task_leases is not checked to be a mapping: dict(task_leases) in "
-    "dataplane_client/client.py:341 (raw ValueError for a str) and .items() in "
-    "dataplane_server/inprocess.py declaration() (raw AttributeError)",
-)
 def test_task_leases_that_is_not_a_mapping_is_invalid_batch(request, kind):
     c = _client(request, kind)
     raised = _raises_typed(
@@ -563,12 +530,6 @@ def test_task_leases_that_is_not_a_mapping_is_invalid_batch(request, kind):
 
 @_kinds()
 @pytest.mark.parametrize("partition_id", [["p"], {"p"}, {"p": 1}], ids=["list", "set", "dict"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: KeySpace.partition (dataplane_server/keyspace.py:282) looks an unchecked "
-    "partition_id up in a dict: an unhashable one is a raw TypeError (through Ray: a "
-    "RayTaskError(TypeError)), not InvalidBatch/UnknownPartition",
-)
 def test_an_unhashable_partition_id_is_a_typed_error_on_every_verb(request, kind, partition_id):
     c = _client(request, kind)
     calls = [
