@@ -263,20 +263,12 @@ def test_random_and_mutated_bytes_get_proper_status_codes(admin, rpc, mutation):
     TRIED[f"bytes.{name}"] += 1
     code = _code(_raw(admin["channel"], name), payload, RIGHT)
     if not _parses(name, payload):
-        # Known bug, pinned below: gRPC answers INTERNAL for a request it cannot decode.
-        assert code in PROPER | {grpc.StatusCode.INTERNAL}, (name, payload, code)
+        assert code in PROPER, (name, payload, code)
     else:
         assert code == grpc.StatusCode.OK or code in PROPER, (name, payload, code)
     assert _store(admin) == admin["before"], (name, payload)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: bytes that are not the request message are answered INTERNAL ('Exception "
-    "deserializing request!', grpc's default) instead of INVALID_ARGUMENT: "
-    "dataplane_server/admin/server.py:192 builds the server with the generated "
-    "deserializers and no handler that maps a DecodeError to INVALID_ARGUMENT",
-)
 @pytest.mark.parametrize("name", [name for name, _ in RPCS])
 def test_bytes_that_are_not_the_request_are_invalid_argument(admin, name):
     payload = b"\xff\xff\xff"

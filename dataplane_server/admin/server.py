@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import ConfigError
+from dataplane_server.admin.decode_guard import DecodeErrorsAsInvalidArgument
 from dataplane_server.admin.health_watch import HealthWatch
 from dataplane_server.admin.servicer import (
     MUTATING_METHODS,
@@ -198,7 +199,8 @@ class AdminServer:
             futures.ThreadPoolExecutor(
                 max_workers=cfg.admin_max_workers, thread_name_prefix="dataplane-admin"
             ),
-            interceptors=[self._auth],
+            # auth first: an unauthenticated caller learns nothing about its bytes
+            interceptors=[self._auth, DecodeErrorsAsInvalidArgument()],
             options=[
                 ("grpc.max_receive_message_length", cfg.admin_max_request_bytes),
                 # A fixed port already taken must fail loudly, not be shared silently.
