@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import email.parser
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import zipfile
@@ -103,3 +105,77 @@ def test_packaged_files_are_found_through_importlib_resources():
     assert "service AdminService" in proto.read_text()
     example = resources.files("dataplane_server") / "examples/dataplane.example.yaml"
     assert "admin_port:" in example.read_text()
+
+
+# Installed where nothing of the repo is on the path, with the extras' packages made
+# unimportable in every process (a sitecustomize, so Ray's workers get it too).
+_BLOCK_EXTRAS = """
+import importlib.abc, sys
+
+class _NoExtras(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ImportError(f"{{name}} is an extra: the core install must not need it")
+        return None
+
+sys.meta_path.insert(0, _NoExtras())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_wheel_without_extras_imports_and_serves(wheel, tmp_path):
+    target, site = tmp_path / "installed", tmp_path / "site"
+    site.mkdir()
+    # psutil stays importable: Ray itself needs it (ray[default] installs it).
+    blocked = sorted(NOT_CORE - {"psutil"})
+    (site / "sitecustomize.py").write_text(_BLOCK_EXTRAS.format(blocked=blocked))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target]
+        + [wheel.filename],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("DATAPLANE_", "RAY_ADDRESS", "RAY_AUTH_MODE", "PYTHONPATH"))
+    }
+    env["PYTHONPATH"] = f"{target}{os.pathsep}{site}"
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import dataplane_client, dataplane_server, sys;"
+            "print(dataplane_server.__file__); import transformers",
+        ],  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert probe.stdout.startswith(str(target)), probe.stdout + probe.stderr
+    assert "is an extra" in probe.stderr  # the blocker is in force, so what follows proves it
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "dataplane_server", "serve", "--num-cpus", "4"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen = []
+    try:
+        for line in serve.stdout:
+            seen.append(line.rstrip("\n"))
+            if line.startswith("admin_address="):
+                break
+        assert seen, "serve printed nothing"
+        assert seen[-1].startswith("admin_address=127.0.0.1:"), "\n".join(seen)
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        rest, _ = serve.communicate(timeout=120)
+    assert serve.returncode == 0, "\n".join(seen) + rest
