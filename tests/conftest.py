@@ -34,6 +34,34 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture
+def service_factory(ray_session):
+    """Fresh services for tests that break them (faults, health); all shut down after.
+
+    ``make(prefix, **config)``: a uniquely named service, no warm reserve, a fast
+    liveness watch; ``config`` overrides any of it.
+    """
+    import uuid
+
+    from dataplane_client.config import DataPlaneConfig
+    from dataplane_server import start
+
+    handles = []
+
+    def make(prefix: str, **config):
+        settings = {
+            "name": f"{prefix}-{uuid.uuid4().hex[:6]}",
+            "unit_warm_reserve_bytes": 0,
+            "liveness_interval_s": 0.2,
+        }
+        handles.append(start(DataPlaneConfig(**{**settings, **config})))
+        return handles[-1]
+
+    yield make
+    for h in handles:
+        h.shutdown()
+
+
 @pytest.fixture(scope="session")
 def service(ray_session):
     """A data-plane service shared by the test session (tests use their own partitions)."""

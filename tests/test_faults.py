@@ -9,18 +9,17 @@ the service keeps serving with typed errors only.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import os
 import threading
 import time
-import uuid
 import zlib
 
 import pytest
 import ray
 import torch
 
-from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import (
     CorruptPayload,
     DataPlaneError,
@@ -29,7 +28,7 @@ from dataplane_client.errors import (
     ServiceUnavailable,
 )
 from dataplane_client.messages import CommitRequest
-from dataplane_server import checkpoint, start
+from dataplane_server import checkpoint
 
 DENSE_F32 = ("dense", "float32", ())
 
@@ -49,26 +48,9 @@ def _values(ids: list[str]) -> torch.Tensor:
 
 
 @pytest.fixture
-def fresh(ray_session):
-    handles = []
-
-    def make(**config):
-        name = f"faults-{uuid.uuid4().hex[:6]}"
-        h = start(
-            DataPlaneConfig(
-                name=name,
-                admin_enabled=False,
-                unit_warm_reserve_bytes=0,
-                liveness_interval_s=0.2,
-                **config,
-            )
-        )
-        handles.append(h)
-        return h
-
-    yield make
-    for h in handles:
-        h.shutdown()
+def fresh(service_factory):
+    """Services of their own (a fault must not touch the session's), without admin."""
+    return functools.partial(service_factory, "faults", admin_enabled=False)
 
 
 @pytest.mark.parametrize("num_units", [1, 2])
