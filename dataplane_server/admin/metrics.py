@@ -74,6 +74,8 @@ CONTROLLER_COUNTERS = {
         "dataplane_liveness_check_errors",
         "Rounds of the controller's unit liveness / retention check that failed.",
     ),
+    "checkpoints_total": ("dataplane_checkpoints", "Checkpoints of the whole store written."),
+    "restores_total": ("dataplane_restores", "Checkpoints restored into this service."),
 }
 UNIT_COUNTERS = {
     "put_bytes_total": ("dataplane_put_bytes", "Bytes written into the storage unit."),
