@@ -46,6 +46,7 @@ def one_line_error(proc, code: int) -> str:
     return proc.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter that imports Ray
 def test_version_comes_from_the_package_metadata():
     proc = dataplane("--version")
     assert proc.returncode == 0
@@ -142,6 +143,7 @@ def test_client_commands_import_neither_ray_nor_torch():
     assert proc.stdout.strip() == "3 []", proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter that imports Ray
 def test_entry_point_commands_get_every_argument():
     """`demo` is registered by policy_workers as an entry point; --help reaches its parser."""
     proc = dataplane("demo", "--help", timeout=120)
@@ -155,6 +157,7 @@ def test_entry_point_commands_get_every_argument():
 # ------------------------------------------------------------------- serve, no Ray
 
 
+@pytest.mark.slow  # a fresh interpreter that imports Ray
 def test_serve_with_a_bad_config_key_is_one_line_and_exit_2(tmp_path):
     config = tmp_path / "dataplane.yaml"
     config.write_text("name: x\nadmin_prot: 50051\n")  # misspelt
@@ -163,6 +166,7 @@ def test_serve_with_a_bad_config_key_is_one_line_and_exit_2(tmp_path):
     assert "admin_prot" in err
 
 
+@pytest.mark.slow  # a fresh interpreter that imports Ray
 def test_serve_with_a_bad_config_value_names_the_key(tmp_path):
     config = tmp_path / "dataplane.yaml"
     config.write_text("admin_port: 70000\n")
@@ -170,11 +174,13 @@ def test_serve_with_a_bad_config_value_names_the_key(tmp_path):
     assert "admin_port" in err
 
 
+@pytest.mark.slow  # a fresh interpreter that imports Ray
 def test_serve_with_a_missing_config_file_exits_2(tmp_path):
     err = one_line_error(dataplane("serve", "--config", str(tmp_path / "nope.yaml")), 2)
     assert "nope.yaml" in err
 
 
+@pytest.mark.slow  # a fresh interpreter that imports Ray
 def test_serve_with_a_bad_environment_override_exits_2():
     err = one_line_error(dataplane("serve", env={"DATAPLANE_ADMIN_PORT": "two"}), 2)
     assert "admin_port" in err

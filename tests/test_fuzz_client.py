@@ -29,6 +29,9 @@ from dataplane_client import KVBatchMeta
 from dataplane_client.errors import DataPlaneError
 from dataplane_server.inprocess import InProcessDataPlaneClient
 
+# Fuzzing runs many examples against both clients: the full suite, not make test-fast.
+pytestmark = pytest.mark.slow
+
 TASKS = ["train", "ref"]
 IDS = [f"s{i}" for i in range(6)]
 FIELDS = ["tokens", "score", "env", "obj"]

@@ -19,6 +19,9 @@ from hypothesis import strategies as st
 from dataplane_client.config import DataPlaneConfig, env_var
 from dataplane_client.errors import ConfigError
 
+# Fuzzing runs many examples: the full suite, not make test-fast.
+pytestmark = pytest.mark.slow
+
 FIELDS = list(DataPlaneConfig.model_fields)
 # Fields declared without constraints: their environment variable hits the bug below.
 UNCONSTRAINED = [n for n, info in DataPlaneConfig.model_fields.items() if not info.metadata]

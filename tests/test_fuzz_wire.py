@@ -21,6 +21,9 @@ from dataplane_client.byte_format import pack, seal, unpack, unseal
 from dataplane_client.codec import decode_field, encode_fields
 from dataplane_client.errors import CorruptPayload
 
+# Fuzzing runs many examples: the full suite, not make test-fast.
+pytestmark = pytest.mark.slow
+
 TRIED: Counter = Counter()
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool]
