@@ -10,13 +10,14 @@ import sys
 
 import pytest
 
+# Each case starts Ray in a fresh interpreter: the full suite, not make test-fast.
+pytestmark = pytest.mark.slow
+
 SCRIPT = """
 import sys
 from dataplane_client import connect
 from dataplane_client.errors import ServiceUnavailable
 
-# Each case starts Ray in a fresh interpreter: the full suite, not make test-fast.
-pytestmark = pytest.mark.slow
 address = sys.argv[3] if len(sys.argv) > 3 else None
 try:
     c = connect(sys.argv[1], sys.argv[2], address=address)
