@@ -25,7 +25,7 @@ from collections import Counter
 
 import pytest
 import ray
-from unit_memory import memfd_bytes, memfds, open_fds, unit_memory, unit_pid
+from unit_memory import data_fds, memfd_bytes, memfds, unit_memory, unit_pid
 
 from dataplane_client.config import DataPlaneConfig
 from dataplane_server import start
@@ -44,7 +44,9 @@ WARM_RESERVE = 16 << 20
 # After the final clear a unit may hold its warm reserve (reported by the unit, at most
 # WARM_RESERVE) plus this much of its own heap (allocator pools, Ray's buffers).
 MEMORY_TOLERANCE = 48 << 20
-FD_TOLERANCE = 16  # Ray's own sockets come and go
+# Files and memfds only (Ray's sockets to the 20 killed actors close on Ray's schedule,
+# which is not ours to measure); a couple of log files may be opened meanwhile.
+FD_TOLERANCE = 2
 
 
 def _wait_until(predicate, timeout_s: float, what: str) -> None:
@@ -212,7 +214,7 @@ def _unit_figures(handle, pids: list[int]) -> list[dict]:
         out.append(
             {
                 "memory": unit_memory(pid),
-                "fds": len(open_fds(pid)),
+                "fds": data_fds(pid),
                 "memfds": memfds(pid),
                 "memfd_bytes": memfd_bytes(pid),
                 "bytes": snap.bytes,

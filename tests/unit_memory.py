@@ -19,6 +19,23 @@ def open_fds(pid: int) -> list[str]:
     return os.listdir(f"/proc/{pid}/fd")
 
 
+# Descriptors Ray and gRPC open and close on their own (connections to other workers,
+# wakeup pipes, epoll/eventfd): not a resource the unit's data path holds.
+_TRANSPORT_PREFIXES = ("socket:", "pipe:", "anon_inode:")
+
+
+def data_fds(pid: int) -> int:
+    """Open descriptors that are files or memfds (the unit's own resources)."""
+    count = 0
+    for fd in open_fds(pid):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed while we looked
+            continue
+        count += not target.startswith(_TRANSPORT_PREFIXES)
+    return count
+
+
 def _memfd_paths(pid: int) -> list[str]:
     out = []
     for fd in open_fds(pid):
