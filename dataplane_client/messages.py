@@ -112,6 +112,35 @@ class Location:
 
 
 @dataclass(frozen=True)
+class ClaimRequest:
+    """One ``claim_meta`` call, as a batch of them travels to the controller (``claim_many``).
+
+    Arguments are checked by the controller per request, so a bad one fails alone.
+    """
+
+    partition_id: str
+    task_name: str
+    required_fields: list[str]
+    batch_size: int
+    dp_rank: int | None
+    blocking: bool
+
+
+@dataclass(frozen=True)
+class ClaimOutcome:
+    """The answer to one request of a ``claim_many`` batch: exactly one of three.
+
+    ``meta`` (or None for a non-blocking claim with nothing due); ``error``, a
+    typed error for this request alone; or ``must_wait``: a blocking claim with
+    no batch due now, which the caller then makes as a plain blocking claim.
+    """
+
+    meta: Any = None  # KVBatchMeta | None
+    error: BaseException | None = None
+    must_wait: bool = False
+
+
+@dataclass(frozen=True)
 class ClearResult:
     cleared: int
     bytes_freed: int
