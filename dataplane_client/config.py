@@ -153,6 +153,13 @@ class DataPlaneConfig(BaseModel):
     liveness_interval_s: float = Field(
         1.0, gt=0, description="Seconds between the controller's checks of unit and node liveness."
     )
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=2,
+        description="Copies of each sample, on units of two different nodes: 2 = losing one "
+        "unit or node loses no sample (needs units on two nodes; puts write twice).",
+    )
     retain_emptied_partitions: int | None = Field(
         None,
         ge=0,

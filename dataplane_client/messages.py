@@ -54,6 +54,7 @@ class Routing:
     alive: list[bool]
     nodes: list[str]
     shm: list[bool]
+    replicas: int = 1  # copies a put writes of each sample (config ``replicas``)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,9 @@ class CommitRequest:
 
     ``units[i]`` is where sample ``sample_ids[i]`` was staged; ``schemas`` maps
     each written field to its (layout, dtype, trailing shape); ``tags`` holds one
-    dict per sample (or None).
+    dict per sample (or None). With replication, ``replicas[i]`` is the unit on
+    another node that holds the sample's second copy (-1: none); it is staged
+    too, and the one commit publishes both copies or neither.
     """
 
     partition_id: str
@@ -87,6 +90,7 @@ class CommitRequest:
     tags: list[dict] | None
     overwrite: bool
     staged_units: list[int]
+    replicas: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -96,10 +100,12 @@ class CommitResult:
     ``rerouted`` non-empty means nothing was committed: some existing samples
     live on other units than the writer assumed (sample_id -> unit); the
     writer stages again there. Otherwise ``sequence_lengths`` are the rows'
-    recorded lengths, in the order of the commit's ids.
+    recorded lengths, in the order of the commit's ids. ``rerouted_replicas``
+    says where the rerouted samples' second copies live (-1: none).
     """
 
     rerouted: dict[str, int] = field(default_factory=dict)
+    rerouted_replicas: dict[str, int] = field(default_factory=dict)
     sequence_lengths: list[int] = field(default_factory=list)
 
 
