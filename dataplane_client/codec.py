@@ -7,7 +7,10 @@ A batch of N samples becomes, per field, one :class:`EncodedField`:
   (``int64[N]``, each row's first-dim length; every row is ``[len_i, *shape]``);
 - ``object``: N small Python values, each msgpack-encoded; stored like a jagged
   uint8 field (``lengths`` = bytes per row), so selecting, splitting and joining
-  rows is byte copying and only the final decode touches Python objects.
+  rows is byte copying and only the final decode touches Python objects. A
+  column of strings (``str`` or ``None`` rows) keeps the caller's strings until
+  its bytes are written to their destination (``strings``; see
+  :mod:`dataplane_client.object_columns`).
 
 Strings of an enum field (a vocabulary declared at registration) travel as a
 dense ``int32`` field of codes (:mod:`dataplane_client.enum_codes`). Python
@@ -79,9 +82,16 @@ class EncodedField:
     values: np.ndarray | None = None  # uint8, dense/jagged
     lengths: np.ndarray | None = None  # int64[N]: jagged rows' first dim / object rows' bytes
     num_rows: int = 0
+    # A string column not yet written anywhere: its bytes are produced where they land
+    # (take_rows(out=...)), or on the first require_values().
+    strings: object_columns.StringRows | None = None
 
     def require_values(self) -> np.ndarray:
         """``values``; CorruptPayload if absent (only a header-only field lacks its bytes)."""
+        if self.values is None and self.strings is not None:
+            self.values = np.empty(int(self.require_lengths().sum()), dtype=np.uint8)
+            self.strings.write(np.arange(self.num_rows), self.values)
+            self.strings = None
         if self.values is None:
             raise CorruptPayload(f"this {self.kind} field is a header without its bytes")
         return self.values
@@ -321,6 +331,11 @@ def encode_field(
             "torch.nested tensor or list of tensors, or a list of msgpack-able values",
             fields=[name],
         )
+    strings = object_columns.string_rows(name, rows)
+    if strings is not None:
+        return EncodedField(
+            kind=OBJECT, lengths=strings.row_nbytes, num_rows=len(rows), strings=strings
+        )
     values, lengths = object_columns.encode_rows(name, rows)
     return EncodedField(kind=OBJECT, values=values, lengths=lengths, num_rows=len(rows))
 
@@ -386,7 +401,7 @@ def decode_field(enc: EncodedField, *, writable: bool = True) -> Any:
 
 def decode_objects(enc: EncodedField) -> list:
     """The Python values of an object field, decoded in one call (CorruptPayload if garbled)."""
-    return object_columns.decode_rows(enc.require_values(), enc.num_rows)
+    return object_columns.decode_rows(enc.require_values(), enc.require_lengths())
 
 
 # ---------------------------------------------------------------------------
@@ -457,6 +472,9 @@ def take_rows(
     starts, ends = offs[rows], offs[rows + 1]
     if header_only:
         values = None
+    elif enc.values is None and enc.strings is not None:  # written once, straight into place
+        values = np.empty(int(ends.sum() - starts.sum()), dtype=np.uint8) if out is None else out
+        enc.strings.write(rows, values)
     elif out is None and len(rows) and np.all(rows[1:] == rows[:-1] + 1):
         values = enc.require_values()[int(starts[0]) : int(ends[-1])]
     else:

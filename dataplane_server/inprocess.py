@@ -47,7 +47,7 @@ def _rows_of(enc: EncodedField) -> list[EncodedField]:
             kind=enc.kind,
             dtype=enc.dtype,
             shape=enc.shape,
-            values=enc.values[offs[i] : offs[i + 1]].copy(),
+            values=enc.require_values()[offs[i] : offs[i + 1]].copy(),
             lengths=None if enc.lengths is None else enc.lengths[i : i + 1].copy(),
             num_rows=1,
         )

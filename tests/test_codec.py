@@ -229,7 +229,7 @@ def test_object_rows_with_a_wrong_boundary_are_corrupt():
     enc = encode_fields({"o": ["ab", "cd"]}, object_fields=["o"])["o"]
     enc.lengths = np.array([2, 4])  # the bytes are intact; the row cut is not
     with pytest.raises(CorruptPayload):
-        codec.object_columns.check_row_boundaries(enc.values, enc.lengths)
+        codec.object_columns.check_row_boundaries(enc.require_values(), enc.lengths)
     enc.values = enc.values[:-1].copy()
     with pytest.raises(CorruptPayload):
         decode_field(enc)
