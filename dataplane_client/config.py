@@ -100,7 +100,10 @@ class DataPlaneConfig(BaseModel):
 
     # --- storage ----------------------------------------------------------------
     num_storage_units: int = Field(
-        2, ge=1, description="Storage-unit actors, spread over the cluster's alive nodes."
+        0,
+        ge=0,
+        description="Storage-unit actors, spread over the cluster's alive nodes; 0 = one per "
+        "alive node at start (the fast layout: a same-node get reads one unit, zero-copy).",
     )
     unit_capacity_bytes: ByteSize = Field(
         4 << 30, gt=0, description="Bytes one unit may hold; a put beyond it waits or fails."

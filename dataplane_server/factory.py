@@ -5,7 +5,7 @@ A NeMo-RL user switches backends by changing ``impl`` and nothing else::
     data_plane:
       enabled: true
       impl: transfer_queue      # or "ray" (the same: our Ray service), or "in_process"
-      num_storage_units: 2
+      num_storage_units: 0      # 0 = one unit per alive node (the default)
       storage_capacity: 16GiB   # total over the units, split evenly
       name: dataplane           # the service's name and Ray namespace
       namespace: dataplane
@@ -76,12 +76,23 @@ def service_config(cfg: Mapping[str, Any]) -> DataPlaneConfig:
             raw[key] = cfg[key]
     if cfg.get("storage_capacity") is not None:
         units = raw.get("num_storage_units", DataPlaneConfig().num_storage_units)
+        units = units or _alive_nodes()  # 0: one unit per alive node
         try:
             total = parse_byte_size(cfg["storage_capacity"])
         except ValueError as e:
             raise ConfigError(f"data_plane.storage_capacity: {e}") from None
         raw["unit_capacity_bytes"] = max(int(total) // int(units), 1)
     return DataPlaneConfig.from_dict(raw)
+
+
+def _alive_nodes() -> int:
+    """How many units ``num_storage_units: 0`` starts: one per alive node (1 while this
+    process has no Ray yet: the embedded default is a single local node)."""
+    import ray
+
+    if not ray.is_initialized():
+        return 1
+    return max(1, sum(1 for n in ray.nodes() if n.get("Alive")))
 
 
 def build_data_plane_client(cfg: Mapping[str, Any], bootstrap: bool = True) -> DataPlaneClient:

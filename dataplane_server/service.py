@@ -31,8 +31,15 @@ def ensure_local_ray(num_cpus: int | None = None) -> None:
 
 
 def _unit_nodes(count: int) -> list[str | None]:
-    """Spread units over alive nodes round-robin (None = let Ray pick)."""
+    """Spread units over alive nodes round-robin (None = let Ray pick); 0 = one per node.
+
+    One unit per node is the default because a same-node reader then finds every
+    row in one unit's shared memory and gets it without a copy; two units on one
+    node turn every get into a gather of both.
+    """
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    if count == 0:
+        return list(nodes) or [None]
     return [nodes[i % len(nodes)] for i in range(count)] if nodes else [None] * count
 
 

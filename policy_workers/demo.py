@@ -59,7 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--model-path", default=None, help="local transformers checkpoint (default: tiny model)"
     )
-    p.add_argument("--num-storage-units", type=int, default=2)
+    p.add_argument(
+        "--num-storage-units", type=int, default=0, help="0 = one per alive node (the default)"
+    )
     p.add_argument("--small", action="store_true", help="a quick configuration (CI)")
     p.add_argument(
         "--keep-serving",

@@ -33,7 +33,7 @@ def _no_dataplane_env(monkeypatch):
         ("drain_timeout_s", float("nan")),
         ("stage_ttl_s", 0),  # 0 would reclaim staged bytes before their commit
         ("num_storage_units", "two"),
-        ("num_storage_units", 0),
+        ("num_storage_units", -1),  # 0 = one per alive node; below that is a mistake
         ("admin_enabled", "yes"),
         ("unit_capacity_bytes", "16 GiBs"),
         ("unit_capacity_bytes", "-4GiB"),
