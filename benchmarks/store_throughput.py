@@ -435,6 +435,38 @@ def run(opts: Options) -> Section:
     return section
 
 
+COMPLEX_X_TQ, COMPLEX_X_RAY = 3.0, 2.0
+
+
+def _complex_targets(r: dict, label: str, tq_ok: bool, tq_status: str) -> list[Target]:
+    """The complex workload's targets: put and get >= 3x TransferQueue and >= 2x Ray's store."""
+    out = []
+    for op in ("put", "get"):
+        ours, tq, ray_ = (r.get(f"{s}_{op}_gibps") for s in ("ours", "transferqueue", "ray"))
+        out.append(
+            Target(
+                f"{op} >= {COMPLEX_X_TQ:g}x TransferQueue ({label})",
+                ratio(ours, tq),
+                COMPLEX_X_TQ,
+                True,
+                "x",
+                detail=f"ours {ours:.2f} vs TQ {tq:.2f} GiB/s" if tq_ok else "",
+                status=None if tq_ok else f"not evaluated (transferqueue {tq_status})",
+            )
+        )
+        out.append(
+            Target(
+                f"{op} >= {COMPLEX_X_RAY:g}x the Ray object store ({label})",
+                ratio(ours, ray_),
+                COMPLEX_X_RAY,
+                True,
+                "x",
+                detail=f"ours {ours:.2f} vs ray {ray_:.2f} GiB/s",
+            )
+        )
+    return out
+
+
 def _report(
     section: Section, results: list[dict], tq_status: str, repeats: int, opts: Options
 ) -> None:
@@ -489,6 +521,9 @@ def _report(
         if r["bytes"] < TARGET_MIN_BYTES and not opts.quick:
             continue
         label = f"{r['kind']} {human_size(r['bytes'])}"
+        if r["kind"] == "complex":
+            section.targets += _complex_targets(r, label, tq_ok, tq_status)
+            continue
         mc = r.get("memcpy_put_gibps")
         for op in ("put", "get"):
             ours, tq = r.get(f"ours_{op}_gibps"), r.get(f"transferqueue_{op}_gibps")

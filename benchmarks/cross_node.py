@@ -1,0 +1,237 @@
+"""Cross-node get: a unit on node B, a reader actor on node A, vs the Ray object store.
+
+Two Ray nodes on this machine (``ray.cluster_utils.Cluster``), in a child
+process with its own cluster (the harness's Ray is single-node):
+
+- **B** (the head) runs the service with one storage unit, the writer (the
+  driver, which puts the data once) and a *holder* actor with the same tensors;
+- **A** runs the reader actor, which
+  - **ours**: ``get_samples`` of every row and field (the unit's ``read``, Ray's
+    object transfer, tensors decoded in place);
+  - **ray**: ``ray.get(holder.value.remote())``: the holder on B returns the
+    same dict of tensors, so Ray serializes it into B's object store and moves
+    it to A: the same bytes, carried by the object store alone;
+  - **ray transfer**: ``ray.get`` of an object the holder ``ray.put`` beforehand
+    (its put not timed): the object transfer alone, a floor for both.
+
+Every reader touches one element per 4 KiB page of what it got. Each call is
+timed from the driver around ``ray.get(reader.method.remote())``; systems are
+interleaved within every repeat after one unrecorded warm-up round; medians.
+Target: ours >= 2x ray (the same bytes from an actor on B to A).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from benchmarks.common import GiB, MiB, Options, Section, Table, Target, human_size, ratio
+
+TARGET_X_RAY = 2.0
+SIZE = 128 * MiB
+QUICK_SIZE = 4 * MiB
+SEQ_LEN = 8192
+FIELDS = 4
+SYSTEMS = ("ours", "ray", "ray_transfer")
+
+
+def run(opts: Options) -> Section:
+    """The harness's entry: run the child, judge what it measured."""
+    size = QUICK_SIZE if opts.quick else SIZE
+    repeats = max(1, opts.repeats)
+    opts.log(f"crossnode: two-node cluster, {human_size(size)}, {repeats} repeats")
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)  # the child makes its own cluster
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cross_node", "--size", str(size)]
+        + ["--repeats", str(repeats)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"cross-node child failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return _report(json.loads(lines[-1][len("RESULT ") :]), repeats, opts)
+
+
+def _report(res: dict[str, Any], repeats: int, opts: Options) -> Section:
+    section = Section("crossnode")
+    gibps = {s: res["bytes"] / GiB / res["median_s"][s] for s in SYSTEMS}
+    x_ray = ratio(gibps["ours"], gibps["ray"])
+    section.tables.append(
+        Table(
+            f"cross-node get, GiB/s (median of {repeats}; unit on B, reader on A, timed from the driver)",
+            ["size", "ours", "ray", "ray transfer", "ours/ray", "ours/ray transfer"],
+            [
+                [
+                    human_size(res["bytes"]),
+                    gibps["ours"],
+                    gibps["ray"],
+                    gibps["ray_transfer"],
+                    x_ray,
+                    ratio(gibps["ours"], gibps["ray_transfer"]),
+                ]
+            ],
+        )
+    )
+    section.targets.append(
+        Target(
+            f"cross-node get >= {TARGET_X_RAY:g}x the Ray object store ({human_size(res['bytes'])})",
+            x_ray,
+            TARGET_X_RAY,
+            True,
+            "x",
+            detail=f"ours {gibps['ours']:.2f} vs ray {gibps['ray']:.2f} GiB/s",
+        )
+    )
+    p = res["profile"]
+    section.profile_tables.append(
+        Table(
+            "ours, one get under cProfile in the reader, with the unit's own read time",
+            ["reader total s", "unit read s", "top reader functions by own time"],
+            [
+                [
+                    p["total_s"],
+                    p["unit_read_s"],
+                    "; ".join(f"{e['function']} {e['tottime_s']:.3f}s" for e in p["top"][:5]),
+                ]
+            ],
+        )
+    )
+    if opts.quick:
+        section.notes.append(
+            "--quick: tiny size; the target is judged anyway, as a smoke test only"
+        )
+    section.data = res
+    return section
+
+
+# ---------------------------------------------------------------------------- the child
+
+
+def _child(size: int, repeats: int) -> dict[str, Any]:
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from benchmarks.common import cprofile_top
+    from benchmarks.store_throughput import make_workload, touch
+    from dataplane_client import DataPlaneConfig
+    from dataplane_server import start
+
+    store = 3 * size + GiB // 2
+    args = {"num_cpus": 4, "object_store_memory": store}
+    cluster = Cluster(initialize_head=True, head_node_args={**args, "include_dashboard": False})
+    ray.init(address=cluster.address, log_to_driver=False)
+    # The service starts while B (the head) is the only node: its unit lives on B.
+    handle = start(DataPlaneConfig(name="xn-bench", num_storage_units=1, admin_enabled=False))
+    node_a = cluster.add_node(**args)
+    cluster.wait_for_nodes()
+    on_a = NodeAffinitySchedulingStrategy(node_a.node_id, soft=False)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+    @ray.remote(num_cpus=0)
+    class Holder:
+        def __init__(self, batch: int):
+            self.fields, _ = make_workload("simple", batch, SEQ_LEN, FIELDS)
+
+        def value(self) -> dict:
+            return self.fields
+
+        def put(self) -> list:
+            return [ray.put(self.fields)]  # in a list: the driver gets the ref, not the value
+
+    @ray.remote(num_cpus=0)
+    class Reader:
+        def __init__(self, name: str):
+            from dataplane_client import connect
+
+            self.client = connect(name, "dataplane")
+
+        def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+        def get_ours(self, ids: list, names: list) -> int:
+            return touch(self.client.get_samples(ids, "p", names))
+
+        def get_ray(self, holder: Any) -> int:
+            return touch(ray.get(holder.value.remote()))
+
+        def get_ray_transfer(self, refs: list) -> int:
+            return touch(ray.get(refs[0]))
+
+        def profile_ours(self, ids: list, names: list) -> dict:
+            t0 = time.perf_counter()
+            out, top = cprofile_top(lambda: touch(self.client.get_samples(ids, "p", names)))
+            return {"total_s": time.perf_counter() - t0, "top": top}
+
+    batch = max(2, size // (SEQ_LEN * 4 * FIELDS))
+    fields, nbytes = make_workload("simple", batch, SEQ_LEN, FIELDS)
+    names = list(fields)
+    ids = [f"k{i}" for i in range(batch)]
+    c = handle.client()
+    c.register_partition("p", names, None, [])
+    c.put_samples(ids, "p", fields)
+    del fields
+    holder = Holder.options(scheduling_strategy=here).remote(batch)
+    reader = Reader.options(scheduling_strategy=on_a).remote("xn-bench")
+    unit_node = ray.get(handle.units[0].ping.remote()).node_id
+    assert ray.get(reader.node.remote()) != unit_node, "the reader must sit on another node"
+
+    def once(system: str) -> float:
+        refs = ray.get(holder.put.remote()) if system == "ray_transfer" else None
+        t0 = time.perf_counter()
+        if system == "ours":
+            ray.get(reader.get_ours.remote(ids, names))
+        elif system == "ray":
+            ray.get(reader.get_ray.remote(holder))
+        else:
+            ray.get(reader.get_ray_transfer.remote(refs))
+        return time.perf_counter() - t0
+
+    for system in SYSTEMS:
+        once(system)  # warm-up: actors, connections, object-store pages
+    seconds: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    for _ in range(repeats):
+        for system in SYSTEMS:
+            seconds[system].append(once(system))
+
+    def unit_read_s() -> float:
+        snap = ray.get(handle.units[0].metrics_snapshot.remote())
+        return snap.stats.get("histograms", {}).get("get_latency_seconds", {}).get("sum", 0.0)
+
+    before = unit_read_s()
+    profile = ray.get(reader.profile_ours.remote(ids, names))
+    profile["unit_read_s"] = unit_read_s() - before
+    handle.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+    from benchmarks.common import median
+
+    return {
+        "bytes": nbytes,
+        "batch": batch,
+        "fields": FIELDS,
+        "seconds": seconds,
+        "median_s": {s: median(v) for s, v in seconds.items()},
+        "profile": profile,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="the cross-node section's child process")
+    p.add_argument("--size", type=int, default=SIZE)
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args()
+    print("RESULT " + json.dumps(_child(a.size, a.repeats)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
