@@ -60,8 +60,13 @@ format: setup
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-proto: setup
-	$(BIN)/python -m dataplane_server.admin.gen_proto
+# Regenerate dataplane_server/admin_pb with the pinned generator (gen_proto.GENERATOR), in a
+# venv of its own: its old output is what keeps grpcio/protobuf minimums low for users.
+PROTO_VENV ?= .venv-proto
+proto:
+	@test -x $(PROTO_VENV)/bin/python || $(PY) -m venv $(PROTO_VENV)
+	$(PROTO_VENV)/bin/pip install -q "$$(sed -n 's/^GENERATOR = "\(.*\)"/\1/p' dataplane_server/admin/gen_proto.py)"
+	$(PROTO_VENV)/bin/python dataplane_server/admin/gen_proto.py
 
 clean:
-	rm -rf $(VENV) .venv-bench .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-bench $(PROTO_VENV) .pytest_cache .ruff_cache .hypothesis

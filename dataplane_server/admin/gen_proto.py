@@ -8,12 +8,24 @@ admin.proto``), so an installed wheel holds the schema its generated code came f
 
 protoc writes ``from dataplane.admin.v1 import admin_pb2``; the generated code
 lives in ``dataplane_server.admin_pb`` instead, so that import is rewritten to a
-package-relative one. Needs grpcio-tools (a dev dependency).
+package-relative one.
+
+The committed code comes from one pinned generator, ``GENERATOR`` (run through
+``make proto``, which installs it into a venv of its own): grpcio-tools 1.62.3,
+the last release whose output carries no runtime version gate (later ones
+write ``ValidateProtobufRuntimeVersion`` / ``GRPC_GENERATED_VERSION`` checks
+that would force protobuf >= their own version on every user). That is what
+lets pyproject ask only for grpcio >= 1.62.3 and protobuf >= 4.21.6, the
+floors ``tests/test_dependency_floor.py`` installs and runs the admin tests on.
+Any grpcio-tools can run ``--check``: with another version it compares the
+compiled schema, not the text.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +37,7 @@ PROTO_FILE = "dataplane/admin/v1/admin.proto"
 PROTO_PATH = PROTO_ROOT / PROTO_FILE
 OUT_DIR = Path(__file__).resolve().parents[1] / "admin_pb"
 GENERATED = ("__init__.py", "admin_pb2.py", "admin_pb2_grpc.py")
+GENERATOR = "grpcio-tools==1.62.3"
 
 _INIT = '''"""Generated from dataplane_server/admin/proto/dataplane/admin/v1/admin.proto; do not edit.
 
@@ -74,15 +87,48 @@ def generate(out_dir: Path) -> list[Path]:
     return written
 
 
+def _tools_version() -> str:
+    from importlib.metadata import version
+
+    return version("grpcio-tools")
+
+
+def schema_of(pb2_text: str) -> bytes | None:
+    """The serialized FileDescriptorProto an ``admin_pb2.py`` registers (None: none found)."""
+    match = re.search(r"AddSerializedFile\((b'.*?')\)\n", pb2_text)
+    return ast.literal_eval(match.group(1)) if match else None
+
+
+def methods_of(grpc_text: str) -> list[str]:
+    """The RPC paths an ``admin_pb2_grpc.py`` wires, sorted."""
+    return sorted(set(re.findall(r"'(/dataplane\.admin\.v1\.AdminService/\w+)'", grpc_text)))
+
+
+def _same(name: str, committed: Path, fresh: Path, exact: bool) -> bool:
+    if not committed.exists():
+        return False
+    if exact or name == "__init__.py":
+        return committed.read_bytes() == fresh.read_bytes()
+    # Another generator formats differently: compare what the code means instead.
+    old, new = committed.read_text(), fresh.read_text()
+    if name == "admin_pb2.py":
+        return schema_of(old) == schema_of(new)
+    return methods_of(old) == methods_of(new)
+
+
 def drifted(committed_dir: Path = OUT_DIR) -> list[str]:
-    """Names of the generated files whose committed bytes differ from a fresh generation."""
+    """Names of the generated files that no longer match the proto.
+
+    Byte for byte under the pinned generator; under any other grpcio-tools, the
+    compiled schema and the RPC paths (so ``--check`` works in every dev venv).
+    """
+    exact = f"grpcio-tools=={_tools_version()}" == GENERATOR
     with tempfile.TemporaryDirectory() as fresh:
         generate(Path(fresh))
         return [
             name
             for name in GENERATED
-            if not (committed_dir / name).exists()
-            or (committed_dir / name).read_bytes() != (Path(fresh) / name).read_bytes()
+            if not _same(name, committed_dir / name, Path(fresh) / name, exact)
         ]
 
 
