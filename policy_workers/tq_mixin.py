@@ -323,6 +323,7 @@ class TQWorkerMixin:
         data = self._fetch(self._with_fields(meta, ["input_ids"]))
         data, meta = self._attach_or_repack_pack_metadata(data, meta, kind="logprob")
         result = getattr(self, method)(data, micro_batch_size=micro_batch_size)
+        self._wait_for_every_rank()
         self._write_back_result_field(
             meta,
             result,
@@ -332,6 +333,19 @@ class TQWorkerMixin:
             overwrite=overwrite,
         )
         del result, data
+
+    def _wait_for_every_rank(self) -> None:
+        """Barrier over every rank of the pass before any leader writes back.
+
+        Without it a leader whose DP rank finished would write its slice while a
+        rank that died mid-pass leaves the rest unwritten: a batch half with the
+        field. With it, a rank lost before its result leaves no sample written,
+        and the whole pass can be run again. (A rank lost after the barrier,
+        while writing, can still leave part of the batch written; each sample is
+        whole or absent: a put is atomic.)
+        """
+        if dist.is_initialized():
+            dist.barrier()
 
     def get_logprobs_presharded(
         self, meta: KVBatchMeta, micro_batch_size: int | None = None, overwrite: bool = False

@@ -21,6 +21,7 @@ equivalence tests and side-by-side benchmarks.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,7 +35,9 @@ from dataplane_client.preshard import (
     global_forward_pad_seqlen,
     shard_meta_for_dp,
 )
+from policy_workers import checkpoint as ckpt
 from policy_workers.config import DynamicBatchingConfig, PolicyConfig, SequencePackingConfig
+from policy_workers.errors import CheckpointMismatch
 from policy_workers.recording import DispatchRecorder
 from policy_workers.sharding import DATA_PARALLEL, REPLICA_AXES, NamedSharding
 from policy_workers.tq_mixin import PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS
@@ -279,6 +282,77 @@ class TQPolicy:
         )
         return _aggregate_train_results(results)
 
+    # ---- checkpoints (NeMo-RL's save_checkpoint(weights_path, optimizer_path)) ---------------------
+    def save_checkpoint(
+        self, weights_path: str, optimizer_path: str | None = None, *, step: int | None = None
+    ) -> None:
+        """Save every rank's weights to ``weights_path`` and, when given, its optimizer
+        and RNG states to ``optimizer_path`` (new directories; ``policy_workers.checkpoint``
+        has the layout). ``step``, the caller's training step, is recorded in both."""
+        save_id = uuid.uuid4().hex  # ties the optimizer part to these weights
+        self._save_part(weights_path, ckpt.WEIGHTS, save_id, step)
+        if optimizer_path is not None:
+            self._save_part(optimizer_path, ckpt.OPTIMIZER, save_id, step)
+
+    def _save_part(self, path: str, part: str, save_id: str, step: int | None) -> None:
+        tmp = ckpt.start(path)
+        try:
+            files = self.run_on_all_workers("save_checkpoint_shard", tmp, part)
+            manifest = {"part": part, "save_id": save_id, "step": step, **self._identity()}
+            ckpt.finish(tmp, path, {**manifest, "files": files})
+        except BaseException:
+            ckpt.abandon(tmp)
+            raise
+
+    def _identity(self) -> dict[str, Any]:
+        """What a checkpoint must have been saved by to load here."""
+        c = self.cfg
+        return {
+            "layout": {"pp": c.pp, "dp": c.dp, "cp": c.cp, "tp": c.tp},
+            "model": ckpt.model_fingerprint(c.model),
+            "optimizer": c.optimizer.name,
+        }
+
+    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> int | None:
+        """Load a :meth:`save_checkpoint` into every rank; returns the step saved with it.
+
+        All or nothing: manifests are checked against this policy (model config,
+        layout, optimizer; an optimizer part must come from the same save as the
+        weights), then every rank reads and checks its files, and only when all
+        did does any rank change its state. Raises ``CheckpointNotFound``,
+        ``CheckpointCorrupt`` or ``CheckpointMismatch`` naming what is wrong.
+        """
+        paths = {ckpt.WEIGHTS: weights_path}
+        if optimizer_path is not None:
+            paths[ckpt.OPTIMIZER] = optimizer_path
+        manifests = {part: ckpt.read_manifest(path, part) for part, path in paths.items()}
+        for part, m in manifests.items():
+            ckpt.check_matches(m, paths[part], **self._identity())
+            ranks = sorted(f["rank"] for f in m["files"])
+            if ranks != list(range(self.worker_group.world_size)):
+                raise CheckpointMismatch(
+                    f"{paths[part]}: files of ranks {ranks}, this policy has "
+                    f"{self.worker_group.world_size} workers"
+                )
+        weights = manifests[ckpt.WEIGHTS]
+        if (
+            optimizer_path is not None
+            and manifests[ckpt.OPTIMIZER]["save_id"] != weights["save_id"]
+        ):
+            raise CheckpointMismatch(
+                f"the optimizer state at {optimizer_path} was not saved with the weights at "
+                f"{weights_path}"
+            )
+        try:
+            for part, m in manifests.items():
+                self.run_on_all_workers("stage_checkpoint_shard", paths[part], m["files"], part)
+        except BaseException:
+            if self.worker_group.lost is None:
+                self.run_on_all_workers("drop_staged_checkpoint")
+            raise
+        self.run_on_all_workers("apply_staged_checkpoint")
+        return weights["step"]
+
     # ---- reconfiguration -------------------------------------------------------------------------
     def configure_batching(
         self,
@@ -295,8 +369,8 @@ class TQPolicy:
 
     # ---- lifecycle / inspection ----------------------------------------------------------------
     def run_on_all_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """``ray.get`` of ``method`` called on every worker (rank order)."""
-        return ray.get(self.worker_group.run_all_workers_single_data(method, *args, **kwargs))
+        """The results of ``method`` called on every worker (rank order)."""
+        return self.worker_group.call_all_workers(method, *args, **kwargs)
 
     def shutdown(self) -> bool:
         if self._client is not None:

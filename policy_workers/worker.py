@@ -33,7 +33,9 @@ import torch
 import torch.distributed as dist
 
 from dataplane_client.batched_data_dict import BatchedDataDict
+from policy_workers import checkpoint as ckpt
 from policy_workers.config import DynamicBatchingConfig, PolicyConfig, SequencePackingConfig
+from policy_workers.errors import CheckpointMismatch
 from policy_workers.loss import ClippedPGLoss, valid_sample_count, valid_token_mask
 from policy_workers.model import VocabParallelCausalLM, build_hf_model, default_device
 from policy_workers.sharding import (
@@ -57,6 +59,8 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
         self.model: VocabParallelCausalLM | None = None
         self.reference_model: VocabParallelCausalLM | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        # Checkpoint parts read and checked, applied only once every rank has its own.
+        self._staged_checkpoint: dict[str, Any] = {}
 
     # ---- setup -------------------------------------------------------------------
     def setup(self) -> None:
@@ -289,6 +293,82 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
         weights, opt_state = self._saved_state
         self.model.load_state_dict(weights)
         self.optimizer.load_state_dict(copy.deepcopy(opt_state))
+
+    # ---- checkpoints (driven by TQPolicy.save_checkpoint / load_checkpoint) -------------------------
+    def save_checkpoint_shard(self, tmp: str, part: str) -> dict[str, Any]:
+        """Write this rank's weights, or its optimizer and RNG states, into ``tmp``."""
+        if part == ckpt.WEIGHTS:
+            state: Any = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        else:
+            state = {"optimizer": self.optimizer.state_dict(), "rng": ckpt.rng_state()}
+        return ckpt.write_shard(tmp, self.rank, state)
+
+    def stage_checkpoint_shard(
+        self, directory: str, files: list[dict[str, Any]], part: str
+    ) -> None:
+        """Read this rank's file of ``part``, check it fits this rank; apply nothing yet.
+
+        Staging first means a damaged or foreign file on any rank leaves every
+        rank's state untouched (the driver applies only when all ranks staged).
+        """
+        entry = next((f for f in files if f["rank"] == self.rank), None)
+        if entry is None:
+            raise CheckpointMismatch(
+                f"the {part} checkpoint at {directory} has no file of rank {self.rank}"
+            )
+        state = ckpt.read_shard(directory, entry)
+        where = f"{directory}/{entry['name']}"
+        if part == ckpt.WEIGHTS:
+            self._check_weights_fit(state, where)
+        else:
+            self._check_optimizer_fits(state, where)
+        self._staged_checkpoint[part] = state
+
+    def _check_weights_fit(self, state: Any, where: str) -> None:
+        mine = self.model.state_dict()
+        if not isinstance(state, dict) or set(state) != set(mine):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise CheckpointMismatch(f"{where}: tensors {got}, this rank has {sorted(mine)}")
+        bad = [
+            f"{k}: {tuple(v.shape)} {v.dtype} saved, {tuple(mine[k].shape)} {mine[k].dtype} here"
+            for k, v in state.items()
+            if not isinstance(v, torch.Tensor)
+            or v.shape != mine[k].shape
+            or v.dtype != mine[k].dtype
+        ]
+        if bad:
+            raise CheckpointMismatch(f"{where}: " + "; ".join(bad))
+
+    def _check_optimizer_fits(self, state: Any, where: str) -> None:
+        saved = state.get("optimizer", {}) if isinstance(state, dict) else {}
+        groups = [len(g["params"]) for g in saved.get("param_groups", [])]
+        mine = [len(g["params"]) for g in self.optimizer.param_groups]
+        if groups != mine or "rng" not in state:
+            raise CheckpointMismatch(
+                f"{where}: optimizer param groups of sizes {groups}, this rank has {mine}"
+            )
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for index, per_param in saved.get("state", {}).items():
+            for name, value in per_param.items():
+                shaped = isinstance(value, torch.Tensor) and value.dim() > 0
+                if shaped and value.shape != params[index].shape:
+                    raise CheckpointMismatch(
+                        f"{where}: optimizer {name} of parameter {index} has shape "
+                        f"{tuple(value.shape)}, the parameter {tuple(params[index].shape)}"
+                    )
+
+    def apply_staged_checkpoint(self) -> None:
+        """Load what ``stage_checkpoint_shard`` checked (weights in place, then optimizer, RNG)."""
+        staged, self._staged_checkpoint = self._staged_checkpoint, {}
+        if ckpt.WEIGHTS in staged:
+            with torch.no_grad():
+                self.model.load_state_dict(staged[ckpt.WEIGHTS])
+        if ckpt.OPTIMIZER in staged:
+            self.optimizer.load_state_dict(staged[ckpt.OPTIMIZER]["optimizer"])
+            ckpt.set_rng_state(staged[ckpt.OPTIMIZER]["rng"])
+
+    def drop_staged_checkpoint(self) -> None:
+        self._staged_checkpoint = {}
 
     # ---- inspection helpers (tests, debugging) -------------------------------------------------------
     def get_parameters(self, full_head: bool = False) -> dict[str, torch.Tensor]:

@@ -18,12 +18,20 @@ a method everywhere with the same arguments; ``run_all_workers_sharded_data``
 gives each worker the slice of ``data`` at its coordinates on the sharded axes
 (the same object to every replica) and remembers which workers' results to
 keep (axis-zero of the ``output_is_replicated`` axes).
+
+A worker that dies during a call breaks the torch.distributed world of every
+other worker (their next collective with it fails or waits for the collective
+timeout). So the first death seen while gathering results shuts the whole group
+down and raises :class:`~policy_workers.errors.PolicyWorkerLost` at once, and
+every later call raises it too: the caller builds a new group (and loads the
+last checkpoint) instead of waiting on survivors stuck in a collective.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,7 +40,10 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
+from ray.exceptions import RayActorError, RayTaskError
 
+from dataplane_client.errors import DataPlaneError
+from policy_workers.errors import PolicyWorkerLost
 from policy_workers.sharding import (
     DATA_PARALLEL,
     REPLICA_AXES,
@@ -116,6 +127,13 @@ class WorkerFutures:
     refs: list[ray.ObjectRef]
     worker_ranks: list[int]
     keep: list[bool]
+    method: str = ""
+
+
+# After one worker's call failed, how long to keep waiting for the others before
+# raising that failure: long enough to see whether a worker died (a peer's death
+# makes the survivors' collectives fail first), short next to a collective timeout.
+DEATH_GRACE_S = 10.0
 
 
 class RayWorkerGroup:
@@ -142,6 +160,7 @@ class RayWorkerGroup:
             backend = "nccl" if num_gpus_per_worker > 0 else "gloo"
         self.sharding = sharding
         self.backend = backend
+        self.lost: str | None = None  # why the group is unusable, once a worker died
         actor_cls = ray.remote(worker_cls)
         self.workers = []
         for rank in range(sharding.size):
@@ -225,12 +244,62 @@ class RayWorkerGroup:
             refs.append(getattr(worker, method).remote(**{data_arg: payload}, **common_kwargs))
             ranks.append(rank)
             keep.append(receives and NamedSharding.is_axis_zero(coords, output_is_replicated))
-        return WorkerFutures(refs, ranks, keep)
+        return WorkerFutures(refs, ranks, keep, method)
+
+    def call_all_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``method(*args, **kwargs)`` on every worker; every result, rank order."""
+        refs = self.run_all_workers_single_data(method, *args, **kwargs)
+        n = len(refs)
+        return self.get_all_worker_results(WorkerFutures(refs, list(range(n)), [True] * n, method))
 
     def get_all_worker_results(self, futures: WorkerFutures) -> list[Any]:
-        """``ray.get`` every future; return the results of the workers marked to keep (rank order)."""
-        results = ray.get(futures.refs)
-        return [r for r, k in zip(results, futures.keep) if k]
+        """Every future's result; those of the workers marked to keep (rank order).
+
+        A dead worker: :class:`PolicyWorkerLost` (the group is shut down). A
+        typed data-plane error raised in a worker: that error, as its own class.
+        """
+        self._check_usable()
+        pending = dict(zip(futures.refs, futures.worker_ranks))
+        results: dict[Any, Any] = {}
+        failure: RayTaskError | None = None
+        give_up_at = None
+        while pending:
+            timeout = None if give_up_at is None else max(0.0, give_up_at - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            if not ready:
+                break  # the failure below was not a worker's death
+            ref = ready[0]
+            rank = pending.pop(ref)
+            try:
+                results[ref] = ray.get(ref)
+            except RayActorError as e:
+                self._lose(rank, futures.method, e)
+            except RayTaskError as e:
+                if failure is None:
+                    failure, give_up_at = e, time.monotonic() + DEATH_GRACE_S
+        if failure is not None:
+            cause = getattr(failure, "cause", None)
+            raise cause if isinstance(cause, DataPlaneError) else failure
+        return [results[r] for r, k in zip(futures.refs, futures.keep) if k]
+
+    def _check_usable(self) -> None:
+        if self.lost is not None:
+            raise PolicyWorkerLost(self.lost)
+
+    def _lose(self, rank: int, method: str, error: RayActorError) -> None:
+        coords = self.sharding.get_worker_coords(rank)
+        self.lost = (
+            f"policy worker rank {rank} {dict(coords)} died during {method or 'a call'}; "
+            "the worker group was shut down (build a new policy and load the last checkpoint)"
+        )
+        # Survivors may sit in a collective with the dead rank: end them, do not wait.
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: BLE001 - already dead or gone: nothing left to end
+                pass
+        self.workers = []
+        raise PolicyWorkerLost(self.lost) from error
 
     def shutdown(self, cleanup_method: str | None = "shutdown", timeout_s: float = 30.0) -> bool:
         """Run ``cleanup_method`` on every worker (best effort), then kill the actors."""
