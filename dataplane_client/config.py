@@ -223,6 +223,12 @@ class DataPlaneConfig(BaseModel):
         description="On SIGTERM, seconds in-flight admin RPCs get to finish; 0 = off "
         "(stop at once).",
     )
+    drain_checkpoint_dir: str | None = Field(
+        None,
+        description="On SIGTERM, save a checkpoint of the whole store in a new "
+        "drain-<UTC time> folder here before stopping (reachable from every unit's node); "
+        "None = no checkpoint.",
+    )
 
     def __init__(self, **values: Any) -> None:
         _reject_unknown(values)

@@ -3,7 +3,9 @@
 With no Ray address (flag or ``RAY_ADDRESS``) it starts an embedded Ray on
 loopback, which lives as long as this process. It prints where everything is:
 the Ray address, the admin and metrics endpoints, and the lines a trainer
-pastes to connect (with what to set when Ray token auth is on).
+pastes to connect (with what to set when Ray token auth is on). With
+``drain_checkpoint_dir`` set, the drain ends with a checkpoint of the whole store;
+if that save fails the command exits 1, so an orchestrator sees it.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
-from dataplane_server.cli.exits import EXIT_OK, EXIT_USAGE, CliError
+from dataplane_server.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CliError
 from dataplane_server.cli.render import say
 
 DEFAULT_NUM_CPUS = 8  # logical slots for the embedded Ray; actors need them even when idle
@@ -90,6 +93,22 @@ def _init_ray(args, namespace: str) -> None:
         init_local_ray(args.num_cpus, namespace=namespace, log_to_driver=args.ray_logs)
 
 
+def save_drain_checkpoint(handle, parent: str) -> bool:
+    """Checkpoint the drained store into a new ``drain-<UTC time>`` folder of ``parent``."""
+    from ray.exceptions import RayError
+
+    from dataplane_client.errors import DataPlaneError
+
+    path = os.path.join(parent, time.strftime("drain-%Y%m%dT%H%M%SZ", time.gmtime()))
+    try:
+        saved = handle.client().checkpoint(path)
+    except (DataPlaneError, OSError, RayError) as exc:
+        say(f"dataplane: error: drain checkpoint to {path} failed: {exc}")
+        return False
+    say(f"dataplane: drain checkpoint saved to {saved}")
+    return True
+
+
 def run(args) -> int:
     # Imported here: dataplane_client pulls in Ray and torch, which the client commands skip.
     config = load_config(args.config)
@@ -127,9 +146,12 @@ def run(args) -> int:
     while not stop.wait(0.5):  # timed, so the handler runs promptly on every platform
         pass
     say("dataplane: signal received, draining")
+    saved = True
     try:
         handle.drain()
+        if config.drain_checkpoint_dir:
+            saved = save_drain_checkpoint(handle, config.drain_checkpoint_dir)
     finally:
         handle.shutdown()
     say("dataplane: stopped")
-    return EXIT_OK
+    return EXIT_OK if saved else EXIT_FAILED
