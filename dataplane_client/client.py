@@ -34,7 +34,7 @@ import ray
 import ray._private.state as ray_state
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError, RayTaskError
 
-from dataplane_client import arguments, prepare
+from dataplane_client import arguments, placement, prepare
 from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import (
     DataPlaneError,
@@ -250,6 +250,7 @@ class RayDataPlaneClient(DataPlaneClient):
             routing.units, routing.nodes, routing.shm, ray.get_runtime_context().get_node_id()
         )
         self._alive = list(routing.alive)
+        self._nodes, self._replicas = list(routing.nodes), routing.replicas
         # (partition, sample) -> unit, learnt from puts and gets: a hint the controller checks.
         self._routes: dict[tuple[str, str], int] = {}
         # partition -> its enums and object fields, as declared to the controller (asked once).
@@ -385,12 +386,17 @@ class RayDataPlaneClient(DataPlaneClient):
         units = np.array(
             [self._routes.get((partition_id, s), -1) for s in sample_ids], dtype=np.int64
         )
+        # Second copies (replicas: 2): -2 = derive from the unit; else as the controller said.
+        replicas = np.full(len(sample_ids), -2, dtype=np.int64)
         for _attempt in range(_MAX_REROUTES + 1):
             new = np.nonzero(units < 0)[0]
             if len(new):
                 units[new] = self._assign_new(sample_ids, new)
+            if self._replicas > 1:
+                derived = placement.second_units(units, self._alive, self._nodes)
+                replicas = np.where(replicas == -2, derived, replicas)
             write_id = uuid.uuid4().hex
-            plan = {int(u): np.nonzero(units == u)[0] for u in np.unique(units)}
+            plan = placement.stage_plan(units, replicas if self._replicas > 1 else None)
             staged = list(plan)
             results = yield from self._open_transport().stage_flow(
                 partition_id, write_id, sample_ids, encoded, plan
@@ -409,14 +415,16 @@ class RayDataPlaneClient(DataPlaneClient):
                     raise errors[0][1]
                 for u in died:
                     yield from self._unit_died(u)
-                # Samples that were new go elsewhere; ones already living there are lost.
+                # Samples that were new go elsewhere; ones already living there are lost
+                # (unless replicated: the controller then re-routes them to their survivor).
                 known = {s for s in sample_ids if (partition_id, s) in self._routes}
                 lost = [s for s, u in zip(sample_ids, units) if u in died and s in known]
-                if lost:
+                if lost and self._replicas == 1:
                     raise SamplesLost(
                         "their storage unit died", ids=lost, partition_id=partition_id
                     )
                 units[np.isin(units, died)] = -1
+                replicas[:] = -2
                 continue
             request = CommitRequest(
                 partition_id=partition_id,
@@ -428,17 +436,26 @@ class RayDataPlaneClient(DataPlaneClient):
                 tags=w.tags,
                 overwrite=w.overwrite,
                 staged_units=staged,
+                replicas=replicas.tolist() if self._replicas > 1 else None,
             )
             try:
                 result = _one((yield [self._controller.commit.remote(request)]))
-            except BaseException:
+            except BaseException as e:
                 yield [self._open_transport().discard(u, write_id) for u in staged]
-                raise
+                if not (isinstance(e, SamplesLost) and self._replicas > 1):
+                    raise
+                # A unit died while publishing; nothing is visible. Copies go to live units
+                # (a sample with no copy left is SamplesLost from the controller's check).
+                self._alive = list(_one((yield [self._controller.routing.remote()])).alive)
+                units[~np.asarray(self._alive)[units]] = -1
+                replicas[:] = -2
+                continue
             if result.rerouted:
                 yield [self._open_transport().discard(u, write_id) for u in staged]
                 position = {s: i for i, s in enumerate(sample_ids)}
                 for s, u in result.rerouted.items():
                     units[position[s]] = u
+                    replicas[position[s]] = result.rerouted_replicas.get(s, -1)
                 continue
             self._remember(partition_id, sample_ids, units)
             return KVBatchMeta(
@@ -478,7 +495,9 @@ class RayDataPlaneClient(DataPlaneClient):
             arguments.name_list(fields, "select_fields"),
         )
 
-    def _get_flow(self, sample_ids: list[str], partition_id: str, fields: list[str]) -> Flow:
+    def _get_flow(
+        self, sample_ids: list[str], partition_id: str, fields: list[str], failover: bool = True
+    ) -> Flow:
         where = _one((yield [self._controller.locate.remote(partition_id, sample_ids, fields)]))
         units = np.asarray(where.units, dtype=np.int64)
         self._remember(partition_id, sample_ids, units)
@@ -488,6 +507,8 @@ class RayDataPlaneClient(DataPlaneClient):
         for (u, rows), r in zip(plan.items(), results):
             if isinstance(r, RayActorError):
                 yield from self._unit_died(u)
+                if self._replicas > 1 and failover:  # their second copies serve them now
+                    return (yield from self._get_flow(sample_ids, partition_id, fields, False))
                 raise SamplesLost(
                     "their storage unit died",
                     ids=[sample_ids[i] for i in rows],

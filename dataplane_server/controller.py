@@ -136,6 +136,7 @@ class Controller(Inspection):
             alive=list(self.keys.unit_alive),
             nodes=[info.node_id for info in self.unit_info],
             shm=[bool(info.shm) for info in self.unit_info],
+            replicas=int(self.config.get("replicas", 1)),
         )
 
     @served
@@ -153,6 +154,7 @@ class Controller(Inspection):
         if not self.keys.unit_alive[index]:
             return
         self.keys.unit_alive[index] = False
+        self.keys.fail_over()  # replicated samples are served by their second copy from now on
         self.stats.inc("units_lost_total")
         await self._waits.wake_all()
 

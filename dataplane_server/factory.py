@@ -106,6 +106,12 @@ def build_data_plane_client(cfg: Mapping[str, Any], bootstrap: bool = True) -> D
     cfg = _checked(cfg)
     config = service_config(cfg)
     if cfg["impl"] == IN_PROCESS:
+        if config.replicas > 1:  # one process holds the only copy: a second one guards nothing
+            raise ConfigError(
+                "replicas: 2 needs the Ray service (impl: transfer_queue); the in-process "
+                "client keeps one copy of each sample",
+                fields=["replicas"],
+            )
         return _in_process_client(config.name, bootstrap)
     try:
         return connect(config.name, config.namespace, address=cfg.get("address"))

@@ -146,6 +146,7 @@ class Partition:
         self.live = np.zeros(0, dtype=bool)
         self.seq_len = np.zeros(0, dtype=np.int32)
         self.unit = np.zeros(0, dtype=np.int16)
+        self.replica = np.zeros(0, dtype=np.int16)  # unit of the second copy, -1 = none
         self.produced: dict[str, np.ndarray] = {}
         self.consumed: dict[str, np.ndarray] = {t: self.live.copy() for t in self.tasks}
         self.lease_until: dict[str, np.ndarray] = {}  # leased task -> deadline per row
@@ -190,11 +191,14 @@ class Partition:
             )
         return rows
 
-    def add_rows(self, sample_ids: list[str], units: np.ndarray) -> np.ndarray:
+    def add_rows(
+        self, sample_ids: list[str], units: np.ndarray, replicas: np.ndarray | None = None
+    ) -> np.ndarray:
         start, end = self.n_rows, self.n_rows + len(sample_ids)
         self.live = grown(self.live, end, False)
         self.seq_len = grown(self.seq_len, end, -1)
         self.unit = grown(self.unit, end, -1)
+        self.replica = grown(self.replica, end, -1)
         # Every column keeps an entry per row, so no reader ever slices a short one.
         for table in (self.produced, self.consumed, self.lease_until, self.holder, self.deliveries):
             for name, arr in table.items():
@@ -205,6 +209,7 @@ class Partition:
         self.group_of.extend([None] * len(sample_ids))
         self.live[start:end] = True
         self.unit[start:end] = units
+        self.replica[start:end] = -1 if replicas is None else replicas
         self.n_rows = end
         return np.arange(start, end, dtype=np.int64)
 
@@ -222,7 +227,7 @@ class Partition:
     def metadata_bytes(self) -> int:
         """Rough bytes of this partition's metadata (benchmarks: bytes per sample)."""
         tables = (self.produced, self.consumed, self.lease_until, self.holder, self.deliveries)
-        arrays = self.live.nbytes + self.seq_len.nbytes + self.unit.nbytes
+        arrays = self.live.nbytes + self.seq_len.nbytes + self.unit.nbytes + self.replica.nbytes
         arrays += sum(a.nbytes for t in tables for a in t.values())
         dict_bytes = sys.getsizeof(self.row_of) + sum(sys.getsizeof(s) for s in self.row_of)
         lists = sys.getsizeof(self.ids) + sys.getsizeof(self.tags) + sys.getsizeof(self.group_of)
@@ -240,6 +245,7 @@ class CommitPlan:
     request: CommitRequest
     rows: np.ndarray  # -1 for samples the commit creates
     unit_of: dict[str, int]  # sample -> unit it was staged on
+    replica_of: dict[str, int] = field(default_factory=dict)  # sample -> second copy's unit
 
 
 def _check_shapes(req: CommitRequest, num_units: int) -> None:
@@ -247,13 +253,20 @@ def _check_shapes(req: CommitRequest, num_units: int) -> None:
     (apply must not fail half way, e.g. on an unhashable group_id)."""
     n = len(arguments.id_list(req.sample_ids, partition_id=req.partition_id))
     arguments.tag_list(req.tags, n, partition_id=req.partition_id)
-    for what, values in (("units", req.units), ("sequence_lengths", req.sequence_lengths)):
+    checked = (
+        ("units", req.units),
+        ("replicas", req.replicas),
+        ("sequence_lengths", req.sequence_lengths),
+    )
+    for what, values in checked:
         if values is not None and len(values) != n:
             raise InvalidBatch(
                 f"{len(values)} {what} for {n} sample ids", partition_id=req.partition_id
             )
-    if set(req.staged_units) != set(req.units):
+    if set(req.staged_units) != set(req.units) | {u for u in req.replicas or () if u >= 0}:
         raise InvalidBatch("staged_units must be the units the samples were staged on")
+    if req.replicas is not None and any(r == u for r, u in zip(req.replicas, req.units)):
+        raise InvalidBatch("a sample's second copy must be on another unit than its first")
     if any(not 0 <= u < num_units for u in req.staged_units):
         raise InvalidBatch(f"staged_units {req.staged_units} name units the service lacks")
 
@@ -323,6 +336,10 @@ class KeySpace:
         units = np.asarray(req.units, dtype=np.int64)
         # Where each sample lives: its row, else a commit creating it right now.
         home = np.where(rows >= 0, part.unit[np.maximum(rows, 0)] if part.n_rows else -1, -1)
+        replicas = np.asarray(req.replicas or [-1] * len(ids), dtype=np.int64)
+        home_replica = np.where(
+            rows >= 0, part.replica[np.maximum(rows, 0)] if part.n_rows else -1, -1
+        )
         unit_of = dict(zip(ids, req.units))
         position: dict[str, int] = {}
         busy: list[str] = []
@@ -335,15 +352,25 @@ class KeySpace:
                 i = position[s]
                 if rows[i] < 0:
                     home[i] = other.unit_of[s]
+                    home_replica[i] = other.replica_of.get(s, -1)
                 if same_fields:
                     busy.append(s)
         busy.sort(key=lambda s: position[s])
-        moved = np.nonzero((home >= 0) & (home != units))[0]
+        # A sample whose every copy is gone is not re-routed: it is lost (below).
+        alive = np.asarray(self.unit_alive + [False], dtype=bool)  # [-1]: no unit
+        elsewhere = (home != units) | (home_replica != replicas)
+        moved = np.nonzero((home >= 0) & elsewhere & alive[home])[0]
         if len(moved):
-            return CommitResult(rerouted={ids[i]: int(home[i]) for i in moved})
+            return CommitResult(
+                rerouted={ids[i]: int(home[i]) for i in moved},
+                rerouted_replicas={
+                    ids[i]: int(home_replica[i]) for i in moved if home_replica[i] >= 0
+                },
+            )
         old = rows >= 0
         dead = [ids[i] for i in np.nonzero(old)[0] if not self.unit_alive[part.unit[rows[i]]]]
         dead += [s for s, u in zip(ids, req.units) if not self.unit_alive[u] and s not in dead]
+        dead += [s for s, u in zip(ids, replicas) if u >= 0 and not alive[u] and s not in dead]
         if dead:
             raise SamplesLost("their storage unit is gone", ids=dead, partition_id=pid)
         if not req.overwrite and old.any():
@@ -373,7 +400,7 @@ class KeySpace:
                     ids=ungrouped,
                     partition_id=pid,
                 )
-        plan = CommitPlan(part, req, rows, unit_of)
+        plan = CommitPlan(part, req, rows, unit_of, dict(zip(ids, replicas.tolist())))
         self._in_flight.setdefault(pid, []).append(plan)
         return plan
 
@@ -408,10 +435,15 @@ class KeySpace:
         cleared: dict[int, list[str]] = {}
         for i in np.nonzero(gone)[0].tolist():
             cleared.setdefault(req.units[i], []).append(req.sample_ids[i])
+            if req.replicas is not None and req.replicas[i] >= 0:
+                cleared.setdefault(req.replicas[i], []).append(req.sample_ids[i])
         new = np.nonzero((rows < 0) & ~gone)[0]
         if len(new):
             units = np.asarray(req.units, dtype=np.int16)[new]
-            rows[new] = part.add_rows([req.sample_ids[i] for i in new], units)
+            replicas = None if req.replicas is None else np.asarray(req.replicas)[new]
+            rows[new] = part.add_rows([req.sample_ids[i] for i in new], units, replicas)
+            if not all(self.unit_alive):  # a copy's unit died while this write was publishing
+                self.fail_over(part)
         keep = np.nonzero(~gone)[0]
         written = rows[keep]
         for name, schema in req.schemas.items():
@@ -675,11 +707,32 @@ class KeySpace:
         by_unit: dict[int, list[str]] = {}
         for s, r in zip(sample_ids, rows.tolist()):
             by_unit.setdefault(int(part.unit[r]), []).append(s)
+            if part.replica[r] >= 0:
+                by_unit.setdefault(int(part.replica[r]), []).append(s)
         part.forget(rows.tolist())
         return {u: ids for u, ids in by_unit.items() if self.unit_alive[u]}
 
     def live_units(self) -> list[int]:
         return [u for u, ok in enumerate(self.unit_alive) if ok]
+
+    # ---- replication: the second copy takes over ---------------------------------
+    def fail_over(self, part: Partition | None = None) -> None:
+        """After a unit died: rows whose unit is gone are served by their second copy (it
+        becomes their unit), and a gone second copy is forgotten. Rows with no copy left
+        keep their dead unit: they are lost. ``part`` None: every partition."""
+        alive = np.asarray(self.unit_alive, dtype=bool)
+        for p in self.partitions.values() if part is None else [part]:
+            unit, replica = p.unit[: p.n_rows], p.replica[: p.n_rows]
+            has = replica >= 0
+            replica_ok = has & alive[np.where(has, replica, 0)]
+            promote = replica_ok & ~alive[unit]
+            unit[promote] = replica[promote]
+            replica[promote | (has & ~replica_ok)] = -1
+
+    def replica_units(self, partition_id: str, sample_ids: list[str]) -> list[int]:
+        """Second copy's unit per sample (-1 = none, or not written yet)."""
+        part = self.partition(partition_id)
+        return [int(part.replica[r]) if r >= 0 else -1 for r in part.rows_of(sample_ids)]
 
     # ---- rebuilding from the units, and what only the key space knows ---------------
     def rebuild_partition(
@@ -695,14 +748,28 @@ class KeySpace:
         self.partitions[partition_id] = part
         order = sorted((seq, unit, i) for unit, rows in stored for i, seq in enumerate(rows.seq))
         by_unit = dict(stored)
-        ids = [by_unit[u].sample_ids[i] for _, u, i in order]
-        if not ids:
+        # A replicated sample is held by two units: the first in (commit order, unit) is its
+        # unit, the other its second copy.
+        first: dict[str, int] = {}
+        replica_at: dict[int, int] = {}
+        copies = []  # (key of the sample's first copy in ``order``, unit, index in unit)
+        for k, (_, u, i) in enumerate(order):
+            j = first.setdefault(by_unit[u].sample_ids[i], k)
+            if j != k:
+                replica_at[j] = u
+            copies.append((j, u, i))
+        primary = sorted(first.values())
+        if not primary:
             return part
-        rows = part.add_rows(ids, np.asarray([u for _, u, _ in order], dtype=np.int16))
-        part.seq_len[rows] = [by_unit[u].sequence_lengths[i] for _, u, i in order]
+        ids = [by_unit[order[k][1]].sample_ids[order[k][2]] for k in primary]
+        units = np.asarray([order[k][1] for k in primary], dtype=np.int16)
+        replicas = np.asarray([replica_at.get(k, -1) for k in primary], dtype=np.int16)
+        rows = part.add_rows(ids, units, replicas)
+        part.seq_len[rows] = [by_unit[order[k][1]].sequence_lengths[order[k][2]] for k in primary]
+        row_of_key = dict(zip(primary, rows.tolist()))
         row_in = {u: np.empty(len(got.sample_ids), dtype=np.int64) for u, got in stored}
-        for r, (_, u, i) in zip(rows.tolist(), order):
-            row_in[u][i] = r
+        for j, u, i in copies:
+            row_in[u][i] = row_of_key[j]
         for u, got in stored:
             for name, schema in got.fields.items():
                 part.schema.setdefault(name, tuple(schema))

@@ -3,7 +3,9 @@
 A unit is lost when its node is dead in Ray's view (a node can vanish without
 its actors ever answering an error) or when the unit's actor itself died. The
 watch runs every ``liveness_interval_s`` so a death shows within seconds, not
-at the next failed read.
+at the next failed read. With ``replicas: 2`` the controller then hands the lost
+unit's samples to their second copies (``KeySpace.fail_over``); only samples
+with no copy left are lost.
 """
 
 from __future__ import annotations

@@ -24,12 +24,22 @@ def sample_metas(request: CommitRequest, seq: int) -> dict[int, SampleMeta]:
     """What each unit keeps beside the bytes so a restarted controller can rebuild."""
     lengths: dict[int, dict] = {u: {} for u in request.staged_units}
     tags: dict[int, dict] = {u: {} for u in request.staged_units}
-    for i, (sid, u) in enumerate(zip(request.sample_ids, request.units)):
+    for i, (sid, u) in _copies(request):
         if request.sequence_lengths is not None:
             lengths[u][sid] = int(request.sequence_lengths[i])
         if request.tags and request.tags[i]:
             tags[u][sid] = request.tags[i]
     return {u: SampleMeta(seq, lengths[u], tags[u]) for u in request.staged_units}
+
+
+def _copies(request: CommitRequest) -> list[tuple[int, tuple[str, int]]]:
+    """(index, (sample, unit)) of every copy the commit writes: each sample's unit, and its
+    second copy's unit under replication."""
+    out = list(enumerate(zip(request.sample_ids, request.units)))
+    if request.replicas is not None:
+        second = enumerate(zip(request.sample_ids, request.replicas))
+        out += [(i, (s, u)) for i, (s, u) in second if u >= 0]
+    return out
 
 
 async def publish(
@@ -73,7 +83,7 @@ async def _on_units(
         raise unit_calls.typed(next(iter(failed.values())))
     raise SamplesLost(
         f"storage units {died} failed while publishing",
-        ids=[s for s, u in zip(request.sample_ids, request.units) if u in died],
+        ids=list(dict.fromkeys(s for _, (s, u) in _copies(request) if u in died)),
         partition_id=request.partition_id,
     )
 
@@ -81,7 +91,7 @@ async def _on_units(
 async def unpublish(units: list, request: CommitRequest, on: list[int]) -> None:
     """Free bytes published on units ``on`` for a commit that will not become visible."""
     by_unit: dict[int, list[str]] = {}
-    for s, u in zip(request.sample_ids, request.units):
+    for _, (s, u) in _copies(request):
         if u in on:
             by_unit.setdefault(u, []).append(s)
     await unit_calls.free(units, request.partition_id, by_unit)

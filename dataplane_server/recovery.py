@@ -7,7 +7,8 @@ arguments) and when a checkpoint is restored. Order matters:
    forward where every unit still holds (or already published) the write, rolled
    back otherwise, so no sample is ever half-visible;
 2. each partition the journal declares is rebuilt from what the units hold,
-   then its consumption and leases are put back by sample id;
+   then its consumption and leases are put back by sample id; a sample two
+   units hold (``replicas: 2``) is one row again, its second copy's unit recorded;
 3. bytes of partitions the journal does not declare (deleted just before a
    crash) are named for freeing.
 """

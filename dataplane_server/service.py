@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dataplane_client.client import DataPlaneClient, connect
 from dataplane_client.config import DataPlaneConfig
+from dataplane_client.errors import ConfigError
 from dataplane_server.controller import Controller
 from dataplane_server.local_ray import init_local_ray
 from dataplane_server.storage_unit import StorageUnit
@@ -89,7 +90,15 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
         config = DataPlaneConfig.from_dict(config)
     ensure_local_ray()
     units = []
-    for i, node in enumerate(_unit_nodes(config.num_storage_units)):
+    nodes = _unit_nodes(config.num_storage_units)
+    if config.replicas > 1 and len(set(nodes)) < 2:  # both copies on one node survive nothing
+        raise ConfigError(
+            f"replicas: {config.replicas} needs storage units on at least two nodes; "
+            f"{len(nodes)} unit(s) would sit on {len(set(nodes))} node(s) "
+            "(add a node, or set replicas: 1)",
+            fields=["replicas"],
+        )
+    for i, node in enumerate(nodes):
         strategy = NodeAffinitySchedulingStrategy(node, soft=False) if node else "DEFAULT"
         units.append(
             StorageUnit.options(

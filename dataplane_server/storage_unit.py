@@ -374,9 +374,9 @@ class StorageUnit:
         )
 
     @staticmethod
-    def _stored_rows(part: _Partition) -> StoredRows:
-        ids = list(part.slot_of)
-        slots = np.fromiter(part.slot_of.values(), dtype=np.int64, count=len(ids))
+    def _stored_rows(part: _Partition, skip: frozenset[str] = frozenset()) -> StoredRows:
+        ids = [s for s in part.slot_of if s not in skip]
+        slots = np.fromiter((part.slot_of[s] for s in ids), dtype=np.int64, count=len(ids))
         part.grow_meta()
         produced = {}
         for name, col in part.columns.items():
@@ -392,11 +392,13 @@ class StorageUnit:
         )
 
     # ---- checkpoints: this unit's samples to a file and back --------------------------
-    def dump(self, directory: str) -> DumpedFile:
+    def dump(self, directory: str, skip: dict[str, list[str]] | None = None) -> DumpedFile:
         """Write every stored sample (metadata and bytes) to one file in ``directory``.
 
         One record of rows per partition, then one record per field with the
-        bytes of the rows that hold it, gathered a field at a time.
+        bytes of the rows that hold it, gathered a field at a time. ``skip``
+        (partition -> ids) leaves out second copies, so a checkpoint holds each
+        sample once.
         """
         name = f"unit-{self.index}.bin"
         digest, size = hashlib.sha256(), 0
@@ -415,7 +417,8 @@ class StorageUnit:
                 f.write(data)
 
             for pid, part in self.partitions.items():
-                rows = self._stored_rows(part)
+                left_out = frozenset((skip or {}).get(pid, ()))
+                rows = self._stored_rows(part, left_out)
                 put(
                     {
                         "kind": "rows",
@@ -426,7 +429,9 @@ class StorageUnit:
                         "tags": rows.tags,
                     }
                 )
-                slots = np.fromiter(part.slot_of.values(), dtype=np.int64, count=len(part.slot_of))
+                slots = np.fromiter(
+                    (part.slot_of[s] for s in rows.sample_ids), dtype=np.int64, count=len(rows.seq)
+                )
                 for fname, col in part.columns.items():
                     have = np.nonzero(col.chunk[slots] >= 0)[0]
                     picked = slots[have]

@@ -3,6 +3,10 @@
 The directory format (manifest, checksums, temporary name then rename) is
 ``checkpoint``'s; here the units are asked to dump or load their files, and
 after a restore the key space is rebuilt exactly as after a restart.
+
+With ``replicas: 2`` each unit leaves the second copies it holds out of its file,
+so a checkpoint holds each sample once; a restore brings each sample back with
+that one copy (it is not re-replicated).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
+
+import numpy as np
 
 from dataplane_client.errors import InvalidBatch
 from dataplane_server import checkpoint, recovery, unit_calls
@@ -32,7 +38,9 @@ async def save(
         async with lifecycle:
             keys = keys_now()
             state = keys.export_state()
-            files = await asyncio.gather(*[units[u].dump.remote(tmp) for u in keys.live_units()])
+            files = await asyncio.gather(
+                *[units[u].dump.remote(tmp, second_copies(keys, u)) for u in keys.live_units()]
+            )
         checkpoint.finish(tmp, directory, list(files), state)
     except BaseException as e:
         checkpoint.abandon(tmp)
@@ -40,6 +48,18 @@ async def save(
             raise unit_calls.typed(e) from None
         raise
     return os.path.abspath(directory)
+
+
+def second_copies(keys: KeySpace, unit: int) -> dict[str, list[str]]:
+    """Per partition, the samples whose second copy (``replicas: 2``) ``unit`` holds: left
+    out of its file, so a checkpoint holds each sample once (from its first copy's unit)."""
+    out = {}
+    for pid, part in keys.partitions.items():
+        n = part.n_rows
+        rows = np.nonzero(part.live[:n] & (part.replica[:n] == unit))[0]
+        if len(rows):
+            out[pid] = [part.ids[r] for r in rows.tolist()]
+    return out
 
 
 async def restore(

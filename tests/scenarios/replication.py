@@ -1,0 +1,321 @@
+"""Replication (``replicas: 2``) on a three-node loopback cluster, run in its own process.
+
+Prints one ``RESULT {json}`` line with what it observed; tests/test_replication.py
+asserts on it. Three parts, each on its own service:
+
+1. a node holding primaries is removed while a writer streams puts;
+2. one storage unit is killed (after a clear, a checkpoint and a controller restart);
+3. a writer is killed between staging a put's two copies.
+"""
+
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import numpy as np
+import ray
+import torch
+from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from dataplane_client import DataPlaneConfig, connect
+from dataplane_client.codec import encode_fields
+from dataplane_client.errors import DataPlaneError, SamplesLost
+from dataplane_client.messages import CommitRequest
+from dataplane_server import start
+
+BATCH = 8
+BATCHES = 15
+
+
+def rows_of(sample_id: str) -> tuple[torch.Tensor, int]:
+    """The bytes a sample holds, a function of its id (checked bit for bit on read)."""
+    k = int(sample_id.split("-")[-1])
+    return torch.arange(k % 37 + 1, dtype=torch.float32) * (k + 1) / 7, k * 1_000_003
+
+
+def put(client, partition: str, ids: list[str]) -> None:
+    rows = [rows_of(s) for s in ids]
+    client.put_samples(
+        ids,
+        partition,
+        {"x": [r for r, _ in rows], "y": torch.tensor([v for _, v in rows], dtype=torch.int64)},
+    )
+
+
+def same_bytes(client, partition: str, ids: list[str]) -> bool:
+    got = client.get_samples(ids, partition, ["x", "y"])
+    xs, ys = got["x"].unbind(), got["y"].tolist()
+    return all(torch.equal(x, rows_of(s)[0]) and y == rows_of(s)[1] for s, x, y in zip(ids, xs, ys))
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)  # polling interval while observing the service, not synchronisation
+
+
+def held_by(unit, partition: str) -> set[str]:
+    rows = ray.get(unit.recovery_view.remote()).partitions.get(partition)
+    return set(rows.sample_ids) if rows else set()
+
+
+def claim_all(client, partition: str) -> list[str]:
+    """Every sample a task can claim now (all were committed before)."""
+    claimed: list[str] = []
+    while (meta := client.claim_meta(partition, "t", ["x", "y"], 16, blocking=False)) is not None:
+        claimed += meta.sample_ids
+    return claimed
+
+
+def service(name: str, units: int, **extra):
+    return start(
+        DataPlaneConfig(
+            name=name,
+            num_storage_units=units,
+            replicas=2,
+            admin_enabled=False,
+            unit_warm_reserve_bytes=0,
+            liveness_interval_s=0.2,
+            **extra,
+        )
+    )
+
+
+def node_loss_during_writes(cluster, doomed_node) -> dict:
+    out: dict = {}
+    handle = service("rep-node", 3)
+    client = handle.client()
+    infos = [ray.get(u.ping.remote()) for u in handle.units]
+    out["unit_nodes"] = len({i.node_id for i in infos})
+    doomed = next(i.index for i in infos if i.node_id == doomed_node.node_id)
+    total = BATCH * BATCHES
+    client.register_partition("p", ["x", "y"], total, ["t"])
+    committed: list[str] = []
+    errors: list[str] = []
+
+    def writer() -> None:
+        own = handle.client()
+        for b in range(BATCHES):
+            ids = [f"s-{b * BATCH + i}" for i in range(BATCH)]
+            try:
+                put(own, "p", ids)
+                committed.extend(ids)
+            except Exception as e:  # noqa: BLE001 - recorded: the test expects none
+                errors.append(repr(e))
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    wait_until(lambda: len(committed) >= 4 * BATCH, 180, "the first puts")
+    where = ray.get(handle.controller.lookup_units.remote("p", list(committed)))
+    out["primaries_on_doomed_before"] = sum(u == doomed for u in where)
+    out["copies_on_doomed_before"] = len(held_by(handle.units[doomed], "p"))
+    cluster.remove_node(doomed_node)
+    thread.join(timeout=300)
+    out["writer_done"] = not thread.is_alive()
+    out["put_errors"] = errors
+    out["committed"] = len(committed)
+    out["removed_after"] = out["primaries_on_doomed_before"]
+    lost_seen = []
+    try:
+        out["readable_bit_for_bit"] = same_bytes(client, "p", committed)
+    except SamplesLost as e:
+        lost_seen = e.ids
+        out["readable_bit_for_bit"] = False
+    out["samples_lost_raised"] = lost_seen
+    wait_until(
+        lambda: not client.service_info().units[doomed].alive, 60, "the dead unit in service_info"
+    )
+    out["service_info_shows_dead"] = True
+    where = ray.get(handle.controller.lookup_units.remote("p", committed))
+    out["primaries_on_doomed_after"] = sum(u == doomed for u in where)
+    claimed = claim_all(client, "p")
+    out["claimed_all"] = sorted(claimed) == sorted(committed)
+    detail = client.consumption_detail("p", ["t"])[0]
+    out["lost_counted"] = detail.lost
+    out["consumption_done"] = client.check_consumption_status("p", ["t"])
+    handle.shutdown()
+    return out
+
+
+def unit_kill_after_restart(ckpt_dir: str) -> dict:
+    out: dict = {}
+    handle = service("rep-unit", 2)
+    client = handle.client()
+    client.register_partition("q", ["x", "y"], None, ["t"])
+    ids = [f"q-{i}" for i in range(40)]
+    put(client, "q", ids)
+    copies = [held_by(u, "q") for u in handle.units]
+    out["both_copies_held"] = all(set(ids) <= c for c in copies)
+    # Clear removes both copies.
+    cleared, kept = ids[:10], ids[10:]
+    client.clear_samples(cleared, "q")
+    copies = [held_by(u, "q") for u in handle.units]
+    out["clear_removed_both"] = all(not (set(cleared) & c) for c in copies)
+    # A checkpoint holds each sample once: restored into a one-copy service, it loads 30.
+    client.checkpoint(ckpt_dir)
+    plain = start(
+        DataPlaneConfig(
+            name="rep-plain", num_storage_units=2, admin_enabled=False, unit_warm_reserve_bytes=0
+        )
+    )
+    out["checkpoint_samples"] = plain.client().restore(ckpt_dir)
+    out["checkpoint_readable"] = same_bytes(plain.client(), "q", kept)
+    plain.shutdown()
+    # A controller restart rebuilds the second copies' units from what the units hold.
+    ray.kill(handle.controller, no_restart=False)
+    wait_until(lambda: _answers(client), 120, "the restarted controller")
+    where = ray.get(handle.controller.lookup_units.remote("q", kept))
+    victim = int(np.bincount(where).argmax())  # the unit holding most primaries now
+    out["victim_primaries"] = int(np.bincount(where)[victim])
+    ray.kill(handle.units[victim], no_restart=True)
+    try:
+        out["readable_after_kill"] = same_bytes(client, "q", kept)
+        out["samples_lost_raised"] = []
+    except SamplesLost as e:
+        out["readable_after_kill"] = False
+        out["samples_lost_raised"] = e.ids
+    wait_until(
+        lambda: not client.service_info().units[victim].alive, 60, "the dead unit in service_info"
+    )
+    out["claimed_all"] = sorted(claim_all(client, "q")) == sorted(kept)
+    out["lost_counted"] = client.consumption_detail("q", ["t"])[0].lost
+    # Writes go on: write-back of a new field to samples whose first copy died.
+    client.put_samples(kept, "q", {"z": torch.ones(len(kept), 3)})
+    out["write_back_after_kill"] = bool(
+        client.get_samples(kept, "q", ["z"])["z"].sum().item() == 3 * len(kept)
+    )
+    handle.shutdown()
+    return out
+
+
+def _answers(client) -> bool:
+    try:
+        client.service_info()
+        return True
+    except DataPlaneError:
+        return False
+
+
+@ray.remote(num_cpus=0)
+class Stager:
+    """A writer that stages a replicated put's copies one at a time, then is killed."""
+
+    def __init__(self, name: str):
+        self.client = connect(name, "dataplane")
+
+    def stage(self, unit: int, ids: list[str]) -> list[str]:
+        from dataplane_client.client import _run_sync
+
+        encoded = encode_fields({"x": torch.ones(len(ids), 1 << 18)}, num_rows=len(ids))
+        plan = {unit: np.arange(len(ids))}
+        flow = self.client._transport.stage_flow("w", "doomed-write", ids, encoded, plan)
+        return [repr(r) for r in _run_sync(flow) if isinstance(r, BaseException)]
+
+
+def writer_killed_between_stages(head_node_id: str) -> dict:
+    out: dict = {}
+    handle = service("rep-stage", 2, stage_ttl_s=600)  # only the writer's death reclaims in time
+    client = handle.client()
+    client.register_partition("w", ["x"])
+    primary, replica = 0, 1
+    baseline = [ray.get(u.metrics_snapshot.remote()).bytes for u in handle.units]
+    here = NodeAffinitySchedulingStrategy(head_node_id, soft=False)
+    stager = Stager.options(scheduling_strategy=here).remote("rep-stage")
+    ids = [f"w-{i}" for i in range(4)]
+    out["stage_errors"] = ray.get(stager.stage.remote(primary, ids))  # the first copy only
+    out["staged_on_primary"] = ray.get(handle.units[primary].staged_write_ids.remote())
+    # A commit naming both copies while one is missing publishes neither.
+    request = CommitRequest(
+        partition_id="w",
+        write_id="doomed-write",
+        sample_ids=ids,
+        units=[primary] * len(ids),
+        schemas={"x": ("dense", "float32", (1 << 18,))},
+        sequence_lengths=None,
+        tags=None,
+        overwrite=False,
+        staged_units=[primary, replica],
+        replicas=[replica] * len(ids),
+    )
+    try:
+        ray.get(handle.controller.commit.remote(request))
+        out["half_commit_refused"] = None
+    except Exception as e:  # noqa: BLE001 - the class name is the observation
+        out["half_commit_refused"] = type(getattr(e, "cause", e)).__name__
+    out["visible_after_half_commit"] = [len(held_by(u, "w")) for u in handle.units]
+    ray.kill(stager)
+    wait_until(
+        lambda: (
+            all(
+                ray.get(u.metrics_snapshot.remote()).bytes == b
+                for u, b in zip(handle.units, baseline)
+            )
+            and not any(ray.get(u.staged_write_ids.remote()) for u in handle.units)
+        ),
+        60,
+        "the dead writer's stages to be reclaimed",
+    )
+    out["reclaimed_on_both"] = True
+    try:
+        client.get_samples(ids[:1], "w", ["x"])
+        out["read_of_unwritten"] = "readable"
+    except DataPlaneError as e:
+        out["read_of_unwritten"] = type(e).__name__
+    handle.shutdown()
+    return out
+
+
+def three_nodes(tries: int = 3):
+    """A head and two worker nodes. Ray gives a starting node 30 s to register, which a
+    loaded machine can miss: the whole cluster is then torn down and started again."""
+    for attempt in range(tries):
+        cluster = Cluster()
+        try:
+            cluster.add_node(
+                num_cpus=4,
+                include_dashboard=False,
+                _system_config={
+                    "health_check_period_ms": 300,
+                    "health_check_failure_threshold": 3,
+                    "health_check_timeout_ms": 500,
+                },
+            )
+            doomed = cluster.add_node(num_cpus=2)
+            cluster.add_node(num_cpus=2)
+            return cluster, doomed
+        except Exception as e:  # retried below; the last failure is raised
+            print(f"cluster start failed ({e}); attempt {attempt + 1} of {tries}", file=sys.stderr)
+            cluster.shutdown()
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def main() -> None:
+    cluster, doomed = three_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    head = ray.get_runtime_context().get_node_id()
+    try:
+        out = {"node_loss": node_loss_during_writes(cluster, doomed)}
+        print(f"node loss: {out['node_loss']}", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            out["unit_kill"] = unit_kill_after_restart(os.path.join(tmp, "ckpt"))
+        print(f"unit kill: {out['unit_kill']}", file=sys.stderr, flush=True)
+        out["stages"] = writer_killed_between_stages(head)
+    finally:  # a failed part must not leave the cluster's processes behind
+        ray.shutdown()
+        cluster.shutdown()
+    print("RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
