@@ -17,6 +17,14 @@ rows by storage unit -> stage bytes on the units in parallel -> one commit to
 the controller, which publishes them (visibility point). A get: one validation
 call to the controller (it also says where rows live) -> parallel reads from
 the units -> rows reassembled in request order with one copy per field.
+
+What a get returns may view memory it does not own, with no copy: same-node
+rows that lie back to back come as a copy-on-write mapping of the unit's
+memory (writable, writes stay private), and rows that came through Ray in one
+piece (cross-node, or from a unit without shared memory) as views of this
+get's own copy in the local object store. The latter are read-only, as
+``ray.get`` results are: numpy marks them so, torch cannot, so ``.clone()`` a
+tensor before changing it in place.
 """
 
 from __future__ import annotations

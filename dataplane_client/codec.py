@@ -27,6 +27,7 @@ self-describing, checksummed byte string for paths that are not Ray.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -376,7 +377,11 @@ def encode_fields(
 
 
 def decode_field(enc: EncodedField, *, writable: bool = True) -> Any:
-    """EncodedField -> dense tensor, jagged torch.nested tensor, or list."""
+    """EncodedField -> dense tensor, jagged torch.nested tensor, or list.
+
+    ``writable=False`` makes tensors that view the bytes where they are, even when
+    those are read-only (no copy).
+    """
     if enc.kind == OBJECT:
         return decode_objects(enc)
     if enc.dtype is None:
@@ -387,9 +392,16 @@ def decode_field(enc: EncodedField, *, writable: bool = True) -> Any:
         buf = buf.copy()
     if buf.nbytes == 0:
         flat = torch.empty(0, dtype=dtype)  # a 0-byte array has no stride to reinterpret
-    else:
+    elif buf.flags.writeable:
         flat = torch.from_numpy(buf)
-        flat = flat.view(dtype) if dtype != torch.uint8 else flat
+    else:
+        # A view of bytes that arrived through Ray (the object store's own copy for this
+        # read): torch has no read-only tensors and says so once; the contract says it.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            flat = torch.from_numpy(buf)
+    if buf.nbytes and dtype != torch.uint8:
+        flat = flat.view(dtype)
     if enc.kind == DENSE:
         return flat.reshape(enc.num_rows, *enc.shape)
     lengths = torch.from_numpy(enc.require_lengths().astype(np.int64))

@@ -150,7 +150,9 @@ def assemble(parts: list[EncodedField | SharedRows], order: np.ndarray) -> Any:
     first = headers[0]
     identity = bool((order == np.arange(len(order))).all())
     if len(parts) == 1 and identity and isinstance(parts[0], EncodedField):
-        return decode_field(parts[0])  # one copy, out of the object store
+        # No copy: tensors view this read's own copy in the local object store
+        # (read-only to numpy; the client module's docstring says so).
+        return decode_field(parts[0], writable=False)
     sources: list = []
     which, starts, ends = [], [], []
     for part in parts:

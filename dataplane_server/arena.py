@@ -162,6 +162,14 @@ class Arena:
             pos += n
         return out
 
+    def view(self, block: int, start: int, end: int) -> np.ndarray:
+        """Bytes [start, end) of a block without copying (read-only; a shared-memory
+        block is mapped, and the mapping outlives the block's freeing)."""
+        store = self.blocks[block].store
+        if isinstance(store, shm.MemFd):
+            return shm.map_for_read(store.ref(), start, end)
+        return store[start:end]
+
     def ref(self, block: int) -> ChunkRef:
         """How a same-node process opens the block (shared memory only)."""
         store = self.blocks[block].store
