@@ -134,10 +134,22 @@ class _RestartClock:
 def _wait_sync(ref: Any) -> Any:
     clock = _RestartClock(ref)
     while True:
+def _give_up(ref: Any, clock: _RestartClock) -> None:
+    """Past the budget: cancel the call before raising. Ray would otherwise deliver it to
+    the restarted controller later, and a claim or commit the caller was told failed
+    would happen after all (a claim nobody receives consumes its samples)."""
+    try:
+        clock.check()
+    except ServiceUnavailable:
+        if isinstance(ref, ray.ObjectRef):
+            ray.cancel(ref)
+        raise
+
+
         try:
             return ray.get(ref, timeout=_POLL_S)
         except GetTimeoutError:
-            clock.check()
+            _give_up(ref, clock)
 
 
 async def _wait_async(ref: Any) -> Any:
@@ -147,7 +159,7 @@ async def _wait_async(ref: Any) -> Any:
         try:
             return await asyncio.wait_for(asyncio.shield(future), _POLL_S)
         except asyncio.TimeoutError:
-            clock.check()
+            _give_up(ref, clock)
 
 
 def _resolve_sync(refs: list) -> list:

@@ -39,7 +39,15 @@ from dataplane_client.messages import (
     UnitInfo,
 )
 from dataplane_client.meta import KVBatchMeta
-from dataplane_server import claim_wait, liveness, publish, recovery, store_checkpoint, unit_calls
+from dataplane_server import (
+    claim_wait,
+    failpoints,
+    liveness,
+    publish,
+    recovery,
+    store_checkpoint,
+    unit_calls,
+)
 from dataplane_server.inspection import Inspection
 from dataplane_server.journal import Journal
 from dataplane_server.keyspace import CommitPlan, KeySpace, declaration
@@ -71,6 +79,8 @@ class Controller(Inspection):
         self.started_at = time.time()
         self.draining = False
         self.stats = Stats()
+        if self.restarted:  # tests hold a restart here to outlast the clients' retry budget
+            failpoints.hold_while_armed(failpoints.CONTROLLER_RESTART)
         self._waits = claim_wait.ClaimWaits()  # blocking claims wait here, per partition
         self._lifecycle = asyncio.Lock()  # register / delete of one id never interleave
         # Tests only: an async callable awaited between publish and apply, to widen that window.

@@ -1,6 +1,7 @@
 """Faults on a real local Ray: a unit refusing a publish, the controller killed (Ray restarts
 it) during writes, during a blocking claim and during a checkpoint, the controller gone for
-good, a storage unit killed during writes, a consumer killed holding a leased claim.
+good, a restart held past the clients' retry budget, a storage unit killed during writes,
+a consumer killed holding a leased claim.
 
 Each test asserts what survives bit for bit, exactly which ids are lost, and that
 the service keeps serving with typed errors only.
@@ -15,11 +16,13 @@ import os
 import threading
 import time
 import zlib
+from pathlib import Path
 
 import pytest
 import ray
 import torch
 
+import dataplane_client.client as client_module
 from dataplane_client.errors import (
     CorruptPayload,
     DataPlaneError,
@@ -28,7 +31,7 @@ from dataplane_client.errors import (
     ServiceUnavailable,
 )
 from dataplane_client.messages import CommitRequest
-from dataplane_server import checkpoint
+from dataplane_server import checkpoint, failpoints
 
 DENSE_F32 = ("dense", "float32", ())
 
@@ -241,6 +244,56 @@ def test_a_controller_gone_for_good_is_service_unavailable_never_a_ray_error(fre
             verb()
         assert isinstance(e.value, ConnectionError)
         assert not isinstance(e.value, ray.exceptions.RayError)
+
+
+@pytest.fixture
+def restart_held():
+    """Arm the controller-restart failpoint: a restarted controller stays RESTARTING (in
+    Ray's view) until the fixture disarms it, however long the test needs."""
+    armed = Path(os.environ[failpoints.ENV]) / failpoints.CONTROLLER_RESTART
+    armed.touch()
+    yield armed
+    armed.unlink(missing_ok=True)
+
+
+def _controller_state(h) -> str:
+    return client_module._actor_state(h.controller._actor_id.hex())[1]
+
+
+@pytest.mark.slow
+def test_a_restart_past_the_retry_budget_is_service_unavailable_then_serving_again(
+    fresh, restart_held, monkeypatch
+):
+    """A controller that stays RESTARTING longer than controller_retry_budget_s: verbs
+    give up with ServiceUnavailable naming the budget (never a Ray error, never a hang);
+    once the restart completes the same client serves again with nothing lost."""
+    monkeypatch.setattr(client_module, "_budget_s", 1.0)
+    h = fresh(num_storage_units=1)
+    c = h.client()
+    c.register_partition("p", ["x"], None, ["t"])
+    c.put_samples(["a"], "p", {"x": _values(["a"])})
+    ray.kill(h.controller, no_restart=False)
+    _wait_until(lambda: _controller_state(h) == "RESTARTING", 60, "the controller to restart")
+    verbs = [
+        lambda: c.put_samples(["b"], "p", {"x": _values(["b"])}),
+        lambda: c.get_samples(["a"], "p", ["x"]),
+        lambda: c.check_consumption_status("p", ["t"]),
+        lambda: asyncio.run(c.claim_meta_async("p", "t", ["x"], 1, timeout_s=5)),
+    ]
+    for verb in verbs:
+        t0 = time.monotonic()
+        with pytest.raises(ServiceUnavailable, match="restarting for over") as e:
+            verb()
+        assert isinstance(e.value, ConnectionError)
+        assert not isinstance(e.value, ray.exceptions.RayError)
+        assert time.monotonic() - t0 < 60  # bounded by the budget and the poll, not a hang
+    assert _controller_state(h) == "RESTARTING"  # the failpoint held it all along
+
+    restart_held.unlink()
+    _wait_until(lambda: _controller_state(h) == "ALIVE", 120, "the restart to finish")
+    assert torch.equal(c.get_samples(["a"], "p", ["x"])["x"], _values(["a"]))
+    c.put_samples(["b"], "p", {"x": _values(["b"])})
+    assert c.claim_meta("p", "t", ["x"], 2, timeout_s=60).sample_ids == ["a", "b"]
 
 
 def _checkpoints_under(root) -> list[str]:
