@@ -54,7 +54,15 @@ async def publish(
     staged, wid = request.staged_units, request.write_id
     if len(staged) > 1:
         prepares = [units[u].prepare.remote(wid, metas[u], staged) for u in staged]
-        await _on_units(units, request, prepares, [], lose_unit)
+        try:
+            await _on_units(units, request, prepares, [], lose_unit)
+        except BaseException:
+            # A pinned stage waits for the controller, not its writer (whose death no longer
+            # frees it): this commit will not be published, so its stages go now.
+            await asyncio.gather(
+                *[units[u].discard.remote(wid) for u in staged], return_exceptions=True
+            )
+            raise
         calls = [units[u].publish.remote(wid) for u in staged]
     else:
         calls = [units[staged[0]].publish.remote(wid, metas[staged[0]])]

@@ -196,8 +196,11 @@ def test_a_unit_killed_after_a_controller_restart_loses_nothing(scenario):
 def test_a_writer_killed_between_its_two_stages_leaves_nothing_half_visible(scenario):
     out = scenario["stages"]
     assert out["stage_errors"] == []
-    assert out["staged_on_primary"] == ["doomed-write"]
+    assert out["staged"] == [["write-a", "write-b"], ["write-b"]]
+    # A commit naming both copies while one was never staged: refused, nothing visible, and
+    # the stage it pinned on the other unit is not left waiting for a deadline.
     assert out["half_commit_refused"] == "SamplesNotFound"
     assert out["visible_after_half_commit"] == [0, 0]
+    # The dead writers' stages are gone from both units (bytes back to where they were).
     assert out["reclaimed_on_both"]
-    assert out["read_of_unwritten"] == "SamplesNotFound"
+    assert out["read_of_unwritten"] == ["SamplesNotFound", "SamplesNotFound"]

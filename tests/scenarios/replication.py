@@ -206,18 +206,21 @@ def _answers(client) -> bool:
 
 @ray.remote(num_cpus=0)
 class Stager:
-    """A writer that stages a replicated put's copies one at a time, then is killed."""
+    """A writer that stages a replicated put's copies one call at a time, then is killed."""
 
     def __init__(self, name: str):
         self.client = connect(name, "dataplane")
 
-    def stage(self, unit: int, ids: list[str]) -> list[str]:
+    def stage(self, unit: int, ids: list[str], write_id: str) -> list[str]:
         from dataplane_client.client import _run_sync
 
-        encoded = encode_fields({"x": torch.ones(len(ids), 1 << 18)}, num_rows=len(ids))
+        encoded = encode_fields({"x": torch.ones(len(ids), ROW)}, num_rows=len(ids))
         plan = {unit: np.arange(len(ids))}
-        flow = self.client._transport.stage_flow("w", "doomed-write", ids, encoded, plan)
+        flow = self.client._transport.stage_flow("w", write_id, ids, encoded, plan)
         return [repr(r) for r in _run_sync(flow) if isinstance(r, BaseException)]
+
+
+ROW = 1 << 18  # floats per row: 1 MiB, so staged bytes show in a unit's byte count
 
 
 def writer_killed_between_stages(head_node_id: str) -> dict:
@@ -226,49 +229,55 @@ def writer_killed_between_stages(head_node_id: str) -> dict:
     client = handle.client()
     client.register_partition("w", ["x"])
     primary, replica = 0, 1
-    baseline = [ray.get(u.metrics_snapshot.remote()).bytes for u in handle.units]
+    units = handle.units
+    baseline = [ray.get(u.metrics_snapshot.remote()).bytes for u in units]
     here = NodeAffinitySchedulingStrategy(head_node_id, soft=False)
-    stager = Stager.options(scheduling_strategy=here).remote("rep-stage")
-    ids = [f"w-{i}" for i in range(4)]
-    out["stage_errors"] = ray.get(stager.stage.remote(primary, ids))  # the first copy only
-    out["staged_on_primary"] = ray.get(handle.units[primary].staged_write_ids.remote())
-    # A commit naming both copies while one is missing publishes neither.
+    # Writer A staged its first copy and dies before the second; writer B staged both
+    # copies and dies before its commit.
+    first_only, both = (Stager.options(scheduling_strategy=here).remote("rep-stage") for _ in "ab")
+    ids_a, ids_b = [f"a-{i}" for i in range(4)], [f"b-{i}" for i in range(4)]
+    errors = ray.get(first_only.stage.remote(primary, ids_a, "write-a"))
+    for more in ray.get([both.stage.remote(u, ids_b, "write-b") for u in (primary, replica)]):
+        errors += more
+    out["stage_errors"] = errors
+    out["staged"] = [sorted(ray.get(u.staged_write_ids.remote())) for u in units]
+    # A commit naming both copies of A while one is missing publishes neither.
     request = CommitRequest(
         partition_id="w",
-        write_id="doomed-write",
-        sample_ids=ids,
-        units=[primary] * len(ids),
-        schemas={"x": ("dense", "float32", (1 << 18,))},
+        write_id="write-a",
+        sample_ids=ids_a,
+        units=[primary] * len(ids_a),
+        schemas={"x": ("dense", "float32", (ROW,))},
         sequence_lengths=None,
         tags=None,
         overwrite=False,
         staged_units=[primary, replica],
-        replicas=[replica] * len(ids),
+        replicas=[replica] * len(ids_a),
     )
     try:
         ray.get(handle.controller.commit.remote(request))
         out["half_commit_refused"] = None
     except Exception as e:  # noqa: BLE001 - the class name is the observation
         out["half_commit_refused"] = type(getattr(e, "cause", e)).__name__
-    out["visible_after_half_commit"] = [len(held_by(u, "w")) for u in handle.units]
-    ray.kill(stager)
+    out["visible_after_half_commit"] = [len(held_by(u, "w")) for u in units]
+    ray.kill(first_only)
+    ray.kill(both)
     wait_until(
         lambda: (
-            all(
-                ray.get(u.metrics_snapshot.remote()).bytes == b
-                for u, b in zip(handle.units, baseline)
-            )
-            and not any(ray.get(u.staged_write_ids.remote()) for u in handle.units)
+            [ray.get(u.metrics_snapshot.remote()).bytes for u in units] == baseline
+            and not any(ray.get(u.staged_write_ids.remote()) for u in units)
         ),
         60,
-        "the dead writer's stages to be reclaimed",
+        "the dead writers' stages to be reclaimed",
     )
     out["reclaimed_on_both"] = True
-    try:
-        client.get_samples(ids[:1], "w", ["x"])
-        out["read_of_unwritten"] = "readable"
-    except DataPlaneError as e:
-        out["read_of_unwritten"] = type(e).__name__
+    out["read_of_unwritten"] = []
+    for ids in (ids_a, ids_b):
+        try:
+            client.get_samples(ids[:1], "w", ["x"])
+            out["read_of_unwritten"].append("readable")
+        except DataPlaneError as e:
+            out["read_of_unwritten"].append(type(e).__name__)
     handle.shutdown()
     return out
 
@@ -299,18 +308,24 @@ def three_nodes(tries: int = 3):
     raise AssertionError("unreachable")
 
 
-def main() -> None:
+def main(parts: list[str]) -> None:
+    """Run the named parts (all three when none is named)."""
+    parts = parts or ["node_loss", "unit_kill", "stages"]
     cluster, doomed = three_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
     head = ray.get_runtime_context().get_node_id()
+    out: dict = {}
     try:
-        out = {"node_loss": node_loss_during_writes(cluster, doomed)}
-        print(f"node loss: {out['node_loss']}", file=sys.stderr, flush=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            out["unit_kill"] = unit_kill_after_restart(os.path.join(tmp, "ckpt"))
-        print(f"unit kill: {out['unit_kill']}", file=sys.stderr, flush=True)
-        out["stages"] = writer_killed_between_stages(head)
+        if "node_loss" in parts:
+            out["node_loss"] = node_loss_during_writes(cluster, doomed)
+            print(f"node_loss: {out['node_loss']}", file=sys.stderr, flush=True)
+        if "unit_kill" in parts:
+            with tempfile.TemporaryDirectory() as tmp:
+                out["unit_kill"] = unit_kill_after_restart(os.path.join(tmp, "ckpt"))
+            print(f"unit_kill: {out['unit_kill']}", file=sys.stderr, flush=True)
+        if "stages" in parts:
+            out["stages"] = writer_killed_between_stages(head)
     finally:  # a failed part must not leave the cluster's processes behind
         ray.shutdown()
         cluster.shutdown()
@@ -318,4 +333,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
