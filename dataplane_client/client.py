@@ -467,7 +467,10 @@ class RayDataPlaneClient(DataPlaneClient):
                 # A unit died while publishing; nothing is visible. Copies go to live units
                 # (a sample with no copy left is SamplesLost from the controller's check).
                 self._alive = list(_one((yield [self._controller.routing.remote()])).alive)
-                units[~np.asarray(self._alive)[units]] = -1
+                gone = [u for u, ok in enumerate(self._alive) if not ok]
+                if not (np.isin(units, gone).any() or np.isin(replicas, gone).any()):
+                    raise
+                units[np.isin(units, gone)] = -1
                 replicas[:] = -2
                 continue
             if result.rerouted:
