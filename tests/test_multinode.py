@@ -30,4 +30,8 @@ def test_multinode_spread_and_node_loss():
     assert out["second_client_lost"]
     assert out["new_units"] == [1 - out["doomed_unit"]], "new puts go to the surviving unit"
     assert out["new_readable"]
-    assert out["claim_skips_lost"]
+    assert out["claim_skips_lost"], "claims hand out survivors only"
+    assert out["partition_done"], "lost samples are terminal: the known-size partition is done"
+    assert out["unsatisfiable_claim"] == out["doomed"], "the claim fails naming the lost ids"
+    assert out["detect_s"] is not None, "service_info shows the dead unit without a read"
+    assert out["detect_s"] < 30

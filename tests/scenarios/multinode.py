@@ -6,6 +6,7 @@ Prints one JSON line with what it observed; tests/test_multinode.py asserts on i
 import json
 import os
 import sys
+import time
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
@@ -39,7 +40,8 @@ def main() -> None:
     units = [ray.get(u.ping.remote()) for u in handle.units]
     out["unit_nodes"] = [u.node_id for u in units]
     c = handle.client()
-    c.register_partition("p", ["x"], None, ["t"])
+    # Known size (40): it must still reach done once the lost node's samples are terminal.
+    c.register_partition("p", ["x"], 40, ["t"])
     ids = [f"s{i}" for i in range(40)]
     rows = [torch.arange(i + 1, dtype=torch.float32) for i in range(40)]
     c.put_samples(ids, "p", {"x": rows})
@@ -51,6 +53,14 @@ def main() -> None:
     survivors = [s for s, u in zip(ids, where) if u != doomed_unit]
     out["doomed"] = doomed
     cluster.remove_node(worker)
+    # The controller notices from Ray's node state, before anyone reads a lost sample.
+    t0 = time.monotonic()
+    out["detect_s"] = None
+    while time.monotonic() - t0 < 60:
+        if not c.service_info().units[doomed_unit].alive:
+            out["detect_s"] = round(time.monotonic() - t0, 2)
+            break
+        time.sleep(0.1)  # polling the service's own view, with a deadline
     try:
         c.get_samples(ids, "p", ["x"])
         out["lost_reported"] = None
@@ -67,14 +77,24 @@ def main() -> None:
         out["second_client_lost"] = False
     except SamplesLost:
         out["second_client_lost"] = True
-    # New puts route to the surviving unit; the service keeps serving claims.
-    new_ids = [f"n{i}" for i in range(10)]
-    c.put_samples(new_ids, "p", {"x": [torch.ones(3)] * 10})
-    out["new_units"] = sorted(set(ray.get(handle.controller.lookup_units.remote("p", new_ids))))
-    out["doomed_unit"] = doomed_unit
-    out["new_readable"] = bool(c.get_samples(new_ids, "p", ["x"])["x"].values().sum().item() == 30)
+    # Claims hand out only the survivors, and the known-size partition then counts as done.
     claimed = c.claim_meta("p", "t", ["x"], 100, blocking=False).sample_ids
-    out["claim_skips_lost"] = sorted(claimed) == sorted(survivors + new_ids)
+    out["claim_skips_lost"] = sorted(claimed) == sorted(survivors)
+    out["partition_done"] = c.check_consumption_status("p", ["t"])
+    # A blocking claim only lost samples could satisfy fails at once, naming them.
+    c.register_partition("q", ["x"], None, ["t"])
+    c.put_samples(ids, "q", {"x": rows})  # all on the surviving unit now
+    try:
+        c.claim_meta("p", "t", ["x"], 1, timeout_s=60)
+        out["unsatisfiable_claim"] = None
+    except SamplesLost as e:
+        out["unsatisfiable_claim"] = sorted(e.ids)
+    # New puts route to the surviving unit; the service keeps serving.
+    new_ids = [f"n{i}" for i in range(10)]
+    c.put_samples(new_ids, "q", {"x": [torch.ones(3)] * 10})
+    out["new_units"] = sorted(set(ray.get(handle.controller.lookup_units.remote("q", new_ids))))
+    out["doomed_unit"] = doomed_unit
+    out["new_readable"] = bool(c.get_samples(new_ids, "q", ["x"])["x"].values().sum().item() == 30)
     handle.shutdown()
     ray.shutdown()
     cluster.shutdown()
