@@ -1,8 +1,8 @@
 """A policy worker killed during a logprob pass driven from a KVBatchMeta (real Ray, gloo).
 
 DP=2: rank 1 stops inside its forward (it announces that in a file) while rank 0
-finishes its own. The test kills rank 1 with ``ray.kill`` and checks what the
-trainer sees and what the store keeps:
+finishes its own slice (it announces that too). The test then kills rank 1 with
+``ray.kill`` and checks what the trainer sees and what the store keeps:
 
 - the pass raises ``PolicyWorkerLost`` (a data-plane error and a ConnectionError,
   never Ray's ActorDiedError), within a bounded time, and so does every later
@@ -58,6 +58,14 @@ class StallingWorker(PolicyWorker):
             raise RuntimeError("the stalled worker was never killed")
         return super().get_logprobs(data, micro_batch_size)
 
+    def _wait_for_every_rank(self):
+        """Say when a surviving rank has its result and waits for the others."""
+        marker = self.cfg.extra.get("stall_marker")
+        if marker:
+            with open(f"{marker}.rank{self.rank}-waiting", "w"):
+                pass
+        super()._wait_for_every_rank()
+
 
 def _policy(handle, **extra) -> TQPolicy:
     cfg = PolicyConfig(
@@ -77,6 +85,11 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.05)  # polling an observable state, with a deadline
+
+
+def _produced(client, field: str) -> int:
+    fields = client.describe_partition(PID).fields
+    return next((f.produced for f in fields if f.name == field), 0)
 
 
 @pytest.mark.slow
@@ -101,6 +114,14 @@ def test_a_worker_killed_mid_logprob_pass_is_typed_and_leaves_samples_redelivera
         with ThreadPoolExecutor(1) as pool:
             pass_ = pool.submit(policy.get_logprobs_from_meta, meta)
             _wait_for(marker.exists, 120, "rank 1 to enter its forward")
+            # Kill once rank 0 is done with its slice: waiting for the other ranks, or
+            # (as before that wait existed) already written back.
+            waiting = tmp_path / "stalled.rank0-waiting"
+            _wait_for(
+                lambda: waiting.exists() or _produced(client, "prev_logprobs") > 0,
+                120,
+                "rank 0 to finish its slice",
+            )
             killed_at = time.monotonic()
             ray.kill(policy.worker_group.workers[VICTIM])
             with pytest.raises(PolicyWorkerLost) as lost:
