@@ -14,7 +14,9 @@ perftest does. Throughput is the perftest's nominal size / seconds, in GiB/s
 
 Systems, interleaved inside every repeat (A, B, C, D, A, B, C, D, ...):
 
-- ``ours``: DataPlaneClient.put_samples / get_samples (2 storage units);
+- ``ours``: DataPlaneClient.put_samples / get_samples on the service exactly as
+  ``dataplane_server.start()`` lays it out by default (one unit per alive node:
+  one unit here), with only its name and the admin/metrics endpoints changed;
 - ``transferqueue``: ``transfer_queue`` 0.1.11, SimpleStorage backend, 2 units,
   ``kv_batch_put`` / ``kv_batch_get`` (only when the package is importable);
 - ``ray``: the writer ``ray.put``s the same dict and returns the ref; the
@@ -56,6 +58,13 @@ FULL_SIZES = [32 * MiB, 128 * MiB, 512 * MiB, 1 * GiB]
 QUICK_SIZES = [1 * MiB, 4 * MiB]
 SERVICE_NAME = "bench-store"
 TARGET_MIN_BYTES = 128 * MiB
+# Fractions of the memcpy measured in the same run (issue 15). A put of 1 GiB or more
+# is held to less: its destination is 1 GiB of pages the unit must have ready.
+PUT_OF_MEMCPY = 0.8
+PUT_OF_MEMCPY_HUGE = 0.6
+HUGE_BYTES = 1 * GiB
+GET_OF_MEMCPY = 0.8
+COMPLEX_OF_MEMCPY = 0.4  # the complex workload (strings, jagged) keeps its own target
 SYSTEMS = ("ours", "transferqueue", "ray", "memcpy")
 
 
@@ -341,16 +350,10 @@ def _start(opts: Options) -> tuple[Any, Any, Any, str]:
     from dataplane_client.config import DataPlaneConfig
     from dataplane_server.service import start
 
+    # The default layout a user gets from start(): nothing tuned for the benchmark.
     handle = start(
         DataPlaneConfig(
-            name=SERVICE_NAME,
-            namespace="bench",
-            # One unit per node is the recommended layout; this benchmark runs on one
-            # node, so one unit holds every row and same-node gets are zero-copy.
-            num_storage_units=1,
-            unit_capacity_bytes=8 * GiB,
-            admin_enabled=False,
-            metrics_enabled=False,
+            name=SERVICE_NAME, namespace="bench", admin_enabled=False, metrics_enabled=False
         )
     )
     pin = _node_pin()
@@ -374,6 +377,7 @@ def run(opts: Options) -> Section:
     seq_len = 1024 if opts.quick else SEQ_LEN
     repeats = max(1, opts.repeats)
     handle, writer, reader, tq_status = _start(opts)
+    units = len(handle.units)  # before shutdown empties the list
     opts.log(
         f"store: transferqueue {tq_status}; sizes {[human_size(s) for s in sizes]}; repeats {repeats}"
     )
@@ -431,7 +435,7 @@ def run(opts: Options) -> Section:
         for actor in (writer, reader):
             ray.kill(actor)
         handle.shutdown()
-    _report(section, results, tq_status, repeats, opts)
+    _report(section, results, tq_status, repeats, opts, units)
     return section
 
 
@@ -467,8 +471,22 @@ def _complex_targets(r: dict, label: str, tq_ok: bool, tq_status: str) -> list[T
     return out
 
 
+def _of_memcpy(kind: str, op: str, nbytes: int) -> float:
+    """The fraction of a same-run memcpy that ``op`` must reach on this workload."""
+    if kind != "simple":
+        return COMPLEX_OF_MEMCPY
+    if op == "get":
+        return GET_OF_MEMCPY
+    return PUT_OF_MEMCPY_HUGE if nbytes >= HUGE_BYTES else PUT_OF_MEMCPY
+
+
 def _report(
-    section: Section, results: list[dict], tq_status: str, repeats: int, opts: Options
+    section: Section,
+    results: list[dict],
+    tq_status: str,
+    repeats: int,
+    opts: Options,
+    units: int,
 ) -> None:
     tq_ok = tq_status == "ok"
     rows = []
@@ -497,7 +515,7 @@ def _report(
     section.tables.append(
         Table(
             f"store throughput, GiB/s (median of {repeats} repeats, at most 3 above 256 MiB; writer actor "
-            "puts, reader actor gets, timed from the driver)",
+            f"puts, reader actor gets, timed from the driver; ours: start() defaults, {units} unit(s))",
             [
                 "case",
                 "size",
@@ -538,11 +556,12 @@ def _report(
                     status=None if tq_ok else f"not evaluated (transferqueue {tq_status})",
                 )
             )
+            wanted = 100 * _of_memcpy(r["kind"], op, r["bytes"])
             section.targets.append(
                 Target(
-                    f"{op} >= 40% of memcpy ({label})",
+                    f"{op} >= {wanted:.0f}% of memcpy ({label})",
                     100 * (ratio(ours, mc) or 0.0),
-                    40.0,
+                    wanted,
                     True,
                     "%",
                     detail=f"ours {ours:.2f} vs memcpy {mc:.2f} GiB/s",
@@ -591,4 +610,9 @@ def _report(
         section.notes.append(
             "--quick: tiny sizes; the targets are judged anyway, as a smoke test only"
         )
-    section.data = {"transferqueue": tq_status, "repeats": repeats, "results": results}
+    section.data = {
+        "transferqueue": tq_status,
+        "repeats": repeats,
+        "storage_units": units,
+        "results": results,
+    }

@@ -309,7 +309,24 @@ class SharedRows:
     which: Any  # int64 ndarray
     starts: Any  # int64 ndarray
     ends: Any  # int64 ndarray
+    # The unit's read lease on ``chunks`` (an int on the wire; the client swaps in a
+    # handle that releases it once its last mapping of them is gone): a leased chunk
+    # is never recycled for another write.
+    lease: Any = None
 
     @property
     def nbytes(self) -> int:
         return int((self.ends - self.starts).sum())
+
+
+@dataclass(frozen=True)
+class ShmAlloc:
+    """A unit's answer to a same-node writer's allocation: per field the region to copy
+    into, and which chunks were closed since the writer's ``closed_seq`` (so it drops its
+    mappings of them; ``reset``: too many to list, drop every mapping of this unit's)."""
+
+    regions: dict[str, ShmRegion]
+    closed: list[str]
+    closed_seq: int
+    reset: bool
+    chunk_prefix: str  # names of this unit's chunks start with it

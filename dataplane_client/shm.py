@@ -8,10 +8,16 @@ exactly one descriptor per chunk and no mapping of its own (it copies with
 
 A client on the same node opens ``/proc/<unit pid>/fd/<n>`` (same user only) and
 
-- writes a put's bytes straight into the region the unit allocated (one copy);
+- writes a put's bytes straight into the region the unit allocated (one copy),
+  through a mapping of the whole chunk that it keeps (:class:`WriteMaps`): the
+  unit recycles freed chunks for later writes of their size, so the next write
+  finds its destination mapped and faulted in, and pays for the copy alone
+  (mapping, faulting in and unmapping 128 MiB cost about as much as copying it);
 - reads by mapping the chunk copy-on-write: a contiguous selection becomes a
   writable tensor with no copy at all, and the mapping keeps the bytes alive
-  even if the unit frees the chunk afterwards.
+  even if the unit frees the chunk afterwards. Each read holds the unit's lease
+  on the chunks it named until its last mapping is gone, so a chunk a reader
+  still sees is never recycled for another write.
 
 Descriptor numbers are reused by the kernel, so what was opened is checked
 against the chunk's unique memfd name (:class:`ChunkChanged` on a mismatch).
@@ -26,7 +32,10 @@ import mmap
 import os
 import secrets
 import sys
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +55,11 @@ _ZEROS = bytes(4 << 20)
 
 class ChunkChanged(OSError):
     """The descriptor a unit named now holds another chunk (the one meant was freed)."""
+
+
+def chunk_prefix() -> str:
+    """What every chunk name this process makes starts with."""
+    return f"dataplane-{_PROCESS_TOKEN}-"
 
 
 def supported() -> bool:
@@ -93,7 +107,7 @@ def create(nbytes: int) -> MemFd:
     background thread can do it while the owner's event loop keeps serving;
     whoever maps the chunk later finds its pages ready.
     """
-    name = f"dataplane-{_PROCESS_TOKEN}-{next(_SERIAL)}"
+    name = f"{chunk_prefix()}{next(_SERIAL)}"
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         size = max(int(nbytes), 1)
@@ -146,12 +160,13 @@ class _Mapping:
     owns only the address range.
     """
 
-    def __init__(self, fd: int, length: int, prot: int, flags: int, offset: int):
+    def __init__(self, fd: int, length: int, prot: int, flags: int, offset: int, keep: Any = None):
         addr = _libc.mmap(None, length, prot, flags, fd, offset)
         if addr in (None, _MAP_FAILED):
             code = ctypes.get_errno() or errno.ENOMEM
             raise OSError(code, f"mmap of {length} bytes failed: {os.strerror(code)}")
         self.addr, self.length = addr, length
+        self.keep = keep  # e.g. the read lease, released only once this mapping is gone
         read_only = not prot & mmap.PROT_WRITE
         self.__array_interface__ = {
             "shape": (length,),
@@ -160,43 +175,119 @@ class _Mapping:
             "version": 3,
         }
 
-    def __del__(self):
-        _libc.munmap(self.addr, self.length)
+    def __del__(self, _munmap=_libc.munmap):  # bound now: module globals go at exit
+        _munmap(self.addr, self.length)
 
 
 def _map(
-    chunk: ChunkRef, start: int, end: int, *, private: bool, writable: bool, populate: bool
+    chunk: ChunkRef,
+    start: int,
+    end: int,
+    *,
+    private: bool,
+    writable: bool,
+    populate: bool,
+    keep: Any = None,
+    whole: bool = False,
 ) -> np.ndarray:
-    """Map bytes [start, end) of ``chunk``; offsets need not be page aligned."""
+    """Map bytes [start, end) of ``chunk`` (``whole``: the whole chunk); offsets need not
+    be page aligned."""
     if end <= start:
         return np.empty(0, dtype=np.uint8)
-    base = start - start % PAGE
+    base = 0 if whole else start - start % PAGE
     fd = _open_verified(chunk, os.O_RDWR if writable and not private else os.O_RDONLY, end)
     try:
+        length = os.fstat(fd).st_size if whole else end - base
         flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
         if populate:  # fault every page in now, in bulk, rather than one fault per page later
             flags |= getattr(mmap, "MAP_POPULATE", 0)
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        mapping = _Mapping(fd, end - base, prot, flags, base)
+        mapping = _Mapping(fd, length, prot, flags, base, keep)
     finally:
         os.close(fd)  # the mapping keeps the memory alive on its own
-    return np.asarray(mapping)[start - base : end - base]
+    view = np.asarray(mapping)
+    return view if whole else view[start - base : end - base]
+
+
+class WriteMaps:
+    """A writer's mappings of units' chunks, kept across writes (one per chunk).
+
+    A unit hands a freed chunk to the next write of its size, so a writer that
+    mapped it before copies into pages that are already mapped and faulted in.
+    Bounded: least recently used mappings beyond ``max(floor, 2 x the largest
+    chunk)`` bytes are dropped, as are chunks the unit reports closed (a kept
+    mapping of a closed chunk would hold its memory).
+    """
+
+    FLOOR_BYTES = 512 << 20
+
+    def __init__(self) -> None:
+        self._maps: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._bytes = 0
+        self._largest = 0
+        self._lock = threading.Lock()  # async puts of several threads share one process
+
+    def region(self, chunk: ChunkRef, start: int, nbytes: int) -> np.ndarray:
+        """A writable shared view of bytes [start, start + nbytes) of ``chunk``."""
+        with self._lock:
+            whole = self._maps.get(chunk.name)
+            if whole is not None:
+                self._maps.move_to_end(chunk.name)
+        if whole is None or len(whole) < start + nbytes:
+            whole = _map(
+                chunk,
+                start,
+                start + nbytes,
+                private=False,
+                writable=True,
+                populate=True,
+                whole=True,
+            )
+            self._keep(chunk.name, whole)
+        return whole[start : start + nbytes]
+
+    def _keep(self, name: str, whole: np.ndarray) -> None:
+        with self._lock:
+            old = self._maps.pop(name, None)
+            self._bytes += len(whole) - (len(old) if old is not None else 0)
+            self._maps[name] = whole
+            self._largest = max(self._largest, len(whole))
+            while self._bytes > max(self.FLOOR_BYTES, 2 * self._largest) and len(self._maps) > 1:
+                _, dropped = self._maps.popitem(last=False)
+                self._bytes -= len(dropped)
+
+    def forget(self, names: list[str], prefix: str | None = None) -> None:
+        """Drop the mappings of closed chunks (``prefix``: of every chunk of that unit)."""
+        with self._lock:
+            gone = [n for n in self._maps if prefix is not None and n.startswith(prefix)]
+            for name in [*gone, *names]:
+                dropped = self._maps.pop(name, None)
+                if dropped is not None:
+                    self._bytes -= len(dropped)
+
+    def mapped_bytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
+
+write_maps = WriteMaps()  # one per process: every client of this process shares it
 
 
 def map_for_write(chunk: ChunkRef, start: int, nbytes: int) -> np.ndarray:
     """A writable shared view of a region a unit allocated for a staged write."""
-    return _map(chunk, start, start + nbytes, private=False, writable=True, populate=True)
+    return write_maps.region(chunk, start, nbytes)
 
 
-def map_for_read(chunk: ChunkRef, start: int, end: int) -> np.ndarray:
+def map_for_read(chunk: ChunkRef, start: int, end: int, keep: Any = None) -> np.ndarray:
     """A read-only shared view of bytes a unit holds (the source of a gather)."""
-    return _map(chunk, start, end, private=False, writable=False, populate=True)
+    return _map(chunk, start, end, private=False, writable=False, populate=True, keep=keep)
 
 
-def map_private(chunk: ChunkRef, start: int, end: int) -> np.ndarray:
+def map_private(chunk: ChunkRef, start: int, end: int, keep: Any = None) -> np.ndarray:
     """A writable copy-on-write view: reads share the unit's pages, writes stay private.
 
     Not pre-faulted: a reader pays only for the pages it touches. Safe because a
-    unit never rewrites bytes it has published.
+    unit never rewrites bytes it has published, and recycles a chunk only after
+    every reader's lease on it (``keep``, held by this mapping) is released.
     """
-    return _map(chunk, start, end, private=True, writable=True, populate=False)
+    return _map(chunk, start, end, private=True, writable=True, populate=False, keep=keep)

@@ -4,8 +4,10 @@ Everything above this module speaks ``EncodedField`` and flows (see client.py);
 below it there are two paths, chosen per unit:
 
 - same node (the unit's node is ours and it keeps chunks in shared memory): a
-  put allocates the chunk in the unit and copies the rows straight into it; a
-  get maps the unit's chunks, zero-copy when the rows are contiguous;
+  put allocates the region in the unit and copies the rows straight into it,
+  through this process's kept mapping of the chunk (``shm.write_maps``); a get
+  maps the unit's chunks, zero-copy when the rows are contiguous, and holds the
+  unit's read lease on them (:class:`ReadLease`) until its last mapping is gone;
 - otherwise through Ray actor calls whose numpy buffers Ray moves out-of-band.
 """
 
@@ -29,7 +31,7 @@ from dataplane_client.codec import (
     take_rows,
 )
 from dataplane_client.errors import DataPlaneError
-from dataplane_client.messages import ChunkRef, SharedRows
+from dataplane_client.messages import ChunkRef, SharedRows, ShmAlloc
 
 Flow = Generator[list, list, Any]
 
@@ -41,6 +43,23 @@ class SharedMemoryUnavailable(DataPlaneError):
 class StagedRegionGone(SharedMemoryUnavailable):
     """The region a unit staged for this write was reclaimed before the copy (the
     stage expired); nothing of the write is visible, and the writer stages again."""
+
+
+class ReadLease:
+    """A unit's lease on the chunks one read named, released when this object goes.
+
+    Every mapping made from the read holds it, so it goes with the last of them
+    (the tensors the caller kept). The release is one message, not awaited.
+    """
+
+    def __init__(self, unit: Any, lease: int):
+        self.unit, self.lease = unit, lease
+
+    def __del__(self) -> None:
+        try:
+            self.unit.release_reads.remote([self.lease])
+        except Exception:  # noqa: BLE001 - Ray shut down or the unit is gone: nothing to release
+            pass
 
 
 class Transport:
@@ -58,6 +77,7 @@ class Transport:
             for node, ok in zip(unit_nodes, unit_shm)
         ]
         self._owner: ray.ObjectRef | None = None
+        self._closed_seq = [-1] * len(self.units)  # per unit: the chunk closures we know of
 
     def _stage_owner(self) -> list:
         """A boxed object this process owns: units reclaim our stages once it is gone.
@@ -85,7 +105,9 @@ class Transport:
             ids = [sample_ids[i] for i in rows]
             if self.shared[u]:
                 headers = {k: take_rows(e, rows, header_only=True) for k, e in encoded.items()}
-                call = self.units[u].alloc_shm.remote(partition_id, write_id, ids, headers, owner)
+                call = self.units[u].alloc_shm.remote(
+                    partition_id, write_id, ids, headers, owner, self._closed_seq[u]
+                )
             else:
                 parts = {k: take_rows(e, rows) for k, e in encoded.items()}
                 call = self.units[u].stage.remote(partition_id, write_id, ids, parts, owner)
@@ -93,8 +115,11 @@ class Transport:
         results = yield refs
         for i, (u, rows) in enumerate(plan.items()):
             if self.shared[u] and not isinstance(results[i], BaseException):
+                alloc: ShmAlloc = results[i]
+                shm.write_maps.forget(alloc.closed, alloc.chunk_prefix if alloc.reset else None)
+                self._closed_seq[u] = alloc.closed_seq
                 try:
-                    for name, region in results[i].items():
+                    for name, region in alloc.regions.items():
                         dest = shm.map_for_write(region.chunk, region.offset, region.nbytes)
                         take_rows(encoded[name], rows, out=dest)  # the one copy of a same-node put
                 except shm.ChunkChanged as e:
@@ -119,23 +144,40 @@ class Transport:
 
         ``via_ray`` forces the Ray path (the fallback when a mapping failed).
         """
+        owner = self._stage_owner()  # a dead reader's leases are released by the unit
         refs = [
-            self.units[u].read_shm.remote(partition_id, ids, fields)
+            self.units[u].read_shm.remote(partition_id, ids, fields, owner)
             if self.shared[u] and not via_ray
             else self.units[u].read.remote(partition_id, ids, fields)
             for u, ids in plan.items()
         ]
-        return (yield refs)
+        results = yield refs
+        for u, result in zip(plan, results):
+            if isinstance(result, dict):
+                result.update(self._leased(u, result))
+        return results
+
+    def _leased(self, unit: int, result: dict) -> dict:
+        """The result's shared rows holding one :class:`ReadLease` (a lease id came back)."""
+        shared = {k: v for k, v in result.items() if isinstance(v, SharedRows)}
+        ids = {v.lease for v in shared.values() if v.lease is not None}
+        if not ids:
+            return shared
+        (lease_id,) = ids
+        lease = ReadLease(self.units[unit], lease_id)
+        return {k: dataclasses.replace(v, lease=lease) for k, v in shared.items()}
 
 
 def _sources(
     part: EncodedField | SharedRows,
-) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
-    """(sources, which, starts, ends) of a part's rows; a source is an array or a unit's chunk."""
+) -> tuple[list, list, np.ndarray, np.ndarray, np.ndarray]:
+    """(sources, leases, which, starts, ends) of a part's rows; a source is an array or a
+    unit's chunk, a lease what mappings of that source hold."""
     if isinstance(part, SharedRows):
-        return list(part.chunks), part.which.astype(np.int64), part.starts, part.ends
+        leases = [part.lease] * len(part.chunks)
+        return list(part.chunks), leases, part.which.astype(np.int64), part.starts, part.ends
     offs = row_byte_offsets(part)
-    return [part.values], np.zeros(part.num_rows, dtype=np.int64), offs[:-1], offs[1:]
+    return [part.values], [None], np.zeros(part.num_rows, dtype=np.int64), offs[:-1], offs[1:]
 
 
 def assemble(parts: list[EncodedField | SharedRows], order: np.ndarray) -> Any:
@@ -154,13 +196,15 @@ def assemble(parts: list[EncodedField | SharedRows], order: np.ndarray) -> Any:
         # (read-only to numpy; the client module's docstring says so).
         return decode_field(parts[0], writable=False)
     sources: list = []
+    leases: list = []
     which, starts, ends = [], [], []
     for part in parts:
-        src, w, s, e = _sources(part)
+        src, held, w, s, e = _sources(part)
         which.append(w + len(sources))
         starts.append(s)
         ends.append(e)
         sources.extend(src)
+        leases.extend(held)
     which = np.concatenate(which)[order]
     starts = np.concatenate(starts)[order]
     ends = np.concatenate(ends)[order]
@@ -170,7 +214,10 @@ def assemble(parts: list[EncodedField | SharedRows], order: np.ndarray) -> Any:
     key = which.astype(np.int64) << 48
     run_starts, _ = contiguous_runs(starts + key, ends + key)
     if len(run_starts) == 1 and isinstance(sources[int(which[0])], ChunkRef) and len(order):
-        values = shm.map_private(sources[int(which[0])], int(starts[0]), int(ends[-1]))
+        first_src = int(which[0])
+        values = shm.map_private(
+            sources[first_src], int(starts[0]), int(ends[-1]), keep=leases[first_src]
+        )
     else:
         buffers = []
         for i, src in enumerate(sources):
@@ -178,7 +225,7 @@ def assemble(parts: list[EncodedField | SharedRows], order: np.ndarray) -> Any:
                 mine = which == i
                 lo = int(starts[mine].min()) if mine.any() else 0
                 hi = int(ends[mine].max()) if mine.any() else 0
-                buffers.append(shm.map_for_read(src, lo, hi))
+                buffers.append(shm.map_for_read(src, lo, hi, keep=leases[i]))
                 starts = np.where(mine, starts - lo, starts)
                 ends = np.where(mine, ends - lo, ends)
             else:

@@ -7,17 +7,25 @@ of its own. So the number of blocks, and of descriptors, grows with the bytes
 held, never with the number of writes.
 
 Space inside a block is handed out once, by bumping a pointer, and never handed
-out again: a reader that was told where a row lives may map it a moment later,
-and copy-on-write mappings see later writes to pages they have not touched, so
-published bytes must never change. A block is freed as a whole when nothing
-points into it any more (rows and staged regions each hold a reference); a new
-block is a new memfd with a new name, which is what readers verify.
+out again while the block lives: a reader that was told where a row lives may
+map it a moment later, and copy-on-write mappings see later writes to pages they
+have not touched, so published bytes must never change. A block is freed as a
+whole when nothing points into it any more (rows and staged regions each hold a
+reference). Its memfd is then recycled (kept warm for the next write of its
+size, pages and writers' mappings intact) only when no reader lease names it and
+no stage in it was reclaimed from a writer that may still be copying; otherwise
+it is closed, and a reader's mapping keeps the old pages alive on its own. A
+block made from a fresh memfd has a new name, which is what readers verify.
+
+Writers keep their mappings of chunks (see shm.py); ``closed_since`` tells them
+which chunks were closed, so they drop mappings nothing will write into again.
 
 Capacity counts what the unit holds: a slab counts in full from its creation.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +37,7 @@ from dataplane_server.warm_reserve import WarmReserve
 
 SLAB_BYTES = 4 << 20
 _SLABS_PER_CAPACITY = 16  # a tiny unit gets small slabs, so one slab never fills it
+_CLOSED_REMEMBERED = 4096  # names of closed chunks kept for writers to drop their mappings
 
 
 @dataclass
@@ -37,6 +46,8 @@ class _Block:
     size: int
     used: int = 0  # bump pointer: bytes [0, used) have been handed out
     refs: int = 0  # rows and staged regions pointing into the block
+    readers: int = 0  # read leases naming it: a reader may map its pages copy-on-write
+    tainted: bool = False  # a stage in it was reclaimed while its writer may still copy
 
 
 class Arena:
@@ -48,6 +59,9 @@ class Arena:
         self.used_bytes = 0
         self._slab: int | None = None  # the slab small regions go into now
         self._next_id = 0
+        self.recycled = 0  # blocks whose memfd went back to the reserve on freeing
+        self._closed: deque[tuple[int, str]] = deque(maxlen=_CLOSED_REMEMBERED)
+        self._closed_seq = 0
 
     def _is_small(self, nbytes: int) -> bool:
         return nbytes <= self.slab_bytes // 4
@@ -123,12 +137,48 @@ class Arena:
                 self._free(block)
 
     def _free(self, block: int) -> None:
-        # Readers that mapped the chunk keep their bytes; the memory goes back to the
-        # kernel when the last mapping does.
         b = self.blocks.pop(block)
         self.used_bytes -= b.size
-        if isinstance(b.store, shm.MemFd):
+        if not isinstance(b.store, shm.MemFd):
+            return
+        if b.readers == 0 and not b.tainted:
+            closed = self.reserve.recycle(b.store)  # closes what it does not keep
+            self.recycled += b.store.name not in closed
+        else:
+            # Readers that mapped the chunk keep their bytes; the memory goes back to
+            # the kernel when the last mapping does.
             b.store.close()
+            closed = [b.store.name]
+        for name in closed:
+            self._closed_seq += 1
+            self._closed.append((self._closed_seq, name))
+
+    # ---- leases: who may still touch a block's pages ---------------------------------
+    def lease(self, blocks) -> None:
+        """A reader was told where rows of these blocks live (it may map them now)."""
+        for block in blocks:
+            self.blocks[block].readers += 1
+
+    def unlease(self, blocks) -> None:
+        """A reader's mappings of these blocks are gone (freed blocks are skipped)."""
+        for block in blocks:
+            b = self.blocks.get(block)
+            if b is not None:
+                b.readers -= 1
+
+    def taint(self, blocks) -> None:
+        """Never recycle these blocks: a writer whose stage was reclaimed may still copy."""
+        for block in blocks:
+            b = self.blocks.get(int(block))
+            if b is not None:
+                b.tainted = True
+
+    def closed_since(self, seq: int) -> tuple[list[str], int, bool]:
+        """(names of chunks closed after ``seq``, the latest seq, whether some were forgotten)."""
+        oldest = self._closed[0][0] if self._closed else self._closed_seq + 1
+        if seq + 1 < oldest:
+            return [], self._closed_seq, True
+        return [name for s, name in self._closed if s > seq], self._closed_seq, False
 
     def close(self) -> None:
         for block in list(self.blocks):

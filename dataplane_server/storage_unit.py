@@ -49,7 +49,7 @@ from dataplane_client.errors import (
     SamplesNotFound,
     SchemaConflict,
 )
-from dataplane_client.messages import SharedRows, ShmRegion, UnitInfo, UnitSnapshot
+from dataplane_client.messages import SharedRows, ShmAlloc, ShmRegion, UnitInfo, UnitSnapshot
 from dataplane_server.arena import Arena
 from dataplane_server.columns import counts_errors, grown
 from dataplane_server.recovery_messages import (
@@ -154,6 +154,9 @@ class StorageUnit:
         self.expired: OrderedDict[str, str] = OrderedDict()  # write id -> why it was reclaimed
         self.published: OrderedDict[str, None] = OrderedDict()
         self.stats = Stats()
+        # Read leases: id -> (block ids a same-node reader was told to map, its owner ref).
+        self.read_leases: dict[int, tuple[list[int], ray.ObjectRef | None]] = {}
+        self._next_lease = 0
         self._space = asyncio.Condition()
         self._sweeper: asyncio.Task | None = None
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -199,20 +202,30 @@ class StorageUnit:
         sample_ids: list[str],
         headers: dict[str, EncodedField],
         owner: list | None = None,
-    ) -> dict[str, ShmRegion]:
+        closed_seq: int = -1,
+    ) -> ShmAlloc:
         """Stage a same-node write whose bytes the client copies into shared memory itself.
 
-        Returns, per field, the region the client maps to write its bytes. The
-        write stays invisible until the controller's commit publishes it, which
-        the client only asks for after its copy is complete.
+        Returns, per field, the region the client copies its bytes into (through
+        its mapping of the chunk, kept across writes), and the chunks closed since
+        ``closed_seq`` (the client's last answer). The write stays invisible until
+        the controller's commit publishes it, which the client only asks for after
+        its copy is complete.
         """
         regions = await self._stage(
             partition_id, write_id, sample_ids, headers, owner, header_only=True
         )
-        return {
-            name: ShmRegion(self.arena.ref(block), offset, headers[name].nbytes)
-            for name, (block, offset) in regions.items()
-        }
+        closed, seq, reset = self.arena.closed_since(closed_seq)
+        return ShmAlloc(
+            regions={
+                name: ShmRegion(self.arena.ref(block), offset, headers[name].nbytes)
+                for name, (block, offset) in regions.items()
+            },
+            closed=closed,
+            closed_seq=seq,
+            reset=reset,
+            chunk_prefix=shm.chunk_prefix(),
+        )
 
     @counts_errors
     async def _stage(
@@ -571,6 +584,14 @@ class StorageUnit:
         for (wid, _), dead in zip(owned, died):
             if dead and wid in self.staged:
                 self._reclaim(wid, "its writer's process died before its commit")
+        # A reader's mappings die with its process: release its leases.
+        readers = {ref.hex(): ref for _, ref in self.read_leases.values() if ref is not None}
+        gone = await asyncio.gather(*[self._owner_died(r, timeout_s) for r in readers.values()])
+        dead_readers = {h for h, dead in zip(readers, gone) if dead}
+        if dead_readers:
+            self.release_reads(
+                [i for i, (_, ref) in self.read_leases.items() if ref and ref.hex() in dead_readers]
+            )
 
     @staticmethod
     async def _owner_died(owner: ray.ObjectRef, timeout_s: float) -> bool:
@@ -587,6 +608,9 @@ class StorageUnit:
         while len(self.expired) > _EXPIRED_REMEMBERED:
             self.expired.popitem(last=False)
         self.stats.inc("stages_reclaimed_total")
+        st = self.staged.get(write_id)
+        if st is not None:  # its writer may be copying still: its blocks are never recycled
+            self.arena.taint(st.blocks().tolist())
         self.discard(write_id)
 
     # ---- read path ----------------------------------------------------------------
@@ -655,18 +679,46 @@ class StorageUnit:
         self._count_read(out, t0)
         return out
 
-    def read_shm(self, partition_id: str, sample_ids: list[str], fields: list[str]) -> dict:
-        """Where the fields' bytes sit in shared memory, for a reader on this node to map."""
+    def read_shm(
+        self,
+        partition_id: str,
+        sample_ids: list[str],
+        fields: list[str],
+        owner: list | None = None,
+    ) -> dict:
+        """Where the fields' bytes sit in shared memory, for a reader on this node to map.
+
+        The chunks named are leased to the reader until it calls ``release_reads``
+        (or its process, ``owner``, dies): a leased chunk is never recycled.
+        """
         t0 = time.perf_counter()
         out: dict = {}
+        lease, leased = self._next_lease, []
         for name, rows in self._rows(partition_id, sample_ids, fields):
             if isinstance(rows, tuple):
                 header, chunk_ids, which, starts, ends = rows
                 chunks = [self.arena.ref(c) for c in chunk_ids]
-                rows = SharedRows(header, chunks, which, starts, ends)
+                rows = SharedRows(header, chunks, which, starts, ends, lease)
+                leased.extend(chunk_ids)
             out[name] = rows
+        if leased:
+            self._next_lease += 1
+            self.arena.lease(leased)
+            self.read_leases[lease] = (leased, owner[0] if owner else None)
+            self._start_sweeper()
         self._count_read(out, t0)
         return out
+
+    def release_reads(self, leases: list[int]) -> None:
+        """A reader's mappings of these leases' chunks are gone: they may be recycled."""
+        for lease in leases:
+            held = self.read_leases.pop(lease, None)
+            if held is not None:
+                self.arena.unlease(held[0])
+
+    def recycled_chunks(self) -> int:
+        """Freed chunks kept warm for later writes instead of closed (tests and metrics)."""
+        return self.arena.recycled
 
     def _count_read(self, out: dict, t0: float) -> None:
         self.stats.inc("get_bytes_total", sum(v.nbytes for v in out.values()))

@@ -2,10 +2,20 @@
 
 Fresh memory costs the kernel a page fault and a page of zeroing per 4 KiB on
 first touch: for a 128 MiB write that is several times the copy itself. A unit
-therefore keeps a small reserve of chunks that a background thread has already
-created and faulted in, sized like the writes it has seen, and hands one out
-when a write fits. Chunks are never recycled after holding data: a reader may
-still map them copy-on-write, so their pages must stay as they were.
+therefore keeps a reserve of chunks whose pages are already there, and hands
+one out when a write fits:
+
+- chunks a background thread created and faulted in, of the sizes writes asked for;
+- chunks that held data and were freed while no reader had them mapped
+  (``recycle``): their pages need no zeroing, and a writer that mapped them
+  before still has them mapped, so the next write of that size is one plain copy.
+  The unit decides that no reader holds one (see the read leases in
+  storage_unit.py); a chunk a reader may still map is closed instead, never reused.
+
+The reserve holds at most ``max(limit, largest write seen)`` bytes, so a unit
+taking 1 GiB writes keeps one 1 GiB chunk ready instead of zeroing it inside
+the write; it keeps at most ``_PER_SIZE`` recycled chunks of any one size (each
+is a descriptor).
 """
 
 from __future__ import annotations
@@ -14,10 +24,14 @@ import threading
 
 from dataplane_client import shm
 
+_PER_SIZE = 2  # chunks of one size kept ready: a write and the one after it
+_FIT = 1.25  # a chunk serves a write of at least 1/_FIT of its size
+
 
 class WarmReserve:
     def __init__(self, limit_bytes: int):
-        self.limit = int(limit_bytes)
+        self.configured = int(limit_bytes)
+        self.limit = self.configured  # grows to the largest write seen (never when 0 = off)
         self._ready: list[shm.MemFd] = []  # faulted in
         self._wanted: list[int] = []  # sizes to make next
         self._lock = threading.Lock()
@@ -40,18 +54,52 @@ class WarmReserve:
         with self._lock:
             return self._wake.wait_for(lambda: self._held() >= nbytes, timeout_s)
 
+    def _fits(self, nbytes: int) -> list[int]:
+        return [i for i, c in enumerate(self._ready) if nbytes <= c.size <= nbytes * _FIT]
+
     def take(self, nbytes: int) -> shm.MemFd | None:
-        """A ready chunk for ``nbytes`` (at most 25% larger), or None; asks for a replacement."""
-        if self.limit <= 0 or nbytes <= 0 or nbytes > self.limit:
+        """A ready chunk for ``nbytes`` (at most 25% larger), or None; asks for replacements."""
+        if self.configured <= 0 or nbytes <= 0:
             return None
         with self._lock:
-            fit = [i for i, c in enumerate(self._ready) if nbytes <= c.size <= nbytes * 1.25]
-            got = self._ready.pop(min(fit, key=lambda i: self._ready[i].size)) if fit else None
-            # Writes of this size keep coming: have the next one ready, and after a miss
-            # one more, so back-to-back writes find the reserve a step ahead.
-            self._wanted.extend([nbytes] * (1 if got else 2))
+            self.limit = max(self.limit, nbytes)  # sized from the writes actually seen
+            fit = self._fits(nbytes)
+            # The smallest that fits; of equal ones the latest back (a recycled chunk,
+            # which the writer that filled it before still has mapped).
+            best = min(fit, key=lambda i: (self._ready[i].size, -i)) if fit else None
+            got = self._ready.pop(best) if best is not None else None
+            # Writes of this size keep coming: after a miss have two made ahead; after a
+            # hit one more only when none is left (a recycled chunk usually comes back).
+            want = 2 if got is None else (0 if len(fit) > 1 else 1)
+            self._wanted.extend([nbytes] * want)
             self._wake.notify()
         return got
+
+    def recycle(self, chunk: shm.MemFd) -> list[str]:
+        """Keep a freed chunk (no reader maps it) for the next write of its size, or close it.
+
+        Returns the names of the chunks this closed (``chunk`` itself when not kept; the
+        oldest ready one of its size when that made room).
+        """
+        evicted = []
+        with self._lock:
+            same = [c for c in self._ready if c.size == chunk.size]
+            if len(same) >= _PER_SIZE:  # the oldest of its size goes: it is the least mapped
+                evicted.append(same[0])
+                self._ready.remove(same[0])
+            keep = (
+                not self._closed and self.configured > 0 and self._held() + chunk.size <= self.limit
+            )
+            if keep:
+                self._ready.append(chunk)
+                self._wake.notify_all()
+        if not keep:
+            with self._lock:
+                self._ready.extend(evicted)
+            evicted = [chunk]
+        for c in evicted:
+            c.close()
+        return [c.name for c in evicted]
 
     def close(self) -> None:
         with self._lock:

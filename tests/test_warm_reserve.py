@@ -38,3 +38,34 @@ def test_the_limit_bounds_what_it_holds_and_zero_disables_it():
     finally:
         r.close()
     assert WarmReserve(0).take(1 << 20) is None
+
+
+def test_a_recycled_chunk_is_handed_out_first_and_the_oldest_of_its_size_makes_room():
+    r = WarmReserve(limit_bytes=8 << 20)
+    try:
+        assert r.take(1 << 20) is None
+        assert r.wait_until_holding(2 << 20, timeout_s=30)  # two fresh ones made ahead
+        from dataplane_client import shm
+
+        used = shm.create(1 << 20)
+        closed = r.recycle(used)  # kept; the oldest fresh one closed to keep two of a size
+        assert len(closed) == 1 and closed != [used.name]
+        assert r.take(1 << 20).name == used.name  # the writer that filled it has it mapped
+    finally:
+        r.close()
+
+
+def test_the_limit_grows_to_the_largest_write_seen_and_zero_still_disables_it():
+    from dataplane_client import shm
+
+    r = WarmReserve(limit_bytes=1 << 20)
+    try:
+        assert r.take(4 << 20) is None  # a miss, but the reserve now holds writes of 4 MiB
+        assert r.wait_until_holding(4 << 20, timeout_s=30)
+        assert r.take(4 << 20) is not None
+    finally:
+        r.close()
+    off = WarmReserve(0)
+    chunk = shm.create(1 << 20)
+    assert off.recycle(chunk) == [chunk.name]  # closed, not kept
+    assert off.take(1 << 20) is None
