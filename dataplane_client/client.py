@@ -43,6 +43,7 @@ import ray._private.state as ray_state
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError, RayTaskError
 
 from dataplane_client import arguments, placement, prepare
+from dataplane_client.claim_batcher import ClaimBatcher, on_thread
 from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import (
     DataPlaneError,
@@ -54,6 +55,8 @@ from dataplane_client.errors import (
 )
 from dataplane_client.interface import DataPlaneClient
 from dataplane_client.messages import (
+    ClaimOutcome,
+    ClaimRequest,
     ClearResult,
     CommitRequest,
     FieldCodecs,
@@ -251,6 +254,12 @@ def _rpc_verb(body):
     return _Verb(body, _get_sync, _get_async)
 
 
+def _claim_answer(outcome: ClaimOutcome) -> KVBatchMeta | None:
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome.meta
+
+
 def _one(results: list) -> Any:
     """The single result of a one-ref step, raising it if it failed."""
     (r,) = results
@@ -275,6 +284,7 @@ class RayDataPlaneClient(DataPlaneClient):
         self._routes: dict[tuple[str, str], int] = {}
         # partition -> its enums and object fields, as declared to the controller (asked once).
         self._codecs: dict[str, FieldCodecs] = {}
+        self._batcher: ClaimBatcher | None = None
 
     # ---- helpers ------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -559,8 +569,48 @@ class RayDataPlaneClient(DataPlaneClient):
         return to_tensordict(decoded, len(sample_ids), enums=codecs.enums)
 
     # ---- claims and consumption ---------------------------------------------------
-    @_rpc_verb
-    def claim_meta(
+    def _claims(self) -> ClaimBatcher:
+        """This client's claim batcher (made on first use, so a client that never claims
+        starts no thread)."""
+        if self._batcher is None:
+            controller = self._controller
+            self._batcher = ClaimBatcher(
+                lambda requests: _get_sync(controller.claim_many.remote(requests))
+            )
+        return self._batcher
+
+    def _claim_request(
+        self, partition_id, task_name, required_fields, batch_size, dp_rank, blocking, timeout_s
+    ) -> tuple[ClaimRequest, float]:
+        self._check_open()
+        request = ClaimRequest(
+            partition_id=partition_id,
+            task_name=task_name,
+            required_fields=arguments.name_list(
+                required_fields, "required_fields", allow_empty=True
+            ),
+            batch_size=arguments.count(batch_size, "batch_size", minimum=1),
+            dp_rank=dp_rank,
+            blocking=bool(blocking),
+        )
+        return request, arguments.seconds(timeout_s, "timeout_s")
+
+    def _wait_claim(self, request: ClaimRequest, timeout_s: float, started: float) -> Any:
+        """A blocking claim with nothing due when its batch was served: now a claim of its
+        own that waits at the controller for what is left of its timeout."""
+        left = max(timeout_s - (time.monotonic() - started), 0.0)
+        return self._controller.claim_meta.remote(
+            request.partition_id,
+            request.task_name,
+            request.required_fields,
+            request.batch_size,
+            request.dp_rank,
+            True,
+            left,
+        )
+
+    # None is a non-blocking claim with nothing due (our extra; the ABC says KVBatchMeta).
+    def claim_meta(  # type: ignore[override]
         self,
         partition_id: str,
         task_name: str,
@@ -570,16 +620,44 @@ class RayDataPlaneClient(DataPlaneClient):
         blocking: bool = True,
         timeout_s: float = 60.0,
     ) -> KVBatchMeta | None:
-        """Claim up to ``batch_size`` ready samples the task has not consumed yet."""
-        return self._controller.claim_meta.remote(
-            partition_id,
-            task_name,
-            arguments.name_list(required_fields, "required_fields", allow_empty=True),
-            arguments.count(batch_size, "batch_size", minimum=1),
-            dp_rank,
-            bool(blocking),
-            arguments.seconds(timeout_s, "timeout_s"),
+        """Claim up to ``batch_size`` ready samples the task has not consumed yet.
+
+        Concurrent claims of this client (threads and coroutines alike) share one
+        controller call (``ClaimBatcher``); each still gets its own answer, error and
+        timeout.
+        """
+        started = time.monotonic()
+        request, timeout_s = self._claim_request(
+            partition_id, task_name, required_fields, batch_size, dp_rank, blocking, timeout_s
         )
+        outcome = self._claims().submit(request).result()
+        if outcome.must_wait:
+            return _get_sync(self._wait_claim(request, timeout_s, started))
+        return _claim_answer(outcome)
+
+    async def claim_meta_async(
+        self,
+        partition_id: str,
+        task_name: str,
+        required_fields: Sequence[str],
+        batch_size: int,
+        dp_rank: int | None = None,
+        blocking: bool = True,
+        timeout_s: float = 60.0,
+    ) -> KVBatchMeta | None:
+        """``claim_meta``, awaitable: it never blocks the event loop."""
+        started = time.monotonic()
+        request, timeout_s = self._claim_request(
+            partition_id, task_name, required_fields, batch_size, dp_rank, blocking, timeout_s
+        )
+        outcome = await asyncio.wrap_future(self._claims().submit(request))
+        if outcome.must_wait:
+            # The wait on a thread of its own: awaiting the Ray ref on this loop would run
+            # the restart clock's GCS query here after each poll, and that query deadlocks
+            # while Ray's asyncio future of the ref is pending (seen in a driver's loop).
+            wait = functools.partial(self._wait_claim, request, timeout_s, started)
+            return await asyncio.wrap_future(on_thread(lambda: _get_sync(wait())))
+        return _claim_answer(outcome)
 
     @_rpc_verb
     def ack(self, meta: KVBatchMeta) -> int:
@@ -643,6 +721,8 @@ class RayDataPlaneClient(DataPlaneClient):
         """Release the handles; idempotent."""
         self._routes.clear()
         self._codecs.clear()
+        if self._batcher is not None:
+            self._batcher.close()
         self._controller = None
         self._transport = None
 

@@ -25,10 +25,13 @@ import ray
 from dataplane_client import arguments
 from dataplane_client.errors import (
     DataPlaneError,
+    InvalidBatch,
     ServiceUnavailable,
     UnknownPartition,
 )
 from dataplane_client.messages import (
+    ClaimOutcome,
+    ClaimRequest,
     ClearResult,
     CommitRequest,
     CommitResult,
@@ -50,7 +53,7 @@ from dataplane_server import (
 )
 from dataplane_server.inspection import Inspection
 from dataplane_server.journal import Journal
-from dataplane_server.keyspace import CommitPlan, KeySpace, declaration
+from dataplane_server.keyspace import CommitPlan, KeySpace, Partition, declaration
 from dataplane_server.retention import EmptiedPartitions
 from dataplane_server.stats import Stats
 from dataplane_server.verbs import served
@@ -314,14 +317,12 @@ class Controller(Inspection):
         claim waits for a full batch (or the tail of a partition of known size)
         and raises ClaimTimeout otherwise.
         """
-        required = arguments.name_list(required_fields, "required_fields", allow_empty=True)
-        batch_size = arguments.count(batch_size, "batch_size", minimum=1)
         timeout_s = arguments.seconds(timeout_s, "timeout_s")
-        part = self.keys.partition(partition_id)
-        self.keys.task_of(part, task_name)
-        meta = self._claim(part, task_name, required, batch_size, dp_rank, not blocking)
+        request = ClaimRequest(
+            partition_id, task_name, required_fields, batch_size, dp_rank, bool(blocking)
+        )
+        part, required, batch_size, meta = self._claim_now(request)
         if meta is None and blocking:
-            claim_wait.raise_if_unsatisfiable(self.keys, part, task_name)
             t0 = time.monotonic()
             try:
                 retry = functools.partial(
@@ -333,6 +334,43 @@ class Controller(Inspection):
             finally:
                 self.stats.observe("claim_wait_seconds", time.monotonic() - t0)
         return meta
+
+    @served
+    def claim_many(self, requests: list[ClaimRequest]) -> list[ClaimOutcome]:
+        """Claims coalesced by one client process: each tried once, now, in order.
+
+        One Ray round trip serves many concurrent claimers. Each request gets its
+        own outcome (a bad one fails alone, as its typed error); a blocking claim
+        with nothing due comes back ``must_wait`` and its caller makes it a plain
+        blocking ``claim_meta`` with the rest of its timeout, so waiting is
+        exactly as for a single claim and never holds the others' answers.
+        """
+        if not isinstance(requests, list):
+            raise InvalidBatch(f"claim_many takes a list of ClaimRequest, got {type(requests)}")
+        out = []
+        for request in requests:
+            try:
+                if not isinstance(request, ClaimRequest):
+                    raise InvalidBatch(f"not a ClaimRequest: {type(request).__name__}")
+                meta = self._claim_now(request)[3]
+                out.append(ClaimOutcome(meta=meta, must_wait=meta is None and request.blocking))
+            except DataPlaneError as e:
+                self.stats.error(e)
+                out.append(ClaimOutcome(error=e))
+        return out
+
+    def _claim_now(
+        self, request: ClaimRequest
+    ) -> tuple[Partition, list[str], int, KVBatchMeta | None]:
+        """Check a claim and try it once; SamplesLost when a blocking one can never be served."""
+        required = arguments.name_list(request.required_fields, "required_fields", allow_empty=True)
+        batch_size = arguments.count(request.batch_size, "batch_size", minimum=1)
+        part = self.keys.partition(request.partition_id)
+        task = self.keys.task_of(part, request.task_name)
+        meta = self._claim(part, task, required, batch_size, request.dp_rank, not request.blocking)
+        if meta is None and request.blocking:
+            claim_wait.raise_if_unsatisfiable(self.keys, part, task)
+        return part, required, batch_size, meta
 
     def _claim(self, part, task, required, batch_size, dp_rank, partial_ok) -> KVBatchMeta | None:
         meta = self.keys.claim(
