@@ -15,7 +15,9 @@ policy_workers`` stays cheap):
   (tests, the demo); off, the data path computes nothing for it;
 - ``worker``: ``PolicyWorker``, the actor body (logprobs, reference logprobs, train);
 - ``tq_policy``: ``TQPolicy``, the driver (metas on the data-plane path, tensors
-  on the classic path);
-- ``rollout``, ``demo``, ``demo_report``: rollout actors, the end-to-end demo and
-  what it prints.
+  on the classic path; ``save_checkpoint`` / ``load_checkpoint``);
+- ``checkpoint``: the policy checkpoint directory (manifest, checksums, atomic);
+- ``errors``: ``PolicyWorkerLost`` and the checkpoint errors;
+- ``rollout``, ``demo``, ``demo_report``, ``demo_checkpoint``: rollout actors,
+  the end-to-end demo, what it prints, and its run checkpoint (store + policy).
 """

@@ -13,6 +13,13 @@ Reads top to bottom, like a training recipe:
 5. a table per step (80 columns) beside what the classic driver path would
    have moved, pass/fail checks and a summary; exit code 1 if any check fails.
    ``--keep-serving`` then keeps the service up for ``dataplane status``.
+
+``--checkpoint-dir DIR`` saves the store and the policy together after every
+``--checkpoint-every`` steps (``policy_workers.demo_checkpoint``);
+``--resume DIR`` restores both into a fresh service and policy and continues
+from the next step, bit for bit as if the run had not stopped: rollouts are a
+function of (partition, prompt), so the groups the store checkpoint lacks are
+regenerated identically, and each step trains on its samples sorted by id.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import time
 
 import torch
 
-from policy_workers.demo_report import StepReport, report_lines
+from policy_workers.demo_report import WIDTH, StepReport, report_lines
 
 TOLERANCE = 1e-5  # logprobs through the data plane vs a direct computation (float32)
 
@@ -73,10 +80,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--json", dest="json_out", default=None, help="also write the report as JSON here"
     )
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="save the store and the policy to DIR/step-<n> after every "
+        "--checkpoint-every steps and after the last",
+    )
+    p.add_argument(
+        "--checkpoint-every", type=int, default=1, metavar="N", help="steps between checkpoints"
+    )
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="continue a saved run: DIR is a DIR/step-<n> or a --checkpoint-dir (its "
+        "latest); the run's flags come from the checkpoint",
+    )
     args = p.parse_args(argv)
     if args.small:
         args.steps, args.prompts_per_step, args.generations = 2, 2, 2
         args.dp, args.tp, args.rollout_actors, args.max_new_tokens = 2, 1, 1, 16
+    args.resume_manifest = None
+    if args.resume:
+        _take_saved_flags(p, args)
     for name in ("steps", "prompts_per_step", "generations", "dp", "tp", "rollout_actors"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -84,7 +111,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--min-new-tokens must be <= --max-new-tokens")
     if not args.kl_penalty >= 0:
         p.error("--kl-penalty must be >= 0")
+    if args.checkpoint_every < 1:
+        p.error("--checkpoint-every must be >= 1")
     return args
+
+
+def _take_saved_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--resume: the run's flags are the checkpoint's; one given here that differs is an error
+    (--steps may grow: the run goes on longer)."""
+    from policy_workers.demo_checkpoint import RUN_FLAGS, find_run, read_run
+    from policy_workers.errors import PolicyCheckpointError
+
+    try:
+        manifest = read_run(find_run(args.resume))
+    except PolicyCheckpointError as e:
+        p.error(f"--resume: {e}")
+    saved = manifest["flags"]
+    for name in RUN_FLAGS:
+        mine, theirs = getattr(args, name), saved[name]
+        if mine == p.get_default(name) or mine == theirs:
+            setattr(args, name, theirs)
+        elif name != "steps":
+            flag = f"--{name.replace('_', '-')}"
+            p.error(f"--resume: {flag} {mine} here, the checkpoint was run with {theirs}")
+    if manifest["next_step"] >= args.steps:
+        p.error(f"--resume: the checkpoint already trained all {args.steps} steps")
+    args.resume_manifest = manifest
 
 
 def _nbytes(obj) -> int:
@@ -159,6 +211,38 @@ def classic_bytes_of_passes(policy, leaders: list[int]) -> int:
     return sum(entry["nbytes"] for rank in leaders for entry in logs[rank])
 
 
+def partition_exists(client, pid: str) -> bool:
+    from dataplane_client.errors import UnknownPartition
+
+    try:
+        client.describe_partition(pid)
+    except UnknownPartition:
+        return False
+    return True
+
+
+def missing_prompts(client, pid: str, prompts: list[int], group: int) -> list[int]:
+    """The prompts whose group partition ``pid`` lacks (a group is written whole or not at all)."""
+    from dataplane_client.errors import SamplesNotFound
+    from policy_workers.rollout import group_sample_ids
+
+    missing = []
+    for prompt in prompts:
+        try:
+            client.get_samples(group_sample_ids(pid, prompt, group), pid, ["rewards"])
+        except SamplesNotFound:
+            missing.append(prompt)
+    return missing
+
+
+def fit(line: str, width: int = WIDTH) -> str:
+    """``line`` cut in the middle to ``width`` columns (long paths), marked with '...'."""
+    if len(line) <= width:
+        return line
+    keep = width - 3
+    return line[: keep // 2] + "..." + line[len(line) - (keep - keep // 2) :]
+
+
 def wait_for_stop_signal() -> None:
     """Block until Ctrl-C or SIGTERM (the service stays up meanwhile)."""
     stop = threading.Event()
@@ -169,12 +253,13 @@ def wait_for_stop_signal() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Ray 2.60 turns token auth on for a new local cluster and logs a WARNING saying so.
     # Asking for that same mode keeps auth on and the demo's output clean. Ray reads the
-    # mode when it is imported, so this must come before `import ray`.
+    # mode when it is imported, so this must come before `import ray` (and before
+    # parse_args: --resume reads the checkpoint with modules that import it).
     os.environ.setdefault("RAY_AUTH_MODE", "token")
+    args = parse_args(argv)
     import ray
 
     from dataplane_client.config import DataPlaneConfig
@@ -188,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         PolicyConfig,
         SequencePackingConfig,
     )
+    from policy_workers.demo_checkpoint import OPTIMIZER, RUN_FLAGS, STORE, WEIGHTS, save_run
     from policy_workers.model import build_hf_model, reference_logprobs
     from policy_workers.recording import DispatchRecorder
     from policy_workers.rollout import GRPO_FIELDS, RolloutActor, RolloutConfig
@@ -207,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"data plane up: admin endpoint {handle.admin_address}  metrics {handle.metrics_address}")
     print(f"  try: dataplane status --address {handle.admin_address}")
     client = handle.client()
+    resume = args.resume_manifest
+    first_step = resume["next_step"] if resume else 0
+    restored_samples = client.restore(resume["parts"][STORE]["path"]) if resume else 0
 
     max_len = args.prompt_len + args.max_new_tokens
     model_cfg = ModelConfig(model_path=args.model_path, max_position_embeddings=max(512, max_len))
@@ -241,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     # The demo inspects what the driver shipped and received (at most one step's worth).
     recorder = DispatchRecorder(keep_last=8)
     policy = TQPolicy(policy_cfg, recorder=recorder)
+    if resume:
+        parts = resume["parts"]
+        policy.load_checkpoint(parts[WEIGHTS]["path"], parts[OPTIMIZER]["path"])
+        print(f"resumed at step {first_step}: policy loaded, {restored_samples} rollout samples")
+        print(fit(f"  restored from {args.resume}"))
     # Workers measure their batches for the classic-path column (no digests: not needed).
     policy.run_on_all_workers("set_io_recording", True, keep_last=64, digests=False)
     sharding = policy.sharding
@@ -252,15 +346,17 @@ def main(argv: list[str] | None = None) -> int:
     reference_model = build_hf_model(model_cfg).eval()  # the driver's own check, off the data path
     print(f"set up in {time.perf_counter() - t_setup:.1f}s (Ray, service, policy workers)")
 
-    partitions = [f"demo-step{k}" for k in range(args.steps)]
+    steps = range(first_step, args.steps)
+    partitions = [f"demo-step{k}" for k in steps]
     for pid in partitions:
-        client.register_partition(
-            pid,
-            fields=GRPO_FIELDS,
-            num_samples=per_step,
-            consumer_tasks=["train"],
-            grpo_group_size=group,
-        )
+        if not partition_exists(client, pid):  # restored ones are kept
+            client.register_partition(
+                pid,
+                fields=GRPO_FIELDS,
+                num_samples=per_step,
+                consumer_tasks=["train"],
+                grpo_group_size=group,
+            )
     rollout_cfg = RolloutConfig(
         generations=group,
         prompt_len=args.prompt_len,
@@ -272,12 +368,15 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.rollout_actors)
     ]
     # Every actor is handed all steps up front, so it keeps streaming into the next
-    # step's partition while the driver trains on the current one.
+    # step's partition while the driver trains on the current one. Prompt p goes to
+    # actor p mod n; groups a restored store already holds are not generated again.
     rollout_refs = []
     for pid in partitions:
         prompts = list(range(args.prompts_per_step))
+        if resume:
+            prompts = missing_prompts(client, pid, prompts, group)
         for a, actor in enumerate(actors):
-            mine = prompts[a :: len(actors)]
+            mine = [q for q in prompts if q % len(actors) == a]
             if mine:
                 rollout_refs.append(actor.run.remote(pid, mine))
 
@@ -288,8 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     max_ref_diff = 0.0
     tensors_received = False  # must stay False: workers return metrics, tensors stay in the store
     pending = list(rollout_refs)
+    run_flags = {name: getattr(args, name) for name in RUN_FLAGS}
+    checkpoints: list[str] = []
     try:
-        for k, pid in enumerate(partitions):
+        for k, pid in zip(steps, partitions):
             store_before = _store_bytes(handle)
             times = {}
             t0 = time.perf_counter()
@@ -297,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
             pending = wait_for_rollouts(client, pid, per_step, pending, bar)
             bar.close()
             meta = client.claim_meta(pid, "train", GRPO_FIELDS, per_step, timeout_s=60.0)
+            # Rollouts finish in any order; the batch in id order makes a step (and a
+            # resumed run) reproducible bit for bit.
+            meta = meta.subset(sorted(range(meta.size), key=meta.sample_ids.__getitem__))
             times["rollout_wait"] = time.perf_counter() - t0
             driver_bytes = _nbytes(meta)  # keys, lengths and tags (plus metrics, below)
             # The classic driver would have gathered the rollouts' fields: as stored, measured.
@@ -373,13 +477,17 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
             client.clear_samples(None, pid)  # the whole partition: its samples and declaration
+            done = k + 1
+            if args.checkpoint_dir and (done % args.checkpoint_every == 0 or done == args.steps):
+                checkpoints.append(save_run(args.checkpoint_dir, done, run_flags, client, policy))
+                print(fit(f"checkpoint after step {k}: {checkpoints[-1]}"), flush=True)
         rollout_summaries = ray.get(rollout_refs)
     finally:
         policy.shutdown()
         for a in actors:
             ray.kill(a)
 
-    samples_lost = args.steps * per_step - len(seen)
+    samples_lost = len(steps) * per_step - len(seen)
     checks["reference logprobs equal a direct computation, every step"] = max_ref_diff <= TOLERANCE
     checks["no sample duplicated across steps"] = duplicates == 0
     checks["no sample lost: every step trained on all its samples"] = samples_lost == 0 and all(
@@ -407,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
                     "checks": checks,
                     "max_reference_logprob_diff": max_ref_diff,
                     "samples_lost": samples_lost,
+                    "first_step": first_step,
+                    "restored_samples": restored_samples,
+                    "checkpoints": checkpoints,
                 },
                 f,
                 indent=2,

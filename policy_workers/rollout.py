@@ -6,6 +6,11 @@ completions per prompt with ``generate()``, scores them with a verifiable
 reward, and writes every finished group with ``put_samples_async`` at once,
 not batched at the end. Before each write it looks at the service's fill level
 and backs off while the store is nearly full.
+
+A group depends only on (seed, partition, prompt): its prompt, lengths and
+sampling seed come from an RNG seeded by those, not from the actor's history.
+So any actor, in any order, writes the same bytes for a prompt, and a run
+resumed from a checkpoint regenerates exactly the groups it is missing.
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ class RolloutConfig:
     seed: int = 0
 
 
+def group_sample_ids(partition_id: str, prompt: int, generations: int) -> list[str]:
+    """The sample ids of one prompt's group (the driver looks them up on resume)."""
+    return [f"{partition_id}/prompt{prompt}/gen{j}" for j in range(generations)]
+
+
 def parity_reward(prompt: torch.Tensor, completion: torch.Tensor) -> float:
     """Verifiable reward: the fraction of generated tokens with the parity of the prompt's last token."""
     if completion.numel() == 0:
@@ -68,7 +78,6 @@ class RolloutActor:
         self.vocab = model_cfg.vocab_size
         self.model = build_hf_model(model_cfg).eval()
         self.client = connect(service_name, namespace)
-        self.rng = random.Random(rollout_cfg.seed * 1000 + actor_index)
         self.backoffs = 0
         self.groups_written = 0
 
@@ -82,10 +91,12 @@ class RolloutActor:
                 self.cfg.backoff_s
             )  # pacing, not synchronisation: re-check the level
 
-    def _generate_group(self, prompt: torch.Tensor) -> dict:
+    def _generate_group(self, prompt: torch.Tensor, rng: random.Random) -> dict:
         g = self.cfg.generations
-        new_tokens = self.rng.randint(self.cfg.min_new_tokens, self.cfg.max_new_tokens)
-        torch.manual_seed(self.rng.randrange(2**31))
+        new_tokens = rng.randint(self.cfg.min_new_tokens, self.cfg.max_new_tokens)
+        # generate() is synchronous: nothing else in this process draws from torch's RNG
+        # between this seed and the sampling.
+        torch.manual_seed(rng.randrange(2**31))
         with torch.no_grad():
             seqs = self.model.generate(
                 prompt.unsqueeze(0).repeat(g, 1),
@@ -99,8 +110,7 @@ class RolloutActor:
             )
             # Completions differ in length inside a group too: cut each at a sampled length.
             lengths = [
-                len(prompt) + self.rng.randint(max(1, new_tokens // 2), new_tokens)
-                for _ in range(g)
+                len(prompt) + rng.randint(max(1, new_tokens // 2), new_tokens) for _ in range(g)
             ]
             lengths_t = torch.tensor(lengths)
             logprobs = reference_logprobs(self.model, seqs, lengths_t)
@@ -124,11 +134,13 @@ class RolloutActor:
     async def run(self, partition_id: str, prompt_ids: list[int]) -> dict:
         """Generate one group per prompt id and stream each to ``partition_id`` as it finishes."""
         for pid in prompt_ids:
+            # a str seed is hashed with SHA-512: the same stream in every process
+            rng = random.Random(f"{self.cfg.seed}/{partition_id}/{pid}")
             prompt = torch.tensor(
-                [self.rng.randrange(3, self.vocab) for _ in range(self.cfg.prompt_len)]
+                [rng.randrange(3, self.vocab) for _ in range(self.cfg.prompt_len)]
             )
-            fields = self._generate_group(prompt)
-            ids = [f"{partition_id}/prompt{pid}/gen{j}" for j in range(self.cfg.generations)]
+            fields = self._generate_group(prompt, rng)
+            ids = group_sample_ids(partition_id, pid, self.cfg.generations)
             tags = [{"group_id": f"prompt{pid}", "actor": self.index}] * self.cfg.generations
             for attempt in range(self.cfg.max_put_attempts):
                 await self._wait_for_room()

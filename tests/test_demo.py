@@ -5,8 +5,15 @@ line fit 80 columns, no warning is printed, the summary says what the driver
 did not carry, the service answers ``dataplane status`` after training, and
 SIGTERM ends it with exit 0. The report layout and the flags are checked
 without running the demo.
+
+Checkpoint and resume: a straight run saving after every step, and a second
+run resumed from its mid-run checkpoint (step 1's rollouts partly in the store
+checkpoint, the rest regenerated), end with bit-identical weights and optimizer
+state, and the resumed step logs the same loss, KL and reward, exactly.
+``--resume`` takes the run's flags from the checkpoint and refuses conflicting ones.
 """
 
+import hashlib
 import json
 import os
 import queue
@@ -19,7 +26,8 @@ import time
 import pytest
 import torch
 
-from policy_workers.demo import group_advantages, parse_args
+from policy_workers.demo import fit, group_advantages, parse_args
+from policy_workers.demo_checkpoint import RUN_FLAGS
 from policy_workers.demo_report import WIDTH, StepReport, report_lines, table_lines
 
 SERVING = "The service stays up: dataplane status --address "
@@ -177,3 +185,130 @@ def test_small_flag_and_bad_flags():
         with pytest.raises(SystemExit) as e:
             parse_args(bad)
         assert e.value.code == 2
+
+
+def _run_demo(args: list[str], tmp_path, name: str) -> tuple[dict, list[str]]:
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_AUTH_MODE", None)
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "policy_workers.demo", "--no-progress", "--json", str(out), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert not [line for line in lines if len(line) > WIDTH]
+    report = json.loads(out.read_text())
+    assert all(report["checks"].values()), report["checks"]
+    return report, lines
+
+
+def _tensors(part_dir) -> dict[str, object]:
+    """Every rank file of a policy checkpoint part, loaded."""
+    return {f.name: torch.load(f, weights_only=True) for f in sorted(part_dir.glob("rank-*.pt"))}
+
+
+def _assert_same(a, b, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # two demo runs, each ~2-5 min on a loaded 2-core machine
+def test_a_run_resumed_from_a_checkpoint_ends_bit_for_bit_like_the_straight_run(tmp_path):
+    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
+    straight, _ = _run_demo(
+        ["--small", "--checkpoint-dir", str(straight_dir)], tmp_path, "straight"
+    )
+    assert [os.path.basename(p) for p in straight["checkpoints"]] == ["step-1", "step-2"]
+    # no --small: the flags come from the checkpoint (rollout actors do not shape the data)
+    resumed, lines = _run_demo(
+        ["--resume", str(straight_dir / "step-1"), "--checkpoint-dir", str(resumed_dir)],
+        tmp_path,
+        "resumed",
+    )
+    assert resumed["first_step"] == 1
+    assert any(line.startswith("resumed at step 1: policy loaded") for line in lines)
+    assert [s["step"] for s in resumed["steps"]] == [1]
+    for key in ("samples", "tokens", "loss", "grad_norm", "kl", "mean_reward"):
+        assert resumed["steps"][0][key] == straight["steps"][1][key], key  # exact, not approx
+    for part in ("weights", "optimizer"):
+        a = _tensors(straight_dir / "step-2" / "policy" / part)
+        b = _tensors(resumed_dir / "step-2" / "policy" / part)
+        assert len(a) == 2  # DP=2
+        _assert_same(a, b, part)
+    print(
+        f"\nresumed step 1: loss {resumed['steps'][0]['loss']!r}, "
+        f"{resumed['restored_samples']} samples restored from the store checkpoint"
+    )
+
+
+def _fake_run(root, next_step: int, **flags) -> str:
+    """A run checkpoint directory with empty parts (enough for parse_args)."""
+    defaults = parse_args([])
+    base = {name: getattr(defaults, name) for name in RUN_FLAGS}
+    base.update(steps=2, prompts_per_step=2, generations=2, dp=2, tp=1, packing="sequence")
+    base.update(flags)
+    run = root / f"step-{next_step}"
+    parts = {}
+    for part in ("store", "policy/weights", "policy/optimizer"):
+        (run / part).mkdir(parents=True)
+        (run / part / "manifest.json").write_text("{}")
+        digest = hashlib.sha256(b"{}").hexdigest()
+        parts[part] = {"path": part, "manifest_sha256": digest}
+    manifest = {
+        "format": 1,
+        "kind": "dataplane-demo-run",
+        "next_step": next_step,
+        "flags": base,
+        "parts": parts,
+    }
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    return str(run)
+
+
+def test_resume_takes_the_run_flags_from_the_checkpoint_and_refuses_conflicts(tmp_path, capsys):
+    _fake_run(tmp_path, 1)
+    latest = _fake_run(tmp_path, 3, steps=5)
+    args = parse_args(["--resume", str(tmp_path)])  # a --checkpoint-dir: its latest step
+    assert args.resume_manifest["next_step"] == 3
+    assert (args.steps, args.dp, args.tp, args.generations) == (5, 2, 1, 2)
+    assert parse_args(["--resume", latest, "--steps", "7"]).steps == 7  # a run may go on longer
+
+    bad = [
+        (["--resume", latest, "--dp", "4"], "--dp 4 here, the checkpoint was run with 2"),
+        (["--resume", _fake_run(tmp_path / "done", 2)], "already trained all 2 steps"),
+        (["--resume", str(tmp_path / "nothing")], "no demo checkpoint at"),
+    ]
+    for argv, message in bad:
+        with pytest.raises(SystemExit) as e:
+            parse_args(argv)
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err
+    (tmp_path / "step-3" / "store" / "manifest.json").write_text("{ }")
+    with pytest.raises(SystemExit):
+        parse_args(["--resume", latest])
+    assert "its manifest is not the one saved" in capsys.readouterr().err
+
+
+def test_long_lines_are_cut_in_the_middle_to_80_columns():
+    line = "checkpoint after step 3: /" + "very/long/" * 20 + "step-4"
+    cut = fit(line)
+    assert len(cut) == WIDTH
+    assert cut.startswith("checkpoint after step 3:")
+    assert cut.endswith("step-4")
+    assert fit("short") == "short"
