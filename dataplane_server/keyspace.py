@@ -15,6 +15,8 @@ injected clock, so leases are tested without sleeping.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -153,6 +155,7 @@ class Partition:
         self.holder: dict[str, np.ndarray] = {}  # leased task -> claim id per row
         self.deliveries: dict[str, np.ndarray] = {}  # leased task -> times handed out
         self.waiting_claims = 0
+        self.epoch = 0  # bumped when rows are added or forgotten: a lookup older than it is stale
 
     @property
     def tasks(self) -> list[str]:
@@ -177,8 +180,9 @@ class Partition:
 
     def rows_of(self, sample_ids: list[str]) -> np.ndarray:
         """Row per id, -1 for ids the partition does not hold."""
-        get = self.row_of.get
-        return np.fromiter((get(s, -1) for s in sample_ids), dtype=np.int64, count=len(sample_ids))
+        # map() over dict.get: the per-id work stays in C (no generator frame per id).
+        found = map(self.row_of.get, sample_ids, itertools.repeat(-1))
+        return np.fromiter(found, dtype=np.int64, count=len(sample_ids))
 
     def existing_rows(self, sample_ids: list[str], why: str) -> np.ndarray:
         """Row per id; SamplesNotFound naming the ids the partition does not hold."""
@@ -195,6 +199,7 @@ class Partition:
         self, sample_ids: list[str], units: np.ndarray, replicas: np.ndarray | None = None
     ) -> np.ndarray:
         start, end = self.n_rows, self.n_rows + len(sample_ids)
+        self.epoch += 1
         self.live = grown(self.live, end, False)
         self.seq_len = grown(self.seq_len, end, -1)
         self.unit = grown(self.unit, end, -1)
@@ -214,6 +219,7 @@ class Partition:
         return np.arange(start, end, dtype=np.int64)
 
     def forget(self, rows: list[int]) -> None:
+        self.epoch += 1
         for r in rows:
             sid = self.ids[r]
             if sid is not None:
@@ -244,14 +250,44 @@ class CommitPlan:
     partition: Partition
     request: CommitRequest
     rows: np.ndarray  # -1 for samples the commit creates
-    unit_of: dict[str, int]  # sample -> unit it was staged on
-    replica_of: dict[str, int] = field(default_factory=dict)  # sample -> second copy's unit
+    epoch: int  # the partition's epoch when ``rows`` were looked up
+
+    # Built only when another commit of the partition is checked while this one is in
+    # flight (rare): a lone commit makes no per-sample dict.
+    @functools.cached_property
+    def unit_of(self) -> dict[str, int]:
+        """sample -> unit it was staged on."""
+        return dict(zip(self.request.sample_ids, self.request.units))
+
+    @functools.cached_property
+    def replica_of(self) -> dict[str, int]:
+        """sample -> second copy's unit (absent: none)."""
+        replicas = self.request.replicas or ()
+        return {s: u for s, u in zip(self.request.sample_ids, replicas) if u >= 0}
+
+
+def _id_count(ids: Any, partition_id: str) -> int:
+    """How many ids, once they are known good (``arguments.id_list``'s rules).
+
+    The common case is decided by loops that run in C (types, lengths, distinctness);
+    only a list that fails one goes through ``arguments.id_list``, which names the bad ids.
+    """
+    if (
+        type(ids) is list
+        and ids
+        and set(map(type, ids)) == {str}
+        and min(map(len, ids)) > 0
+        and max(map(len, ids)) * 4 <= arguments.MAX_ID_BYTES  # 4: UTF-8's widest char
+        and len(set(ids)) == len(ids)
+    ):
+        return len(ids)
+    return len(arguments.id_list(ids, partition_id=partition_id))
 
 
 def _check_shapes(req: CommitRequest, num_units: int) -> None:
     """A request whose parts disagree is refused before anything is reserved or published
     (apply must not fail half way, e.g. on an unhashable group_id)."""
-    n = len(arguments.id_list(req.sample_ids, partition_id=req.partition_id))
+    n = _id_count(req.sample_ids, req.partition_id)
     arguments.tag_list(req.tags, n, partition_id=req.partition_id)
     checked = (
         ("units", req.units),
@@ -336,15 +372,19 @@ class KeySpace:
         units = np.asarray(req.units, dtype=np.int64)
         # Where each sample lives: its row, else a commit creating it right now.
         home = np.where(rows >= 0, part.unit[np.maximum(rows, 0)] if part.n_rows else -1, -1)
-        replicas = np.asarray(req.replicas or [-1] * len(ids), dtype=np.int64)
+        replicas = (
+            np.full(len(ids), -1, dtype=np.int64)
+            if req.replicas is None
+            else np.asarray(req.replicas, dtype=np.int64)
+        )
         home_replica = np.where(
             rows >= 0, part.replica[np.maximum(rows, 0)] if part.n_rows else -1, -1
         )
-        unit_of = dict(zip(ids, req.units))
+        plan = CommitPlan(part, req, rows, part.epoch)
         position: dict[str, int] = {}
         busy: list[str] = []
         for other in self._in_flight.get(pid, ()):
-            shared = unit_of.keys() & other.unit_of.keys()
+            shared = plan.unit_of.keys() & other.unit_of.keys()
             if shared and not position:
                 position = {s: i for i, s in enumerate(ids)}
             same_fields = not set(names).isdisjoint(other.request.schemas)
@@ -368,15 +408,20 @@ class KeySpace:
                 },
             )
         old = rows >= 0
-        dead = [ids[i] for i in np.nonzero(old)[0] if not self.unit_alive[part.unit[rows[i]]]]
-        dead += [s for s, u in zip(ids, req.units) if not self.unit_alive[u] and s not in dead]
-        dead += [s for s, u in zip(ids, replicas) if u >= 0 and not alive[u] and s not in dead]
-        if dead:
-            raise SamplesLost("their storage unit is gone", ids=dead, partition_id=pid)
+        # Gone: the recorded unit of an existing sample, or a unit this write was staged on.
+        dead = (old & ~alive[home]) | ~alive[units] | ((replicas >= 0) & ~alive[replicas])
+        if dead.any():
+            raise SamplesLost(
+                "their storage unit is gone",
+                ids=[ids[i] for i in np.nonzero(dead)[0]],
+                partition_id=pid,
+            )
         if not req.overwrite and old.any():
             for name in names:
                 col = part.produced.get(name)
-                hit = [ids[i] for i in np.nonzero(old)[0] if col is not None and col[rows[i]]]
+                if col is None:
+                    continue
+                hit = [ids[i] for i in np.nonzero(old & col[np.maximum(rows, 0)])[0]]
                 if hit:
                     raise FieldAlreadyProduced(
                         "field already produced (pass overwrite=True to replace it)",
@@ -400,7 +445,6 @@ class KeySpace:
                     ids=ungrouped,
                     partition_id=pid,
                 )
-        plan = CommitPlan(part, req, rows, unit_of, dict(zip(ids, replicas.tolist())))
         self._in_flight.setdefault(pid, []).append(plan)
         return plan
 
@@ -429,8 +473,12 @@ class KeySpace:
             )
         # A sample the plan found may have been cleared since; one it did not find may have
         # been created since by a commit of other fields (on the same unit: check_commit sends
-        # every commit of a sample in flight to one unit).
-        rows = part.rows_of(req.sample_ids)
+        # every commit of a sample in flight to one unit). Neither happened when no row was
+        # added or forgotten since the check: its lookup still holds (no second pass over ids).
+        if part.epoch == plan.epoch:
+            rows = plan.rows.copy()
+        else:
+            rows = part.rows_of(req.sample_ids)
         gone = (plan.rows >= 0) & (rows != plan.rows)
         cleared: dict[int, list[str]] = {}
         for i in np.nonzero(gone)[0].tolist():
@@ -441,7 +489,8 @@ class KeySpace:
         if len(new):
             units = np.asarray(req.units, dtype=np.int16)[new]
             replicas = None if req.replicas is None else np.asarray(req.replicas)[new]
-            rows[new] = part.add_rows([req.sample_ids[i] for i in new], units, replicas)
+            created = req.sample_ids if len(new) == len(rows) else [req.sample_ids[i] for i in new]
+            rows[new] = part.add_rows(created, units, replicas)
             if not all(self.unit_alive):  # a copy's unit died while this write was publishing
                 self.fail_over(part)
         keep = np.nonzero(~gone)[0]
@@ -453,10 +502,11 @@ class KeySpace:
             given = np.asarray(req.sequence_lengths, dtype=np.int32)[keep]
             unset = part.seq_len[written] < 0
             part.seq_len[written[unset]] = given[unset]
-        for i in keep.tolist():
-            tag = req.tags[i] if req.tags else None
-            if tag:
-                self._merge_tags(part, int(rows[i]), tag)
+        if req.tags:
+            for i in keep.tolist():
+                tag = req.tags[i]
+                if tag:
+                    self._merge_tags(part, int(rows[i]), tag)
         lengths = np.full(len(rows), -1, dtype=np.int64)
         lengths[keep] = part.seq_len[written]
         return CommitResult(sequence_lengths=lengths.tolist()), cleared

@@ -14,6 +14,8 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
+import numpy as np
+
 from dataplane_client.errors import SamplesLost
 from dataplane_client.messages import CommitRequest
 from dataplane_server import unit_calls
@@ -21,15 +23,30 @@ from dataplane_server.recovery_messages import SampleMeta
 
 
 def sample_metas(request: CommitRequest, seq: int) -> dict[int, SampleMeta]:
-    """What each unit keeps beside the bytes so a restarted controller can rebuild."""
-    lengths: dict[int, dict] = {u: {} for u in request.staged_units}
-    tags: dict[int, dict] = {u: {} for u in request.staged_units}
-    for i, (sid, u) in _copies(request):
-        if request.sequence_lengths is not None:
-            lengths[u][sid] = int(request.sequence_lengths[i])
-        if request.tags and request.tags[i]:
-            tags[u][sid] = request.tags[i]
-    return {u: SampleMeta(seq, lengths[u], tags[u]) for u in request.staged_units}
+    """What each unit keeps beside the bytes so a restarted controller can rebuild.
+
+    Samples are split by unit with numpy; Python touches a sample only to put it in its
+    unit's dict of lengths (the units' format) and only when lengths or tags were sent.
+    """
+    staged = request.staged_units
+    lengths = request.sequence_lengths
+    tagged = [i for i, t in enumerate(request.tags) if t] if request.tags else []
+    if lengths is None and not tagged:  # nothing per sample to keep beyond commit order
+        return {u: SampleMeta(seq) for u in staged}
+    ids = np.asarray(request.sample_ids, dtype=object)
+    copies = [np.asarray(request.units, dtype=np.int64)]
+    if request.replicas is not None:
+        copies.append(np.asarray(request.replicas, dtype=np.int64))
+    length_of = None if lengths is None else np.asarray(lengths, dtype=np.int64)
+    out = {}
+    for u in staged:
+        on_u = np.logical_or.reduce([c == u for c in copies])
+        unit_lengths = {}
+        if length_of is not None:
+            unit_lengths = dict(zip(ids[on_u].tolist(), length_of[on_u].tolist()))
+        unit_tags = {request.sample_ids[i]: request.tags[i] for i in tagged if on_u[i]}
+        out[u] = SampleMeta(seq, unit_lengths, unit_tags)
+    return out
 
 
 def _copies(request: CommitRequest) -> list[tuple[int, tuple[str, int]]]:
