@@ -9,14 +9,21 @@
   one flipped byte in the last rank's file (the other ranks had already read
   theirs), optimizer state from another save, a policy of another layout and
   model config, a save over an existing directory.
+- A worker killed while ranks write their files: ``PolicyWorkerLost``, and no
+  directory of the final name exists (nothing that could load).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import ray
 import torch
 
 from dataplane_client.batched_data_dict import BatchedDataDict
@@ -26,8 +33,13 @@ from policy_workers.errors import (
     CheckpointMismatch,
     CheckpointNotFound,
     PolicyCheckpointError,
+    PolicyWorkerLost,
 )
 from policy_workers.tq_policy import TQPolicy
+from policy_workers.worker import PolicyWorker
+
+# Ray workers cannot import this test module by name: ship its classes by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 LENGTHS = [5, 9, 3, 12, 7, 6, 10, 4]
 N = len(LENGTHS)
@@ -165,3 +177,37 @@ def test_a_checkpoint_of_another_layout_or_model_is_refused(saved, ray_session):
     assert "layout.tp: 2 saved, 1 here" in message
     assert "model.hidden_size: 16 saved, 24 here" in message
     assert "model.seed: 9 saved, 1234 here" in message
+
+
+class StallingSaveWorker(PolicyWorker):
+    """Rank 1 announces (a file) that it is saving, then stalls until killed (bounded)."""
+
+    def save_checkpoint_shard(self, tmp, part):
+        marker = self.cfg.extra["stall_marker"]
+        if self.rank == 1:
+            with open(marker, "w"):
+                pass
+            threading.Event().wait(120)
+        return super().save_checkpoint_shard(tmp, part)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_save_leaves_no_checkpoint(ray_session, tmp_path):
+    marker = tmp_path / "saving"
+    cfg = PolicyConfig(dp=2, tp=1, extra={"stall_marker": str(marker)}, **CFG)
+    policy = TQPolicy(cfg, worker_cls=StallingSaveWorker)
+    target = tmp_path / "weights"
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            save = pool.submit(policy.save_checkpoint, str(target))
+            deadline = time.monotonic() + 120
+            while not marker.exists():  # poll the observable state, with a deadline
+                assert time.monotonic() < deadline, "rank 1 never started saving"
+                time.sleep(0.05)
+            ray.kill(policy.worker_group.workers[1])
+            with pytest.raises(PolicyWorkerLost):
+                save.result(timeout=120)
+    finally:
+        policy.shutdown()
+    assert not target.exists()
+    assert not list(tmp_path.glob("weights.tmp-*"))  # the temporary directory was removed
