@@ -5,7 +5,10 @@ in puts of 10k. Controller memory is measured two ways: its own metadata
 accounting (``Controller.memory_footprint``) and the growth of the controller
 process's USS (psutil, pid asked from inside the actor). A 4-sample fetch
 (``get_samples`` of 4 random ids) is timed on a small store and again with 1M
-samples stored.
+samples stored, each fetch interleaved with a no-op controller call from the same
+driver (one Ray round trip to the controller: the floor a get's location lookup
+pays). Targets: <= 256 B/sample; the 4-sample get's p50 with 1M stored <= 2x the
+no-op call's p50.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ PARTITION = "scale"
 FULL_SAMPLES = 1_000_000
 QUICK_SAMPLES = 20_000
 SMALL_STORE = 1_000
+GET_OVER_NOOP = 2.0  # target: 4-sample get p50 (1M stored) <= this x a no-op controller call
 
 
 def _controller_pid(controller: Any) -> int:
@@ -72,14 +76,20 @@ def _breakdown(controller: Any, partition: str) -> dict[str, int]:
     return ray.get(controller.__ray_call__.remote(measure, partition))
 
 
-def _fetch_latencies(client: Any, n_stored: int, trials: int, rng: random.Random) -> list[float]:
-    out = []
+def _fetch_latencies(
+    client: Any, controller: Any, n_stored: int, trials: int, rng: random.Random
+) -> tuple[list[float], list[float]]:
+    """4-sample gets and no-op controller calls, interleaved: (get seconds, no-op seconds)."""
+    gets, noops = [], []
     for _ in range(trials):
         ids = [f"s{i:07d}" for i in rng.sample(range(n_stored), 4)]
         t0 = time.perf_counter()
         client.get_samples(ids, PARTITION, ["x"])
-        out.append(time.perf_counter() - t0)
-    return out
+        t1 = time.perf_counter()
+        ray.get(controller.set_draining.remote(False))
+        noops.append(time.perf_counter() - t1)
+        gets.append(t1 - t0)
+    return gets, noops
 
 
 def _write(client: Any, start: int, end: int, chunk: int) -> float:
@@ -108,11 +118,11 @@ def run(opts: Options) -> Section:
         pid = _controller_pid(handle.controller)
         uss0 = _uss(pid)
         small_write_s = _write(client, 0, SMALL_STORE, chunk)
-        small = _fetch_latencies(client, SMALL_STORE, trials, rng)
+        small, _ = _fetch_latencies(client, handle.controller, SMALL_STORE, trials, rng)
         write_s = small_write_s + _write(client, SMALL_STORE, n, chunk)
         uss1 = _uss(pid)
         footprint = ray.get(handle.controller.memory_footprint.remote())[PARTITION]
-        big = _fetch_latencies(client, n, trials, rng)
+        big, noop = _fetch_latencies(client, handle.controller, n, trials, rng)
         breakdown = _breakdown(handle.controller, PARTITION)
     finally:
         handle.shutdown()
@@ -136,6 +146,12 @@ def run(opts: Options) -> Section:
             [
                 [SMALL_STORE, len(small), 1e3 * median(small), 1e3 * percentile(small, 99)],
                 [n, len(big), 1e3 * median(big), 1e3 * percentile(big, 99)],
+                [
+                    "no-op controller call (interleaved with the 1M gets)",
+                    len(noop),
+                    1e3 * median(noop),
+                    1e3 * percentile(noop, 99),
+                ],
             ],
         )
     )
@@ -157,6 +173,16 @@ def run(opts: Options) -> Section:
             detail=f"footprint {per_sample_footprint:.0f} B, USS growth {per_sample_uss:.0f} B (the larger is judged)",
         )
     )
+    section.targets.append(
+        Target(
+            f"4-sample get p50 with {n:,} stored / no-op controller call p50 <= {GET_OVER_NOOP:g}x",
+            median(big) / median(noop),
+            GET_OVER_NOOP,
+            False,
+            "x",
+            detail=f"get p50 {1e3 * median(big):.2f} ms, no-op p50 {1e3 * median(noop):.2f} ms",
+        )
+    )
     section.profile_tables.append(
         Table(
             "controller metadata, bytes per sample by structure",
@@ -175,6 +201,7 @@ def run(opts: Options) -> Section:
         "breakdown": breakdown,
         "fetch4_small_s": small,
         "fetch4_large_s": big,
+        "noop_call_s": noop,
         "write_s": write_s,
         "python": sys.version.split()[0],
     }
