@@ -40,7 +40,11 @@ SECTIONS = {
     "scale": "benchmarks.scale",
 }
 # Run only when named in --only: each starts its own multi-node cluster in a subprocess.
-OPT_IN_SECTIONS = {"replication": "benchmarks.replication"}
+# Run only when named in --only: each starts its own multi-node cluster in a subprocess.
+OPT_IN_SECTIONS = {
+    "replication": "benchmarks.replication",
+    "crossnode": "benchmarks.cross_node",
+}
 RAY_NUM_CPUS = 16  # logical slots: 4 policy workers + TransferQueue's 3 + helpers; 2 real cores
 
 
