@@ -40,7 +40,6 @@ SECTIONS = {
     "scale": "benchmarks.scale",
 }
 # Run only when named in --only: each starts its own multi-node cluster in a subprocess.
-# Run only when named in --only: each starts its own multi-node cluster in a subprocess.
 OPT_IN_SECTIONS = {
     "replication": "benchmarks.replication",
     "crossnode": "benchmarks.cross_node",
