@@ -45,7 +45,6 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 WEIGHTS = "weights"
 OPTIMIZER = "optimizer"
-PARTS = (WEIGHTS, OPTIMIZER)
 # Model config fields that do not change the saved tensors (a checkpoint loads under either).
 _MODEL_FIELDS_IGNORED = ("attn_implementation",)
 
@@ -112,7 +111,9 @@ def read_manifest(directory: str, part: str) -> dict[str, Any]:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointCorrupt(f"{path} is not a readable manifest ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict):
+        raise CheckpointCorrupt(f"{path} is not a checkpoint manifest (a JSON object)")
+    if manifest.get("format") != FORMAT:
         raise CheckpointCorrupt(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
     if manifest.get("part") != part:
         raise CheckpointMismatch(
@@ -132,7 +133,7 @@ def read_shard(directory: str, entry: dict[str, Any]) -> Any:
     if len(data) != entry["nbytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise CheckpointCorrupt(
             f"{path} does not match its manifest ({len(data)} bytes, "
-            f"{entry['nbytes']} recorded; SHA-256 differs)"
+            f"{entry['nbytes']} recorded, or another SHA-256)"
         )
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
