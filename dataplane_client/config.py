@@ -118,7 +118,8 @@ class DataPlaneConfig(BaseModel):
         256 << 20,
         ge=0,
         description="Pre-faulted shared memory a unit keeps ready for writes of the sizes "
-        "it has seen (held in addition to the data); 0 = off.",
+        "it has seen (held in addition to the data): chunks made ahead, and freed chunks no "
+        "reader maps; at least this, or the largest write seen; 0 = off.",
     )
     stage_ttl_s: float = Field(
         30.0,

@@ -320,6 +320,19 @@ class SharedRows:
 
 
 @dataclass(frozen=True)
+class WriteLease:
+    """A region a unit set aside for this writer's next same-node put (held ``ttl_s``).
+
+    The writer copies its next write into it at once and names the lease in that
+    write's stage call, sent before the copy: allocation costs no round trip of its own.
+    """
+
+    lease: int
+    region: ShmRegion
+    ttl_s: float
+
+
+@dataclass(frozen=True)
 class ShmAlloc:
     """A unit's answer to a same-node writer's allocation: per field the region to copy
     into, and which chunks were closed since the writer's ``closed_seq`` (so it drops its
@@ -330,3 +343,4 @@ class ShmAlloc:
     closed_seq: int
     reset: bool
     chunk_prefix: str  # names of this unit's chunks start with it
+    next_lease: WriteLease | None = None  # for the writer's next put to this unit

@@ -62,6 +62,19 @@ def chunk_prefix() -> str:
     return f"dataplane-{_PROCESS_TOKEN}-"
 
 
+ALIGN = 64  # fields of one write laid out in one region start on cache-line boundaries
+
+
+def layout(sizes: list[int]) -> tuple[list[int], int]:
+    """(offset of each field, bytes in all) of a write's fields placed back to back in one
+    region; writer and unit compute it alike for a leased region."""
+    offsets, pos = [], 0
+    for n in sizes:
+        offsets.append(pos)
+        pos += -(-int(n) // ALIGN) * ALIGN
+    return offsets, pos
+
+
 def supported() -> bool:
     return (
         sys.platform.startswith("linux")

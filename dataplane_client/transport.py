@@ -14,6 +14,7 @@ below it there are two paths, chosen per unit:
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Generator
 from typing import Any
 
@@ -31,7 +32,7 @@ from dataplane_client.codec import (
     take_rows,
 )
 from dataplane_client.errors import DataPlaneError
-from dataplane_client.messages import ChunkRef, SharedRows, ShmAlloc
+from dataplane_client.messages import ChunkRef, SharedRows, ShmAlloc, WriteLease
 
 Flow = Generator[list, list, Any]
 
@@ -78,6 +79,8 @@ class Transport:
         ]
         self._owner: ray.ObjectRef | None = None
         self._closed_seq = [-1] * len(self.units)  # per unit: the chunk closures we know of
+        # Per unit: the region it set aside for our next write, and when we got it.
+        self._leases: list[tuple[WriteLease, float] | None] = [None] * len(self.units)
 
     def _stage_owner(self) -> list:
         """A boxed object this process owns: units reclaim our stages once it is gone.
@@ -99,35 +102,102 @@ class Transport:
         encoded: dict[str, EncodedField],
         plan: dict[int, np.ndarray],
     ) -> Flow:
-        """Stage a write's rows on each unit of ``plan``; returns one result (or error) per unit."""
+        """Stage a write's rows on each unit of ``plan``; returns one result (or error) per unit.
+
+        Same node, with a lease from this unit's last answer that the write fits
+        in: the stage call goes out first and the rows are copied into the leased
+        region while it travels (allocation costs no round trip of its own).
+        Otherwise the unit allocates, then the rows are copied.
+        """
         refs, owner = [], self._stage_owner()
+        copied: dict[int, BaseException | None] = {}  # unit -> error of a copy made up front
         for u, rows in plan.items():
             ids = [sample_ids[i] for i in rows]
             if self.shared[u]:
                 headers = {k: take_rows(e, rows, header_only=True) for k, e in encoded.items()}
-                call = self.units[u].alloc_shm.remote(
-                    partition_id, write_id, ids, headers, owner, self._closed_seq[u]
-                )
+                lease = self._usable_lease(u, [h.nbytes for h in headers.values()])
+                if lease is not None:
+                    call = self.units[u].stage_leased.remote(
+                        partition_id,
+                        write_id,
+                        ids,
+                        headers,
+                        owner,
+                        lease.lease,
+                        self._closed_seq[u],
+                    )
+                    offsets, _ = shm.layout([h.nbytes for h in headers.values()])
+                    copied[u] = self._copy_in(
+                        u, encoded, rows, lease.region.chunk, lease.region.offset, offsets
+                    )
+                else:
+                    call = self.units[u].alloc_shm.remote(
+                        partition_id, write_id, ids, headers, owner, self._closed_seq[u]
+                    )
             else:
                 parts = {k: take_rows(e, rows) for k, e in encoded.items()}
                 call = self.units[u].stage.remote(partition_id, write_id, ids, parts, owner)
             refs.append(call)
         results = yield refs
         for i, (u, rows) in enumerate(plan.items()):
-            if self.shared[u] and not isinstance(results[i], BaseException):
-                alloc: ShmAlloc = results[i]
-                shm.write_maps.forget(alloc.closed, alloc.chunk_prefix if alloc.reset else None)
-                self._closed_seq[u] = alloc.closed_seq
-                try:
-                    for name, region in alloc.regions.items():
-                        dest = shm.map_for_write(region.chunk, region.offset, region.nbytes)
-                        take_rows(encoded[name], rows, out=dest)  # the one copy of a same-node put
-                except shm.ChunkChanged as e:
-                    results[i] = StagedRegionGone(f"unit {u}: {e}")
-                except OSError as e:
-                    self.shared[u] = False  # e.g. another user's unit: fall back to Ray from now on
-                    results[i] = SharedMemoryUnavailable(f"unit {u}: {e}")
+            staged_via_ray = not self.shared[u] and u not in copied
+            if staged_via_ray or isinstance(results[i], BaseException):
+                continue
+            alloc: ShmAlloc | None = results[i]
+            if alloc is None:  # the unit took the lease back: the copy went nowhere visible
+                results[i] = StagedRegionGone(f"unit {u}: its write lease was reclaimed")
+                continue
+            shm.write_maps.forget(alloc.closed, alloc.chunk_prefix if alloc.reset else None)
+            self._closed_seq[u] = alloc.closed_seq
+            self._leases[u] = (alloc.next_lease, time.monotonic()) if alloc.next_lease else None
+            if u in copied:
+                error = copied[u]
+            else:
+                error = None
+                for name, region in alloc.regions.items():
+                    error = self._copy_in(
+                        u, {name: encoded[name]}, rows, region.chunk, region.offset, [0]
+                    )
+                    if error is not None:
+                        break
+            if error is not None:
+                results[i] = error
+                self.discard(u, write_id)  # staged, but its bytes never arrived: not awaited
         return results
+
+    def _usable_lease(self, unit: int, sizes: list[int]) -> WriteLease | None:
+        """This unit's lease for our next write, taken if the write fits and it is fresh."""
+        held = self._leases[unit]
+        if held is None:
+            return None
+        lease, got = held
+        if shm.layout(sizes)[1] > lease.region.nbytes:
+            return None  # kept: a later write may fit (the unit reclaims it when idle)
+        self._leases[unit] = None
+        # Half its time left at least, so the unit never reclaims it under our copy.
+        return lease if time.monotonic() - got < lease.ttl_s / 2 else None
+
+    def _copy_in(
+        self,
+        unit: int,
+        encoded: dict[str, EncodedField],
+        rows: np.ndarray,
+        chunk: ChunkRef,
+        base: int,
+        offsets: list[int],
+    ) -> BaseException | None:
+        """Copy the rows of each field to ``base + offsets[i]`` of ``chunk``; the error if not."""
+        try:
+            for enc, off in zip(encoded.values(), offsets):
+                nbytes = take_rows(enc, rows, header_only=True).nbytes
+                dest = shm.map_for_write(chunk, base + off, nbytes)
+                take_rows(enc, rows, out=dest)  # the one copy of a same-node put
+        except shm.ChunkChanged as e:
+            return StagedRegionGone(f"unit {unit}: {e}")
+        except OSError as e:
+            self.shared[unit] = False  # e.g. another user's unit: fall back to Ray from now on
+            return SharedMemoryUnavailable(f"unit {unit}: {e}")
+        return None
 
     def discard(self, unit: int, write_id: str):
         return self.units[unit].discard.remote(write_id)

@@ -63,15 +63,21 @@ class Arena:
         self._closed: deque[tuple[int, str]] = deque(maxlen=_CLOSED_REMEMBERED)
         self._closed_seq = 0
 
-    def _is_small(self, nbytes: int) -> bool:
+    def is_small(self, nbytes: int) -> bool:
+        """Whether a region of ``nbytes`` goes into a slab (else a block of its own)."""
         return nbytes <= self.slab_bytes // 4
+
+    def chunk_bytes(self, block: int) -> int:
+        """The memory behind a block (a reserve chunk may be a little larger than asked)."""
+        store = self.blocks[block].store
+        return store.size if isinstance(store, shm.MemFd) else store.nbytes
 
     def extra_bytes(self, sizes: list[int]) -> int:
         """How much ``alloc(sizes)`` would add to ``used_bytes``."""
         room = self._slab_room()
         extra = 0
         for n in sizes:
-            if not self._is_small(n):
+            if not self.is_small(n):
                 extra += n
                 continue
             if n > room:
@@ -93,7 +99,7 @@ class Arena:
         regions: list[tuple[int, int]] = []
         try:
             for n in sizes:
-                block = self._slab_for(n) if self._is_small(n) else self._new_block(n)
+                block = self._slab_for(n) if self.is_small(n) else self._new_block(n)
                 b = self.blocks[block]
                 regions.append((block, b.used))
                 b.used += n
@@ -102,6 +108,18 @@ class Arena:
             self.release([block for block, _ in regions])
             raise
         return regions
+
+    def alloc_warm(self, nbytes: int) -> tuple[int, int] | None:
+        """A block of its own for a region too large for a slab, like ``alloc([nbytes])``,
+        but only from a chunk the reserve has ready (None when it has none): nothing is
+        made or zeroed here."""
+        store = self.reserve.take(nbytes) if self.use_shm else None
+        if store is None:
+            return None
+        block = self._add_block(store, nbytes)
+        b = self.blocks[block]
+        b.used, b.refs = nbytes, 1
+        return block, 0
 
     def _slab_for(self, nbytes: int) -> int:
         if nbytes > self._slab_room():
@@ -114,6 +132,9 @@ class Arena:
             store = self.reserve.take(nbytes) or shm.create(nbytes)
         else:
             store = np.empty(nbytes, dtype=np.uint8)
+        return self._add_block(store, nbytes)
+
+    def _add_block(self, store: shm.MemFd | np.ndarray, nbytes: int) -> int:
         block = self._next_id
         self._next_id += 1
         self.blocks[block] = _Block(store, nbytes)

@@ -31,7 +31,6 @@ import dataclasses
 import hashlib
 import os
 import time
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -50,7 +49,14 @@ from dataplane_client.errors import (
     SamplesNotFound,
     SchemaConflict,
 )
-from dataplane_client.messages import SharedRows, ShmAlloc, ShmRegion, UnitInfo, UnitSnapshot
+from dataplane_client.messages import (
+    SharedRows,
+    ShmAlloc,
+    ShmRegion,
+    UnitInfo,
+    UnitSnapshot,
+    WriteLease,
+)
 from dataplane_server.arena import Arena
 from dataplane_server.columns import counts_errors, grown
 from dataplane_server.recovery_messages import (
@@ -132,6 +138,17 @@ class _Staged:
         return np.array([block for (_, block, *_rest) in self.fields.values()], dtype=np.int64)
 
 
+@dataclass
+class _WriteLease:
+    """A region set aside for one writer's next same-node put (see ``WriteLease``)."""
+
+    block: int
+    offset: int
+    nbytes: int
+    deadline: float  # time.monotonic() after which it is reclaimed
+    owner: ray.ObjectRef | None  # the writer's process: its death reclaims the lease
+
+
 @ray.remote
 class StorageUnit:
     def __init__(
@@ -157,6 +174,7 @@ class StorageUnit:
         self.stats = Stats()
         # Read leases: id -> (block ids a same-node reader was told to map, its owner ref).
         self.read_leases: dict[int, tuple[list[int], ray.ObjectRef | None]] = {}
+        self.write_leases: dict[int, _WriteLease] = {}
         self._next_lease = 0
         self._space = asyncio.Condition()
         self._sweeper: asyncio.Task | None = None
@@ -216,6 +234,47 @@ class StorageUnit:
         regions = await self._stage(
             partition_id, write_id, sample_ids, headers, owner, header_only=True
         )
+        return self._answer(regions, headers, owner, closed_seq)
+
+    async def stage_leased(
+        self,
+        partition_id: str,
+        write_id: str,
+        sample_ids: list[str],
+        headers: dict[str, EncodedField],
+        owner: list | None,
+        lease: int,
+        closed_seq: int = -1,
+    ) -> ShmAlloc | None:
+        """Stage a same-node write into the region of a ``WriteLease`` this writer holds.
+
+        The writer sends this before copying into the region (the copy and this
+        call overlap); the write is invisible until its commit, which the writer
+        sends once both are done. None: the lease is gone (its deadline passed, or
+        the unit needed the room), nothing was staged, and the writer stages anew.
+        """
+        held = self.write_leases.pop(lease, None)
+        if held is None:
+            return None
+        try:
+            regions = await self._stage(
+                partition_id, write_id, sample_ids, headers, owner, header_only=True, lease=held
+            )
+        except BaseException:
+            self.arena.taint([held.block])  # the writer is copying into it right now
+            raise
+        finally:
+            self._release([np.array([held.block])])  # the lease's own reference
+        return self._answer(regions, headers, owner, closed_seq)
+
+    def _answer(
+        self,
+        regions: dict[str, tuple[int, int]],
+        headers: dict[str, EncodedField],
+        owner: list | None,
+        closed_seq: int,
+    ) -> ShmAlloc:
+        """A same-node stage's answer: its regions, closed chunks, the writer's next lease."""
         closed, seq, reset = self.arena.closed_since(closed_seq)
         return ShmAlloc(
             regions={
@@ -226,13 +285,63 @@ class StorageUnit:
             closed_seq=seq,
             reset=reset,
             chunk_prefix=shm.chunk_prefix(),
+            next_lease=self._grant_lease(
+                shm.layout([h.nbytes for h in headers.values()])[1], owner
+            ),
         )
+
+    def _grant_lease(self, nbytes: int, owner: list | None) -> WriteLease | None:
+        """Set a region of ``nbytes`` aside for the writer's next put, from memory that is
+        ready (never made and zeroed here, on the writer's critical path); None when
+        there is none or no room."""
+        box = owner[0] if owner else None
+        if box is not None:  # one lease per writer: the one it held before is replaced
+            held = [
+                i
+                for i, w in self.write_leases.items()
+                if w.owner is not None and w.owner.hex() == box.hex()
+            ]
+            self._reclaim_write_leases(held, writer_alive=True)
+        if nbytes <= 0 or self.used_bytes + self.arena.extra_bytes([nbytes]) > self.capacity_bytes:
+            return None
+        if self.arena.is_small(nbytes):
+            return None  # only writes with a chunk of their own: a slab would stay held for it
+        placed = self.arena.alloc_warm(nbytes)
+        if placed is None:
+            return None
+        block, offset = placed
+        lease = self._next_lease
+        self._next_lease += 1
+        deadline = time.monotonic() + self.stage_ttl_s
+        self.write_leases[lease] = _WriteLease(block, offset, nbytes, deadline, box)
+        self._start_sweeper()
+        return WriteLease(lease, ShmRegion(self.arena.ref(block), offset, nbytes), self.stage_ttl_s)
+
+    def _reclaim_write_leases(self, leases: list[int], writer_alive: bool) -> None:
+        """Free leased regions; a writer that may still be copying into one taints its block."""
+        for lease in leases:
+            held = self.write_leases.pop(lease, None)
+            if held is None:
+                continue
+            if writer_alive:
+                self.arena.taint([held.block])
+            self.stats.inc("write_leases_reclaimed_total")
+            self._release([np.array([held.block])])
 
     @counts_errors
     async def _stage(
-        self, partition_id, write_id, sample_ids, encoded, owner, *, header_only
+        self,
+        partition_id,
+        write_id,
+        sample_ids,
+        encoded,
+        owner,
+        *,
+        header_only,
+        lease: _WriteLease | None = None,
     ) -> dict[str, tuple[int, int]]:
-        """Validate, wait for room, allocate one region per field: {field: (block, offset)}."""
+        """Validate, wait for room, allocate one region for the write (or take ``lease``'s),
+        its fields laid out in it back to back: {field: (block, offset)}."""
         t0 = time.perf_counter()
         for name, enc in encoded.items():
             enc.validate(name, header_only=header_only)
@@ -243,15 +352,29 @@ class StorageUnit:
         self._check_schema(partition_id, encoded)
         names = list(encoded)
         sizes = [encoded[name].nbytes for name in names]
-        await self._wait_for_room(sizes, sample_ids)
-        try:
-            placed = self.arena.alloc(sizes)
-        except OSError as e:  # out of descriptors (EMFILE) or shared memory (ENOMEM, ENOSPC)
-            raise CapacityExceeded(
-                f"unit {self.index}: cannot allocate {sum(sizes)} bytes of shared memory "
-                f"({e.strerror or e})",
-                ids=sample_ids,
-            ) from None
+        offsets, total = shm.layout(sizes)
+        if lease is not None:
+            if total > lease.nbytes:
+                raise InvalidBatch(
+                    f"unit {self.index}: a write of {total} bytes does not fit its "
+                    f"{lease.nbytes}-byte lease"
+                )
+            block, base = lease.block, lease.offset
+        else:
+            await self._wait_for_room([total], sample_ids)
+            try:
+                ((block, base),) = self.arena.alloc([total])
+            except OSError as e:  # out of descriptors (EMFILE) or shared memory (ENOMEM, ENOSPC)
+                raise CapacityExceeded(
+                    f"unit {self.index}: cannot allocate {total} bytes of shared memory "
+                    f"({e.strerror or e})",
+                    ids=sample_ids,
+                ) from None
+        # One reference per field (what publish and discard count), none for the region.
+        self.arena.hold(block, len(names))
+        if lease is None:
+            self.arena.release([block])
+        placed = [(block, base + off) for off in offsets]
         fields = {}
         for name, (block, offset) in zip(names, placed):
             enc = encoded[name]
@@ -294,6 +417,10 @@ class StorageUnit:
         def fits() -> bool:
             return self.used_bytes + self.arena.extra_bytes(sizes) <= self.capacity_bytes
 
+        if fits():
+            return
+        # Regions set aside for writers' next puts give way to a write that needs the room.
+        self._reclaim_write_leases(list(self.write_leases), writer_alive=True)
         if fits():
             return
         need = sum(sizes)
@@ -585,6 +712,12 @@ class StorageUnit:
         for (wid, _), dead in zip(owned, died):
             if dead and wid in self.staged:
                 self._reclaim(wid, "its writer's process died before its commit")
+        now = time.monotonic()
+        expired = [i for i, w in self.write_leases.items() if w.deadline <= now]
+        self._reclaim_write_leases(expired, writer_alive=True)
+        writers = [(i, w.owner) for i, w in self.write_leases.items() if w.owner is not None]
+        gone = await asyncio.gather(*[self._owner_died(r, timeout_s) for _, r in writers])
+        self._reclaim_write_leases([i for (i, _), dead in zip(writers, gone) if dead], False)
         # A reader's mappings die with its process: release its leases.
         readers = {ref.hex(): ref for _, ref in self.read_leases.values() if ref is not None}
         gone = await asyncio.gather(*[self._owner_died(r, timeout_s) for r in readers.values()])
@@ -663,7 +796,8 @@ class StorageUnit:
 
         Rows that lie back to back in one block go out as a view of the block,
         which Ray copies straight into the object store (the one copy on this
-        side); others are gathered first.
+        side); others are gathered first. A view stays valid after a concurrent
+        clear: it maps the block, and published bytes are never rewritten.
         """
         t0 = time.perf_counter()
         out: dict[str, EncodedField] = {}
@@ -671,25 +805,13 @@ class StorageUnit:
             if isinstance(rows, tuple):
                 header, chunk_ids, which, starts, ends = rows
                 if len(chunk_ids) == 1 and np.array_equal(starts[1:], ends[:-1]):
-                    values = self._leased_view(chunk_ids[0], int(starts[0]), int(ends[-1]))
+                    values = self.arena.view(chunk_ids[0], int(starts[0]), int(ends[-1]))
                 else:
                     values = self.arena.gather(chunk_ids, which, starts, ends)
                 rows = dataclasses.replace(header, values=values)
             out[name] = rows
         self._count_read(out, t0)
         return out
-
-    def _leased_view(self, block: int, start: int, end: int) -> np.ndarray:
-        """A view of a block's bytes for ``read`` to return. Ray copies it into the object
-        store only after ``read`` has returned, when a concurrent clear may have freed the
-        block: the view maps it (a closed chunk's pages live on in the mapping) and
-        leases it, so it is not recycled for a new write until the view is gone."""
-        values = self.arena.view(block, start, end)
-        self.arena.lease([block])
-        # The view may die on a Ray thread; the lease goes back on the unit's event loop.
-        loop = asyncio.get_running_loop()
-        weakref.finalize(values, loop.call_soon_threadsafe, self.arena.unlease, [block])
-        return values
 
     def read_shm(
         self,
@@ -824,10 +946,13 @@ class StorageUnit:
             index=self.index,
             node_id=self.node_id,
             node_ip=self.node_ip,
-            bytes=self.used_bytes,
+            # Regions leased to writers for their next put count as memory kept ready for
+            # writes (like the reserve), not as data; capacity counts them in both.
+            bytes=self.used_bytes - sum(w.nbytes for w in self.write_leases.values()),
             samples=sum(len(p.slot_of) for p in self.partitions.values()),
             capacity_bytes=self.capacity_bytes,
-            warm_reserve_bytes=self.reserve.held_bytes,
+            warm_reserve_bytes=self.reserve.held_bytes
+            + sum(self.arena.chunk_bytes(w.block) for w in self.write_leases.values()),
             partition_bytes=self.partition_bytes(),
             stats=self.stats.snapshot(),
         )
