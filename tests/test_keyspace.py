@@ -6,7 +6,7 @@ Every test runs in milliseconds; time is an injected clock, never a sleep.
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dataplane_client.errors import (
@@ -484,6 +484,55 @@ def test_commits_in_flight_applied_in_any_order_never_leave_a_short_column(steps
         ks.apply_commit(plan)
     _every_column_covers_every_row(part)
     assert set(part.row_of) == {s for s in part.ids if s is not None}
+
+
+def _run_steps(steps, *, fresh_lookup: bool):
+    """``steps`` on a new key space; ``fresh_lookup`` makes every apply look its rows up again
+    instead of reusing its check's lookup (the reference the reuse must equal)."""
+    ks = _space()
+    part = _register(ks, tasks=["a", "b"], leases={"b": 5.0})
+    pending: list[CommitPlan] = []
+    outcomes = []
+    for step in steps:
+        try:
+            if step[0] == "check":
+                plan = ks.check_commit(_request(step[1], fields=(step[2],)))
+                if isinstance(plan, CommitPlan):
+                    pending.append(plan)
+                outcomes.append(type(plan).__name__)
+            elif step[0] == "apply" and pending:
+                if fresh_lookup:
+                    part.epoch += 1
+                result, cleared = ks.apply_commit(pending.pop(step[1] % len(pending)))
+                outcomes.append((result.sequence_lengths, cleared))
+            elif step[0] == "claim":
+                meta = ks.claim(part, step[1], [step[2]], 64, partial_ok=True)
+                outcomes.append(None if meta is None else meta.sample_ids)
+            elif step[0] == "clear":
+                outcomes.append(ks.clear_samples("p", sorted(set(step[1]))))
+        except DataPlaneError as e:
+            outcomes.append(type(e).__name__)
+    n = part.n_rows
+    produced = {f: col[:n].tolist() for f, col in part.produced.items()}
+    return outcomes, dict(part.row_of), list(part.ids), part.live[:n].tolist(), produced
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(_step, max_size=30))
+@example(  # a clear between the check and the apply of a write-back (the case reuse must see)
+    steps=[
+        ("check", [_IDS[0], _IDS[1]], "x"),
+        ("apply", 0),
+        ("check", [_IDS[0], _IDS[1]], "y"),
+        ("clear", [_IDS[0]]),
+        ("apply", 0),
+    ]
+)
+def test_an_apply_reusing_its_checks_row_lookup_equals_one_that_looks_again(steps):
+    """apply_commit skips the second lookup of a commit's ids when no row was added or
+    forgotten since its check; under any interleaving of checks, applies, claims and clears
+    every answer and the final rows, ids and produced bits equal a fresh lookup's."""
+    assert _run_steps(steps, fresh_lookup=False) == _run_steps(steps, fresh_lookup=True)
 
 
 # ---- declarations: one check for both services, kept whole through journal and checkpoint ----
