@@ -130,7 +130,7 @@ def test_the_second_copy_goes_to_the_next_alive_unit_on_another_node():
 
 
 # ---- configuration ---------------------------------------------------------------------
-def test_replicas_is_one_or_two_and_needs_two_nodes(ray_session, monkeypatch):
+def test_replicas_is_one_or_two_and_the_in_process_client_refuses_two(monkeypatch):
     assert DataPlaneConfig().replicas == 1
     for bad in (0, 3, "2", 1.0):
         with pytest.raises(ConfigError, match="replicas"):
@@ -138,10 +138,8 @@ def test_replicas_is_one_or_two_and_needs_two_nodes(ray_session, monkeypatch):
     monkeypatch.setenv("DATAPLANE_REPLICAS", "2")
     assert DataPlaneConfig().replicas == 2
     monkeypatch.delenv("DATAPLANE_REPLICAS")
-    from dataplane_server import build_data_plane_client, start
+    from dataplane_server import build_data_plane_client
 
-    with pytest.raises(ConfigError, match="at least two nodes"):  # the session's Ray: one node
-        start(DataPlaneConfig(name="rep-one-node", num_storage_units=2, replicas=2))
     with pytest.raises(ConfigError, match="in-process"):
         build_data_plane_client({"enabled": True, "impl": "in_process", "service": {"replicas": 2}})
 
@@ -158,6 +156,11 @@ def scenario() -> dict:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert lines, proc.stdout[-3000:]
     return json.loads(lines[-1][len("RESULT ") :])
+
+
+@pytest.mark.slow
+def test_start_refuses_two_copies_on_one_node(scenario):
+    assert "replicas: 2 needs storage units on at least two nodes" in scenario["one_node_refused"]
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dataplane_client import DataPlaneConfig, connect
 from dataplane_client.codec import encode_fields
-from dataplane_client.errors import DataPlaneError, SamplesLost
+from dataplane_client.errors import ConfigError, DataPlaneError, SamplesLost
 from dataplane_client.messages import CommitRequest
 from dataplane_server import start
 
@@ -282,7 +282,7 @@ def writer_killed_between_stages(head_node_id: str) -> dict:
     return out
 
 
-def three_nodes(tries: int = 3):
+def three_nodes(tries: int = 5):
     """A head and two worker nodes. Ray gives a starting node 30 s to register, which a
     loaded machine can miss: the whole cluster is then torn down and started again."""
     for attempt in range(tries):
@@ -317,6 +317,11 @@ def main(parts: list[str]) -> None:
     head = ray.get_runtime_context().get_node_id()
     out: dict = {}
     try:
+        try:  # one unit sits on one node: two copies there would survive nothing
+            start(DataPlaneConfig(name="rep-one", num_storage_units=1, replicas=2))
+            out["one_node_refused"] = None
+        except ConfigError as e:
+            out["one_node_refused"] = str(e)
         if "node_loss" in parts:
             out["node_loss"] = node_loss_during_writes(cluster, doomed)
             print(f"node_loss: {out['node_loss']}", file=sys.stderr, flush=True)
