@@ -134,9 +134,6 @@ class _RestartClock:
             )
 
 
-def _wait_sync(ref: Any) -> Any:
-    clock = _RestartClock(ref)
-    while True:
 def _give_up(ref: Any, clock: _RestartClock) -> None:
     """Past the budget: cancel the call before raising. Ray would otherwise deliver it to
     the restarted controller later, and a claim or commit the caller was told failed
@@ -149,6 +146,9 @@ def _give_up(ref: Any, clock: _RestartClock) -> None:
         raise
 
 
+def _wait_sync(ref: Any) -> Any:
+    clock = _RestartClock(ref)
+    while True:
         try:
             return ray.get(ref, timeout=_POLL_S)
         except GetTimeoutError:
