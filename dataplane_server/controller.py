@@ -79,11 +79,11 @@ class Controller(Inspection):
             config.get("retain_emptied_partitions"), config.get("retain_emptied_partitions_s")
         )
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if self.restarted:  # tests hold a restart here to outlast the clients' retry budget
+            failpoints.hold_while_armed(failpoints.CONTROLLER_RESTART)
         self.started_at = time.time()
         self.draining = False
         self.stats = Stats()
-        if self.restarted:  # tests hold a restart here to outlast the clients' retry budget
-            failpoints.hold_while_armed(failpoints.CONTROLLER_RESTART)
         self._waits = claim_wait.ClaimWaits()  # blocking claims wait here, per partition
         self._lifecycle = asyncio.Lock()  # register / delete of one id never interleave
         # Tests only: an async callable awaited between publish and apply, to widen that window.
