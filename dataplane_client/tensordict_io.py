@@ -63,6 +63,10 @@ def as_field_mapping(fields: Any) -> dict[str, Any]:
 def _non_tensor_stack(values: list) -> Any:
     from tensordict import NonTensorData, NonTensorStack
 
+    if set(map(type, values)) <= {str, type(None)}:
+        # The same stack, built about 3x faster; from_list would stack list rows as a
+        # second dim, so it serves string columns only.
+        return NonTensorStack.from_list(values)
     return NonTensorStack(*[NonTensorData(data=v, batch_size=[]) for v in values], stack_dim=0)
 
 
