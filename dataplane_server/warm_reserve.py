@@ -78,8 +78,8 @@ class WarmReserve:
     def recycle(self, chunk: shm.MemFd) -> list[str]:
         """Keep a freed chunk (no reader maps it) for the next write of its size, or close it.
 
-        Returns the names of the chunks this closed (``chunk`` itself when not kept; the
-        oldest ready one of its size when that made room).
+        Returns the names of the chunks this closed (``chunk`` itself when not kept; older
+        ready ones when that made room for it).
         """
         evicted = []
         with self._lock:
@@ -87,6 +87,10 @@ class WarmReserve:
             if len(same) >= _PER_SIZE:  # the oldest of its size goes: it is the least mapped
                 evicted.append(same[0])
                 self._ready.remove(same[0])
+            # Older chunks make room for it: a writer has this one mapped, they may be unused.
+            fits = chunk.size <= self.limit
+            while fits and self._ready and self._held() + chunk.size > self.limit:
+                evicted.append(self._ready.pop(0))
             keep = (
                 not self._closed and self.configured > 0 and self._held() + chunk.size <= self.limit
             )
