@@ -24,6 +24,7 @@ import ray
 from dataplane_client import shm
 from dataplane_client.codec import (
     DENSE,
+    OBJECT,
     EncodedField,
     contiguous_runs,
     decode_field,
@@ -285,9 +286,10 @@ def assemble(parts: list[EncodedField | SharedRows], order: np.ndarray) -> Any:
     run_starts, _ = contiguous_runs(starts + key, ends + key)
     if len(run_starts) == 1 and isinstance(sources[int(which[0])], ChunkRef) and len(order):
         first_src = int(which[0])
-        values = shm.map_private(
-            sources[first_src], int(starts[0]), int(ends[-1]), keep=leases[first_src]
-        )
+        # Object rows are read whole (decoded into Python values, a copy): map them
+        # read-only with every page faulted in at once, not one fault per page.
+        mapper = shm.map_for_read if first.kind == OBJECT else shm.map_private
+        values = mapper(sources[first_src], int(starts[0]), int(ends[-1]), keep=leases[first_src])
     else:
         buffers = []
         for i, src in enumerate(sources):
