@@ -49,7 +49,8 @@ def test_a_recycled_chunk_is_handed_out_first_and_the_oldest_of_its_size_makes_r
 
         used = shm.create(1 << 20)
         closed = r.recycle(used)  # kept; the oldest fresh one closed to keep two of a size
-        assert len(closed) == 1 and closed != [used.name]
+        assert len(closed) == 1
+        assert closed != [used.name]
         assert r.take(1 << 20).name == used.name  # the writer that filled it has it mapped
     finally:
         r.close()
