@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import os
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -796,8 +797,7 @@ class StorageUnit:
 
         Rows that lie back to back in one block go out as a view of the block,
         which Ray copies straight into the object store (the one copy on this
-        side); others are gathered first. A view stays valid after a concurrent
-        clear: it maps the block, and published bytes are never rewritten.
+        side); others are gathered first.
         """
         t0 = time.perf_counter()
         out: dict[str, EncodedField] = {}
@@ -805,13 +805,25 @@ class StorageUnit:
             if isinstance(rows, tuple):
                 header, chunk_ids, which, starts, ends = rows
                 if len(chunk_ids) == 1 and np.array_equal(starts[1:], ends[:-1]):
-                    values = self.arena.view(chunk_ids[0], int(starts[0]), int(ends[-1]))
+                    values = self._leased_view(chunk_ids[0], int(starts[0]), int(ends[-1]))
                 else:
                     values = self.arena.gather(chunk_ids, which, starts, ends)
                 rows = dataclasses.replace(header, values=values)
             out[name] = rows
         self._count_read(out, t0)
         return out
+
+    def _leased_view(self, block: int, start: int, end: int) -> np.ndarray:
+        """A view of a block's bytes for ``read`` to return. Ray copies it into the object
+        store only after ``read`` has returned, when a concurrent clear may have freed the
+        block: the view maps it (a closed chunk's pages live on in the mapping) and
+        leases it, so it is not recycled for a new write until the view is gone."""
+        values = self.arena.view(block, start, end)
+        self.arena.lease([block])
+        # The view may die on a Ray thread; the lease goes back on the unit's event loop.
+        loop = asyncio.get_running_loop()
+        weakref.finalize(values, loop.call_soon_threadsafe, self.arena.unlease, [block])
+        return values
 
     def read_shm(
         self,
