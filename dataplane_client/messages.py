@@ -101,7 +101,7 @@ class CommitResult:
     live on other units than the writer assumed (sample_id -> unit); the
     writer stages again there. Otherwise ``sequence_lengths`` are the rows'
     recorded lengths, in the order of the commit's ids. ``rerouted_replicas``
-    says where the rerouted samples' second copies live (-1: none).
+    says where rerouted samples with a second copy keep it.
     """
 
     rerouted: dict[str, int] = field(default_factory=dict)
