@@ -82,35 +82,21 @@ def _measure(replicas: int, total: int, row_bytes: int, repeats: int, small_puts
         handle.shutdown()
 
 
-def _two_nodes(object_store_bytes: int, tries: int = 3) -> Any:
-    """A head and one worker node. Ray gives a starting node 30 s to register, which a
-    loaded machine can miss: the whole cluster is then torn down and started again."""
-    from ray.cluster_utils import Cluster
-
-    for attempt in range(tries):
-        cluster = Cluster()
-        try:
-            for cpus in (4, 2):
-                cluster.add_node(
-                    num_cpus=cpus, object_store_memory=object_store_bytes, include_dashboard=False
-                )
-            return cluster
-        except Exception as e:  # retried below; the last failure is raised
-            print(f"cluster start failed ({e}); attempt {attempt + 1} of {tries}", file=sys.stderr)
-            cluster.shutdown()
-            if attempt == tries - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
 def measure_all(quick: bool, repeats: int) -> dict:
     """Both settings on one fresh two-node cluster; raw numbers."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
+
+    from dataplane_server.local_ray import start_local_cluster
 
     total, row_bytes = (16 * MiB, 64 * 1024) if quick else (64 * MiB, 256 * 1024)
     small_puts = 30 if quick else 200
-    cluster = _two_nodes(object_store_bytes=4 * total + 256 * MiB)
+    store = 4 * total + 256 * MiB
+    cluster, _ = start_local_cluster(
+        [
+            {"num_cpus": cpus, "object_store_memory": store, "include_dashboard": False}
+            for cpus in (4, 2)
+        ]
+    )
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
     try:

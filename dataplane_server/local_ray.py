@@ -7,6 +7,9 @@ so they all bind to 127.0.0.1 and never attach to another Ray on the machine.
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ray
 
@@ -38,3 +41,28 @@ def init_local_ray(
         log_to_driver=log_to_driver,
         _node_ip_address="127.0.0.1",
     )
+
+
+def start_local_cluster(nodes: Sequence[Mapping[str, Any]], attempts: int = 3) -> tuple[Any, list]:
+    """Several Ray nodes on this machine (``ray.cluster_utils.Cluster``), on loopback.
+
+    ``nodes`` are ``add_node`` arguments, the first the head's. Ray gives a starting
+    node 30 s to register, which a loaded machine can miss: the whole cluster is then
+    torn down and started again, at most ``attempts`` times. Returns the cluster and
+    its nodes in the order given. For tests and benchmarks of multi-node behaviour.
+    """
+    from ray.cluster_utils import Cluster
+
+    os.environ[_LOOPBACK_ENV] = "0"
+    for attempt in range(attempts):
+        cluster = Cluster()
+        try:
+            return cluster, [cluster.add_node(**dict(node)) for node in nodes]
+        except Exception as e:
+            print(
+                f"cluster start failed ({e}); attempt {attempt + 1} of {attempts}", file=sys.stderr
+            )
+            cluster.shutdown()
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")

@@ -13,11 +13,11 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import numpy as np
 import ray
 import torch
-from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dataplane_client import DataPlaneConfig
 from dataplane_server import start
+from dataplane_server.local_ray import start_local_cluster
 
 N = 24
 ROUNDS = 40
@@ -99,20 +99,8 @@ class Reader:
         return outcomes
 
 
-def start_cluster(head_args: dict, attempts: int = 3) -> Cluster:
-    """A one-node Cluster; Ray gives a node 30 s to register, which a loaded machine can miss."""
-    for attempt in range(attempts):
-        try:
-            return Cluster(initialize_head=True, head_node_args=head_args)
-        except Exception as e:  # Ray raises a bare Exception for this
-            if "timed out during startup" not in str(e) or attempt == attempts - 1:
-                raise
-            ray.shutdown()
-    raise AssertionError("unreachable")
-
-
 def main() -> None:
-    cluster = start_cluster({"num_cpus": 2, "include_dashboard": False})
+    cluster, _ = start_local_cluster([{"num_cpus": 2, "include_dashboard": False}])
     ray.init(address=cluster.address, log_to_driver=False)
     # The service starts while B (the head) is the only node: its units live there.
     handle = start(DataPlaneConfig(name="xn", num_storage_units=1, admin_enabled=False))

@@ -20,7 +20,6 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import numpy as np
 import ray
 import torch
-from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dataplane_client import DataPlaneConfig, connect
@@ -28,6 +27,7 @@ from dataplane_client.codec import encode_fields
 from dataplane_client.errors import ConfigError, DataPlaneError, SamplesLost
 from dataplane_client.messages import CommitRequest
 from dataplane_server import start
+from dataplane_server.local_ray import start_local_cluster
 
 BATCH = 8
 BATCHES = 15
@@ -282,30 +282,19 @@ def writer_killed_between_stages(head_node_id: str) -> dict:
     return out
 
 
-def three_nodes(tries: int = 5):
-    """A head and two worker nodes. Ray gives a starting node 30 s to register, which a
-    loaded machine can miss: the whole cluster is then torn down and started again."""
-    for attempt in range(tries):
-        cluster = Cluster()
-        try:
-            cluster.add_node(
-                num_cpus=4,
-                include_dashboard=False,
-                _system_config={
-                    "health_check_period_ms": 300,
-                    "health_check_failure_threshold": 3,
-                    "health_check_timeout_ms": 500,
-                },
-            )
-            doomed = cluster.add_node(num_cpus=2)
-            cluster.add_node(num_cpus=2)
-            return cluster, doomed
-        except Exception as e:  # retried below; the last failure is raised
-            print(f"cluster start failed ({e}); attempt {attempt + 1} of {tries}", file=sys.stderr)
-            cluster.shutdown()
-            if attempt == tries - 1:
-                raise
-    raise AssertionError("unreachable")
+def three_nodes():
+    """A head and two worker nodes; the first worker is the one a test removes."""
+    head = {
+        "num_cpus": 4,
+        "include_dashboard": False,
+        "_system_config": {
+            "health_check_period_ms": 300,
+            "health_check_failure_threshold": 3,
+            "health_check_timeout_ms": 500,
+        },
+    }
+    cluster, (_, doomed, _) = start_local_cluster([head, {"num_cpus": 2}, {"num_cpus": 2}], 5)
+    return cluster, doomed
 
 
 def main(parts: list[str]) -> None:
