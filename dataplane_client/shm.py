@@ -278,9 +278,13 @@ class WriteMaps:
                 if dropped is not None:
                     self._bytes -= len(dropped)
 
-    def mapped_bytes(self) -> int:
+    def mapped_bytes(self, prefix: str = "") -> int:
+        """Bytes mapped in all, or of the chunks whose names start with ``prefix`` (one
+        unit's chunks: ``chunk_prefix()`` in its process)."""
         with self._lock:
-            return self._bytes
+            if not prefix:
+                return self._bytes
+            return sum(len(m) for name, m in self._maps.items() if name.startswith(prefix))
 
 
 write_maps = WriteMaps()  # one per process: every client of this process shares it

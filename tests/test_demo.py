@@ -54,12 +54,20 @@ def _read_until(lines: queue.Queue, marker: str, deadline: float, seen: list[str
     raise AssertionError(f"no line starting with {marker!r}; output so far:\n" + "\n".join(seen))
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Shared by this module's demo runs: the first one's checkpoints are the straight
+    run the resume test compares with (one demo run fewer in CI)."""
+    return tmp_path_factory.mktemp("demo-runs")
+
+
 @pytest.mark.slow
-def test_small_demo_runs_keeps_serving_and_its_checks_pass(tmp_path):
-    out = tmp_path / "demo.json"
+def test_small_demo_runs_keeps_serving_and_its_checks_pass(tmp_path, runs):
+    out = runs / "straight.json"
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_AUTH_MODE", None)  # the demo's own choice is under test
     args = ["--small", "--no-progress", "--keep-serving", "--json", str(out)]
+    args += ["--checkpoint-dir", str(runs / "straight")]
     stderr_path = tmp_path / "stderr.txt"
     with open(stderr_path, "w") as err:
         proc = subprocess.Popen(
@@ -228,12 +236,15 @@ def _assert_same(a, b, where: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # two demo runs, each ~2-5 min on a loaded 2-core machine
-def test_a_run_resumed_from_a_checkpoint_ends_bit_for_bit_like_the_straight_run(tmp_path):
-    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
-    straight, _ = _run_demo(
-        ["--small", "--checkpoint-dir", str(straight_dir)], tmp_path, "straight"
-    )
+@pytest.mark.timeout(1500)  # up to two demo runs, each ~2-5 min on a loaded 2-core machine
+def test_a_run_resumed_from_a_checkpoint_ends_bit_for_bit_like_the_straight_run(tmp_path, runs):
+    straight_dir, resumed_dir = runs / "straight", tmp_path / "resumed"
+    if (runs / "straight.json").exists():  # the serving test above made it
+        straight = json.loads((runs / "straight.json").read_text())
+    else:  # run alone (-k)
+        straight, _ = _run_demo(
+            ["--small", "--checkpoint-dir", str(straight_dir)], runs, "straight"
+        )
     assert [os.path.basename(p) for p in straight["checkpoints"]] == ["step-1", "step-2"]
     # no --small: the flags come from the checkpoint (rollout actors do not shape the data)
     resumed, lines = _run_demo(
