@@ -19,11 +19,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import uuid
 
 import msgpack
 
+from dataplane_client import atomic_dir
 from dataplane_client.errors import CorruptPayload, InvalidBatch
 from dataplane_server.recovery_messages import DumpedFile
 
@@ -33,13 +32,7 @@ STATE = "state.msgpack"
 
 
 def start(directory: str) -> str:
-    """A fresh temporary directory beside ``directory`` (which must not exist yet)."""
-    directory = os.path.abspath(directory)
-    if os.path.exists(directory):
-        raise InvalidBatch(f"checkpoint directory {directory} exists; choose a new one")
-    tmp = f"{directory}.tmp-{uuid.uuid4().hex[:8]}"
-    os.makedirs(tmp)
-    return tmp
+    return atomic_dir.start(directory, InvalidBatch)
 
 
 def finish(tmp: str, directory: str, files: list[DumpedFile], state: dict) -> None:
@@ -56,14 +49,10 @@ def finish(tmp: str, directory: str, files: list[DumpedFile], state: dict) -> No
     }
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
-    for name in os.listdir(tmp):
-        with open(os.path.join(tmp, name), "rb") as f:
-            os.fsync(f.fileno())
-    os.rename(tmp, os.path.abspath(directory))
+    atomic_dir.publish(tmp, directory)
 
 
-def abandon(tmp: str) -> None:
-    shutil.rmtree(tmp, ignore_errors=True)
+abandon = atomic_dir.abandon
 
 
 def read(directory: str) -> tuple[list[DumpedFile], dict]:

@@ -28,12 +28,11 @@ import io
 import json
 import os
 import random
-import shutil
-import uuid
 from typing import Any
 
 import torch
 
+from dataplane_client import atomic_dir
 from policy_workers.errors import (
     CheckpointCorrupt,
     CheckpointMismatch,
@@ -54,13 +53,7 @@ def shard_name(rank: int) -> str:
 
 
 def start(directory: str) -> str:
-    """A fresh temporary directory beside ``directory``, which must not exist yet."""
-    directory = os.path.abspath(directory)
-    if os.path.exists(directory):
-        raise PolicyCheckpointError(f"checkpoint directory {directory} exists; choose a new one")
-    tmp = f"{directory}.tmp-{uuid.uuid4().hex[:8]}"
-    os.makedirs(tmp)
-    return tmp
+    return atomic_dir.start(directory, PolicyCheckpointError)
 
 
 def write_shard(tmp: str, rank: int, obj: Any) -> dict[str, Any]:
@@ -85,15 +78,10 @@ def finish(tmp: str, directory: str, manifest: dict[str, Any]) -> str:
     """Write the manifest into ``tmp``, sync it, rename ``tmp`` to ``directory``."""
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump({"format": FORMAT, **manifest}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    directory = os.path.abspath(directory)
-    os.rename(tmp, directory)
-    return directory
+    return atomic_dir.publish(tmp, directory)
 
 
-def abandon(tmp: str) -> None:
-    shutil.rmtree(tmp, ignore_errors=True)
+abandon = atomic_dir.abandon
 
 
 def read_manifest(directory: str, part: str) -> dict[str, Any]:

@@ -1,25 +1,12 @@
 """Units on several Ray nodes; losing a node loses exactly its samples (separate process: own cluster)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from scenario_run import run_scenario
 
 
 @pytest.mark.slow
 def test_multinode_spread_and_node_loss():
-    script = Path(__file__).parent / "scenarios" / "multinode.py"
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert lines, proc.stdout[-3000:]
-    out = json.loads(lines[-1][len("RESULT ") :])
+    out = run_scenario("multinode", timeout_s=240)
     assert len(set(out["unit_nodes"])) == 2, "units must sit on different nodes"
     assert out["cross_node_roundtrip"]
     assert out["doomed"], "the lost node held some samples"

@@ -6,14 +6,9 @@ a node removed during streaming writes, a unit killed after a clear, a checkpoin
 and a controller restart, a writer killed between a put's two stages.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from scenario_run import run_scenario
 
 from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import ConfigError, InvalidBatch, SamplesLost
@@ -147,15 +142,7 @@ def test_replicas_is_one_or_two_and_the_in_process_client_refuses_two(monkeypatc
 # ---- the service on three nodes ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def scenario() -> dict:
-    script = Path(__file__).parent / "scenarios" / "replication.py"
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=900, env=env
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert lines, proc.stdout[-3000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    return run_scenario("replication", timeout_s=900)
 
 
 @pytest.mark.slow

@@ -1,0 +1,36 @@
+"""Directories that appear whole or not at all (store and policy checkpoints).
+
+Everything is written into ``<dir>.tmp-<random>`` beside the final name, every file
+is fsynced, and only then is the directory renamed to ``<dir>``: a crash mid-save
+leaves no directory of the final name, only a temporary one that nothing loads.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+
+def start(directory: str, error: type[Exception]) -> str:
+    """A fresh temporary directory beside ``directory``; raises ``error`` if it exists."""
+    directory = os.path.abspath(directory)
+    if os.path.exists(directory):
+        raise error(f"checkpoint directory {directory} exists; choose a new one")
+    tmp = f"{directory}.tmp-{uuid.uuid4().hex[:8]}"
+    os.makedirs(tmp)
+    return tmp
+
+
+def publish(tmp: str, directory: str) -> str:
+    """Sync every file in ``tmp``, then rename it to ``directory``; returns its absolute path."""
+    for name in os.listdir(tmp):
+        with open(os.path.join(tmp, name), "rb") as f:
+            os.fsync(f.fileno())
+    directory = os.path.abspath(directory)
+    os.rename(tmp, directory)
+    return directory
+
+
+def abandon(tmp: str) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
