@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataplane_client import enum_codes, object_columns
+from dataplane_client import enum_codes, object_columns, parallel_copy
 from dataplane_client.errors import (
     CorruptPayload,
     InvalidBatch,
@@ -440,6 +440,30 @@ def contiguous_runs(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, n
     return run_starts, run_ends
 
 
+def gather_pairs(
+    buffers: list[np.ndarray],
+    which: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    out: np.ndarray,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The (destination, source) copies that put byte ranges (from ``buffers[which[i]]``)
+    back to back into ``out``: one per run of adjacent ranges of one buffer."""
+    if len(starts) == 0:
+        return []
+    # Merge only inside the same source buffer: offset the ranges so buffers never abut.
+    key = which.astype(np.int64) << 48
+    rs, re_ = contiguous_runs(starts + key, ends + key)
+    pos, pairs = 0, []
+    for s, e in zip(rs.tolist(), re_.tolist()):
+        buf = buffers[s >> 48]
+        lo, hi = s & ((1 << 48) - 1), e & ((1 << 48) - 1)
+        n = hi - lo
+        pairs.append((out[pos : pos + n], buf[lo:hi]))
+        pos += n
+    return pairs
+
+
 def gather_bytes(
     buffers: list[np.ndarray],
     which: np.ndarray,
@@ -450,24 +474,26 @@ def gather_bytes(
     """Copy byte ranges (from ``buffers[which[i]]``) back to back into one buffer.
 
     Adjacent ranges of the same buffer are merged first, so a contiguous
-    selection is a single memcpy.
+    selection is a single memcpy (split over threads when large).
     """
-    total = int((ends - starts).sum())
     if out is None:
-        out = np.empty(total, dtype=np.uint8)
-    if len(starts) == 0:
-        return out
-    # Merge only inside the same source buffer: offset the ranges so buffers never abut.
-    key = which.astype(np.int64) << 48
-    rs, re_ = contiguous_runs(starts + key, ends + key)
-    pos = 0
-    for s, e in zip(rs.tolist(), re_.tolist()):
-        buf = buffers[s >> 48]
-        lo, hi = s & ((1 << 48) - 1), e & ((1 << 48) - 1)
-        n = hi - lo
-        out[pos : pos + n] = buf[lo:hi]
-        pos += n
+        out = np.empty(int((ends - starts).sum()), dtype=np.uint8)
+    parallel_copy.copy_pairs(gather_pairs(buffers, which, starts, ends, out))
     return out
+
+
+def row_copy_pairs(
+    enc: EncodedField, rows: np.ndarray, out: np.ndarray
+) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """The copies that put ``rows`` of ``enc`` back to back into ``out``, to run together
+    with other fields' (``parallel_copy.copy_pairs``); None for a string column, which
+    ``take_rows(out=...)`` writes row by row."""
+    if enc.values is None and enc.strings is not None:
+        return None
+    rows = np.asarray(rows, dtype=np.int64)
+    offs = row_byte_offsets(enc)
+    which = np.zeros(len(rows), dtype=np.int64)
+    return gather_pairs([enc.require_values()], which, offs[rows], offs[rows + 1], out)
 
 
 def take_rows(

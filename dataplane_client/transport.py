@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from dataplane_client import shm
+from dataplane_client import parallel_copy, shm
 from dataplane_client.codec import (
     DENSE,
     OBJECT,
@@ -30,6 +30,7 @@ from dataplane_client.codec import (
     decode_field,
     gather_bytes,
     row_byte_offsets,
+    row_copy_pairs,
     take_rows,
 )
 from dataplane_client.errors import DataPlaneError
@@ -128,9 +129,12 @@ class Transport:
                         self._closed_seq[u],
                     )
                     offsets, _ = shm.layout([h.nbytes for h in headers.values()])
-                    copied[u] = self._copy_in(
-                        u, encoded, rows, lease.region.chunk, lease.region.offset, offsets
-                    )
+                    base = lease.region.offset
+                    targets = [
+                        (enc, lease.region.chunk, base + off)
+                        for enc, off in zip(encoded.values(), offsets)
+                    ]
+                    copied[u] = self._copy_in(u, targets, rows)
                 else:
                     call = self.units[u].alloc_shm.remote(
                         partition_id, write_id, ids, headers, owner, self._closed_seq[u]
@@ -154,13 +158,8 @@ class Transport:
             if u in copied:
                 error = copied[u]
             else:
-                error = None
-                for name, region in alloc.regions.items():
-                    error = self._copy_in(
-                        u, {name: encoded[name]}, rows, region.chunk, region.offset, [0]
-                    )
-                    if error is not None:
-                        break
+                targets = [(encoded[n], r.chunk, r.offset) for n, r in alloc.regions.items()]
+                error = self._copy_in(u, targets, rows)
             if error is not None:
                 results[i] = error
                 self.discard(u, write_id)  # staged, but its bytes never arrived: not awaited
@@ -181,18 +180,21 @@ class Transport:
     def _copy_in(
         self,
         unit: int,
-        encoded: dict[str, EncodedField],
+        targets: list[tuple[EncodedField, ChunkRef, int]],
         rows: np.ndarray,
-        chunk: ChunkRef,
-        base: int,
-        offsets: list[int],
     ) -> BaseException | None:
-        """Copy the rows of each field to ``base + offsets[i]`` of ``chunk``; the error if not."""
+        """Copy the rows of each field to its (chunk, offset); the error if not."""
         try:
-            for enc, off in zip(encoded.values(), offsets):
+            pairs = []  # every field's copies run together, split over threads
+            for enc, chunk, offset in targets:
                 nbytes = take_rows(enc, rows, header_only=True).nbytes
-                dest = shm.map_for_write(chunk, base + off, nbytes)
-                take_rows(enc, rows, out=dest)  # the one copy of a same-node put
+                dest = shm.map_for_write(chunk, offset, nbytes)
+                field_pairs = row_copy_pairs(enc, rows, dest)
+                if field_pairs is None:
+                    take_rows(enc, rows, out=dest)  # a string column, written row by row
+                else:
+                    pairs.extend(field_pairs)
+            parallel_copy.copy_pairs(pairs)  # the one copy of a same-node put
         except shm.ChunkChanged as e:
             return StagedRegionGone(f"unit {unit}: {e}")
         except OSError as e:
