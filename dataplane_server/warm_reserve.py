@@ -34,6 +34,8 @@ class WarmReserve:
         self.limit = self.configured  # grows to the largest write seen (never when 0 = off)
         self._ready: list[shm.MemFd] = []  # faulted in
         self._wanted: list[int] = []  # sizes to make next
+        self.requested = 0  # chunks asked of the background thread so far (tests, metrics)
+        self._recycled_sizes: set[int] = set()  # sizes of freed chunks kept for reuse
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._closed = False
@@ -69,9 +71,18 @@ class WarmReserve:
             best = min(fit, key=lambda i: (self._ready[i].size, -i)) if fit else None
             got = self._ready.pop(best) if best is not None else None
             # Writes of this size keep coming: after a miss have two made ahead; after a
-            # hit one more only when none is left (a recycled chunk usually comes back).
-            want = 2 if got is None else (0 if len(fit) > 1 else 1)
+            # hit one more only when none is left, and not when freed chunks of this size
+            # come back (put/clear) and the limit has no room for both: the one made would
+            # be evicted by the next recycled chunk, its zeroing (a core busy for 0.2 s per
+            # GiB) wasted beside the writer's copy.
+            comes_back = got is not None and got.size in self._recycled_sizes
+            no_room = comes_back and self._held() + got.size + nbytes > self.limit
+            if got is None:
+                want = 2
+            else:
+                want = 0 if len(fit) > 1 or no_room else 1
             self._wanted.extend([nbytes] * want)
+            self.requested += want
             self._wake.notify()
         return got
 
@@ -96,6 +107,7 @@ class WarmReserve:
             )
             if keep:
                 self._ready.append(chunk)
+                self._recycled_sizes.add(chunk.size)
                 self._wake.notify_all()
         if not keep:
             with self._lock:

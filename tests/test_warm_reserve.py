@@ -70,3 +70,35 @@ def test_the_limit_grows_to_the_largest_write_seen_and_zero_still_disables_it():
     chunk = shm.create(1 << 20)
     assert off.recycle(chunk) == [chunk.name]  # closed, not kept
     assert off.take(1 << 20) is None
+
+
+def test_put_clear_of_the_largest_size_makes_no_chunk_only_to_evict_it():
+    """Writes as large as the limit, each freed before the next: the freed chunk comes
+    back every time, so nothing more is made (a chunk made beside it would be evicted
+    by the next recycle, after a core spent zeroing it). Accumulating writes, which
+    free nothing, still get one made ahead after each hit."""
+    size = 4 << 20
+    r = WarmReserve(limit_bytes=size)
+    try:
+        assert r.take(size) is None
+        assert r.wait_until_holding(size, timeout_s=30)
+        chunk = r.take(size)
+        asked = r.requested
+        for _ in range(5):
+            assert r.recycle(chunk) == []  # kept for the next write
+            chunk = r.take(size)
+            assert chunk is not None
+            assert r.requested == asked, "a hit asked for a chunk the limit cannot keep"
+        chunk.close()
+    finally:
+        r.close()
+    r = WarmReserve(limit_bytes=size)
+    try:
+        assert r.take(size) is None
+        for _ in range(3):  # nothing is ever freed: each hit asks for the next one
+            assert r.wait_until_holding(size, timeout_s=30)
+            before = r.requested
+            r.take(size).close()
+            assert r.requested == before + 1
+    finally:
+        r.close()
