@@ -23,10 +23,12 @@ def start(directory: str, error: type[Exception]) -> str:
 
 
 def publish(tmp: str, directory: str) -> str:
-    """Sync every file in ``tmp``, then rename it to ``directory``; returns its absolute path."""
-    for name in os.listdir(tmp):
-        with open(os.path.join(tmp, name), "rb") as f:
-            os.fsync(f.fileno())
+    """Sync every file directly in ``tmp``, then rename it to ``directory``; returns its
+    absolute path. A folder inside (a part published the same way) was synced by its own."""
+    for entry in os.scandir(tmp):
+        if entry.is_file(follow_symlinks=False):
+            with open(entry.path, "rb") as f:
+                os.fsync(f.fileno())
     directory = os.path.abspath(directory)
     os.rename(tmp, directory)
     return directory
