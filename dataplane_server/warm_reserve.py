@@ -140,8 +140,13 @@ class WarmReserve:
             except OSError:
                 continue  # out of descriptors or memory: the write path makes (and reports) its own
             with self._lock:
+                # Freed chunks recycled while this one was being made may have filled the
+                # reserve: the limit holds, the new chunk goes.
+                unwanted = self._closed or self._held() + made.size > self.limit
+                if not unwanted:
+                    self._ready.append(made)
+                    self._wake.notify_all()
+            if unwanted:
+                made.close()
                 if self._closed:
-                    made.close()
                     return
-                self._ready.append(made)
-                self._wake.notify_all()

@@ -102,3 +102,38 @@ def test_put_clear_of_the_largest_size_makes_no_chunk_only_to_evict_it():
             assert r.requested == before + 1
     finally:
         r.close()
+
+
+def test_chunks_recycled_while_one_is_being_made_keep_the_reserve_within_its_limit(monkeypatch):
+    """The background thread checks for room, then makes a chunk (slow: zeroing); freed
+    chunks recycled meanwhile can fill the reserve. The made chunk must then go, not
+    push the reserve past its limit (a CI run held 384 MiB against a 256 MiB limit)."""
+    import threading
+
+    from dataplane_client import shm
+    from dataplane_server import warm_reserve
+
+    real_create = shm.create
+    entered, release, closed = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_create(nbytes):
+        entered.set()
+        assert release.wait(30)
+        chunk = real_create(nbytes)
+        real_close = chunk.close
+        chunk.close = lambda: (real_close(), closed.set())
+        return chunk
+
+    size = 1 << 20
+    r = WarmReserve(limit_bytes=2 * size)
+    try:
+        monkeypatch.setattr(warm_reserve.shm, "create", slow_create)
+        assert r.take(size) is None  # a miss: the thread starts making one
+        assert entered.wait(30)
+        for _ in range(2):  # two freed chunks fill the reserve meanwhile
+            assert r.recycle(real_create(size)) == []
+        release.set()
+        assert closed.wait(30), "the chunk made without room was closed"
+        assert r.held_bytes == 2 * size
+    finally:
+        r.close()
