@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import time
 import uuid
 import zlib
@@ -314,7 +315,8 @@ class RayDataPlaneClient(DataPlaneClient):
     def _remember(self, partition_id: str, sample_ids: Sequence[str], units: Iterable[int]) -> None:
         if len(self._routes) > _ROUTE_CACHE_LIMIT:
             self._routes.clear()
-        self._routes.update(zip(((partition_id, s) for s in sample_ids), (int(u) for u in units)))
+        keys = zip(itertools.repeat(partition_id), sample_ids)
+        self._routes.update(zip(keys, np.asarray(units, dtype=np.int64).tolist()))
 
     def _forget(self, partition_id: str, sample_ids: Sequence[str] | None) -> None:
         arguments.partition_name(partition_id)  # a typed error before any dict lookup
@@ -413,8 +415,9 @@ class RayDataPlaneClient(DataPlaneClient):
         w = prepare.write(sample_ids, partition_id, fields, tags, overwrite, codecs)
         sample_ids, encoded = w.sample_ids, w.encoded
 
-        units = np.array(
-            [self._routes.get((partition_id, s), -1) for s in sample_ids], dtype=np.int64
+        keys = zip(itertools.repeat(partition_id), sample_ids)
+        units = np.fromiter(
+            map(self._routes.get, keys, itertools.repeat(-1)), dtype=np.int64, count=len(sample_ids)
         )
         # Second copies (replicas: 2): -2 = derive from the unit; else as the controller said.
         replicas = np.full(len(sample_ids), -2, dtype=np.int64)

@@ -267,19 +267,8 @@ class CommitPlan:
 
 
 def _id_count(ids: Any, partition_id: str) -> int:
-    """How many ids, once they are known good (``arguments.id_list``'s rules).
-
-    The common case is decided by loops that run in C (types, lengths, distinctness);
-    only a list that fails one goes through ``arguments.id_list``, which names the bad ids.
-    """
-    if (
-        type(ids) is list
-        and ids
-        and set(map(type, ids)) == {str}
-        and min(map(len, ids)) > 0
-        and max(map(len, ids)) * 4 <= arguments.MAX_ID_BYTES  # 4: UTF-8's widest char
-        and len(set(ids)) == len(ids)
-    ):
+    """How many ids, once they are known good (``arguments.id_list``'s rules)."""
+    if arguments.plainly_good_ids(ids):
         return len(ids)
     return len(arguments.id_list(ids, partition_id=partition_id))
 

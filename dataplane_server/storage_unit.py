@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import itertools
 import os
 import time
 import weakref
@@ -107,15 +108,20 @@ class _Partition:
     def remember(self, slots: np.ndarray, sample_ids: list[str], meta: SampleMeta) -> None:
         """Record what the key space knows of new slots (first commit wins, tags merge)."""
         self.grow_meta()
-        for slot, sid in zip(slots.tolist(), sample_ids):
-            if self.seq[slot] < 0:
-                self.seq[slot] = meta.seq
-            length = meta.sequence_lengths.get(sid)
-            if length is not None and self.seq_len[slot] < 0:
-                self.seq_len[slot] = length
-            tag = meta.tags.get(sid)
-            if tag:
-                self.tags[slot] = {**self.tags.get(slot, {}), **tag}
+        self.seq[slots[self.seq[slots] < 0]] = meta.seq
+        if meta.sequence_lengths:
+            lengths = np.fromiter(
+                map(meta.sequence_lengths.get, sample_ids, itertools.repeat(-1)),
+                dtype=np.int64,
+                count=len(sample_ids),
+            )
+            unset = (lengths >= 0) & (self.seq_len[slots] < 0)
+            self.seq_len[slots[unset]] = lengths[unset]
+        if meta.tags:
+            for slot, sid in zip(slots.tolist(), sample_ids):
+                tag = meta.tags.get(sid)
+                if tag:
+                    self.tags[slot] = {**self.tags.get(slot, {}), **tag}
 
     def forget_slots(self, slots: np.ndarray) -> None:
         self.grow_meta()
@@ -658,15 +664,39 @@ class StorageUnit:
             self._release([st.blocks()])
 
     def _slots_for(self, part: _Partition, sample_ids: list[str]) -> np.ndarray:
-        slots = np.empty(len(sample_ids), dtype=np.int64)
-        for i, sid in enumerate(sample_ids):
-            s = part.slot_of.get(sid)
-            if s is None:
-                s = part.free_slots.pop() if part.free_slots else part.next_slot
-                if s == part.next_slot:
-                    part.next_slot += 1
-                part.slot_of[sid] = s
-            slots[i] = s
+        """The slot of each id, new ids given freed slots first (last freed first), then
+        fresh ones. Vectorised: Python touches a sample only in C-level dict calls."""
+        slots = np.fromiter(
+            map(part.slot_of.get, sample_ids, itertools.repeat(-1)),
+            dtype=np.int64,
+            count=len(sample_ids),
+        )
+        new = np.flatnonzero(slots < 0)
+        if not len(new):
+            return slots
+        new_ids = [sample_ids[i] for i in new.tolist()]
+        if len(set(new_ids)) != len(new_ids):  # an id twice in one write: one slot for both
+            for i, sid in zip(new.tolist(), new_ids):
+                if sid not in part.slot_of:
+                    part.slot_of[sid] = part.free_slots.pop() if part.free_slots else -1
+                    if part.slot_of[sid] < 0:
+                        part.slot_of[sid] = part.next_slot
+                        part.next_slot += 1
+                slots[i] = part.slot_of[sid]
+            return slots
+        reused = min(len(new), len(part.free_slots))
+        taken = part.free_slots[len(part.free_slots) - reused :][::-1]
+        del part.free_slots[len(part.free_slots) - reused :]
+        fresh = len(new) - reused
+        given = np.concatenate(
+            [
+                np.asarray(taken, dtype=np.int64),
+                np.arange(part.next_slot, part.next_slot + fresh, dtype=np.int64),
+            ]
+        )
+        part.next_slot += fresh
+        slots[new] = given
+        part.slot_of.update(zip(new_ids, given.tolist()))
         return slots
 
     def _release(self, block_refs: list[np.ndarray]) -> None:
