@@ -50,6 +50,7 @@ from dataplane_server import (
     recovery,
     store_checkpoint,
     unit_calls,
+    unit_lookup,
 )
 from dataplane_server.inspection import Inspection
 from dataplane_server.journal import Journal
@@ -64,7 +65,8 @@ class Controller(Inspection):
     def __init__(self, config: dict, units: list | None = None, state_dir: str | None = None):
         self.config = config
         self.keys = KeySpace()
-        self.units: list = list(units or [])
+        # Names (what start() passes; see unit_lookup) or handles (tests building one by hand).
+        self.units: list = unit_lookup.resolve(list(units or []), config.get("namespace"))
         self.unit_info: list[UnitInfo] = []
         self.journal = (
             Journal(state_dir, fsync=bool(config.get("journal_fsync", False)))

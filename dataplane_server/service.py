@@ -84,6 +84,11 @@ class ServiceHandle:
             self.owned_state_dir = None
 
 
+def unit_name(config: DataPlaneConfig, index: int) -> str:
+    """The Ray actor name of a service's storage unit (the controller looks units up by it)."""
+    return f"{config.name}-unit-{index}"
+
+
 def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
     """Start controller, storage units (and the admin endpoint) in the current cluster."""
     if config is None or isinstance(config, dict):
@@ -102,7 +107,7 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
         strategy = NodeAffinitySchedulingStrategy(node, soft=False) if node else "DEFAULT"
         units.append(
             StorageUnit.options(
-                name=f"{config.name}-unit-{i}",
+                name=unit_name(config, i),
                 namespace=config.namespace,
                 num_cpus=config.unit_num_cpus,
                 scheduling_strategy=strategy,
@@ -132,7 +137,7 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
         scheduling_strategy=here,
         max_restarts=int(raw.get("controller_max_restarts", -1)),
         max_task_retries=-1,
-    ).remote(raw, units, state_dir)
+    ).remote(raw, [unit_name(config, i) for i in range(len(units))], state_dir)
     ray.get(controller.attach_units.remote())
     handle = ServiceHandle(
         config=config,

@@ -202,6 +202,36 @@ def test_a_unit_killed_during_writes_loses_exactly_its_samples(fresh):
     assert sorted(e.value.ids) == sorted(on_dead)
 
 
+def test_a_controller_restarted_after_a_unit_died_finds_the_rest_by_name(fresh):
+    """The controller is given its units' names (no actor handles in its constructor
+    arguments, which Ray would keep in the starter's object store). A unit dead when it
+    restarts has no name left: it stays lost, the rest serve on."""
+    h = fresh(num_storage_units=2)
+    c = h.client()
+    ids = [f"r{i}" for i in range(20)]
+    c.register_partition("p", ["x"])
+    c.put_samples(ids, "p", {"x": _values(ids)})
+    units = ray.get(h.controller.lookup_units.remote("p", ids))
+    kept = [s for s, u in zip(ids, units) if u == 0]
+    on_dead = [s for s, u in zip(ids, units) if u == 1]
+    assert kept
+    assert on_dead
+    ray.kill(h.units[1], no_restart=True)
+    _wait_until(lambda: not c.service_info().units[1].alive, 30, "the watcher to see the loss")
+    ray.kill(h.controller, no_restart=False)  # Ray restarts it; unit 1's name is gone
+    _wait_until(lambda: _controller_state(h) == "ALIVE", 60, "the controller's restart")
+    info = c.service_info()
+    assert [u.alive for u in info.units] == [True, False]
+    assert torch.equal(c.get_samples(kept, "p", ["x"])["x"], _values(kept))
+    # Which ids lived on the dead unit was known only to it and to the old controller's
+    # memory: after the restart they are unknown (typed), not reported as lost.
+    with pytest.raises(SamplesNotFound) as e:
+        c.get_samples(on_dead, "p", ["x"])
+    assert e.value.ids == on_dead
+    c.put_samples(["after"], "p", {"x": _values(["after"])})  # writes go to the live unit
+    assert ray.get(h.controller.lookup_units.remote("p", ["after"])) == [0]
+
+
 def test_retention_keeps_only_the_newest_emptied_partitions(fresh):
     """Operators' opt-in rule: emptied partitions beyond the newest N are deleted; one that is
     written to again is not empty any more and stays. Default (off) keeps every one."""
