@@ -175,19 +175,26 @@ def test_a_blocking_claim_survives_a_controller_restart(fresh):
 
 
 @pytest.mark.slow
+def _put_then_kill_unit_1(h, c, ids: list[str]) -> tuple[list[str], list[str]]:
+    """Put ``ids`` over two units, kill unit 1, wait until the service shows it dead;
+    returns (ids on unit 0, ids on unit 1), each non-empty."""
+    c.put_samples(ids, "p", {"x": _values(ids)})
+    units = ray.get(h.controller.lookup_units.remote("p", ids))
+    kept = [s for s, u in zip(ids, units) if u == 0]
+    on_dead = [s for s, u in zip(ids, units) if u == 1]
+    assert kept
+    assert on_dead
+    ray.kill(h.units[1], no_restart=True)
+    _wait_until(lambda: not c.service_info().units[1].alive, 30, "the watcher to see the loss")
+    return kept, on_dead
+
+
 def test_a_unit_killed_during_writes_loses_exactly_its_samples(fresh):
     h = fresh(num_storage_units=2)
     c = h.client()
     ids = [f"s{i}" for i in range(40)]
     c.register_partition("p", ["x"], len(ids), ["t"])
-    c.put_samples(ids, "p", {"x": _values(ids)})
-    units = ray.get(h.controller.lookup_units.remote("p", ids))
-    on_dead = [s for s, u in zip(ids, units) if u == 1]
-    kept = [s for s, u in zip(ids, units) if u == 0]
-    assert on_dead
-    assert kept
-    ray.kill(h.units[1], no_restart=True)
-    _wait_until(lambda: not c.service_info().units[1].alive, 30, "the watcher to see the loss")
+    kept, on_dead = _put_then_kill_unit_1(h, c, ids)
     # Writes go on (new samples go to the live unit); the rest stays readable bit for bit.
     c.put_samples(["late"], "p", {"x": _values(["late"])})
     assert torch.equal(c.get_samples(kept, "p", ["x"])["x"], _values(kept))
@@ -209,15 +216,8 @@ def test_a_controller_restarted_after_a_unit_died_finds_the_rest_by_name(fresh):
     h = fresh(num_storage_units=2)
     c = h.client()
     ids = [f"r{i}" for i in range(20)]
-    c.register_partition("p", ["x"])
-    c.put_samples(ids, "p", {"x": _values(ids)})
-    units = ray.get(h.controller.lookup_units.remote("p", ids))
-    kept = [s for s, u in zip(ids, units) if u == 0]
-    on_dead = [s for s, u in zip(ids, units) if u == 1]
-    assert kept
-    assert on_dead
-    ray.kill(h.units[1], no_restart=True)
-    _wait_until(lambda: not c.service_info().units[1].alive, 30, "the watcher to see the loss")
+    c.register_partition("p", ["x"], len(ids), ["t"])
+    kept, on_dead = _put_then_kill_unit_1(h, c, ids)
     ray.kill(h.controller, no_restart=False)  # Ray restarts it; unit 1's name is gone
     _wait_until(lambda: _controller_state(h) == "ALIVE", 60, "the controller's restart")
     info = c.service_info()
@@ -228,6 +228,9 @@ def test_a_controller_restarted_after_a_unit_died_finds_the_rest_by_name(fresh):
     with pytest.raises(SamplesNotFound) as e:
         c.get_samples(on_dead, "p", ["x"])
     assert e.value.ids == on_dead
+    # ... and count as never written: the known-size partition cannot reach done.
+    assert sorted(c.claim_meta("p", "t", ["x"], 100, blocking=False).sample_ids) == sorted(kept)
+    assert not c.check_consumption_status("p", ["t"])
     c.put_samples(["after"], "p", {"x": _values(["after"])})  # writes go to the live unit
     assert ray.get(h.controller.lookup_units.remote("p", ["after"])) == [0]
 
