@@ -42,6 +42,8 @@ def _executor(workers: int) -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None or _pool._max_workers < workers:
+            if _pool is not None:
+                _pool.shutdown(wait=False)  # its threads end once idle
             _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dataplane-copy")
         return _pool
 
@@ -71,12 +73,13 @@ def copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
     """``dst[...] = src`` for each pair of equally long 1-D byte arrays, large totals split
     evenly over ``threads()`` threads (the caller's one of them)."""
     total = sum(len(dst) for dst, _ in pairs)
-    workers = threads()
-    if workers < 2 or total < MIN_PARALLEL_BYTES:
+    workers = threads() if total >= MIN_PARALLEL_BYTES else 1  # small copies: no env lookup
+    if workers < 2:
         _copy_group(pairs)
         return
     groups = _split(pairs, -(-total // workers))
-    futures = [_executor(workers - 1).submit(_copy_group, g) for g in groups[1:]]
+    pool = _executor(workers - 1)
+    futures = [pool.submit(_copy_group, g) for g in groups[1:]]
     try:
         _copy_group(groups[0])
     finally:

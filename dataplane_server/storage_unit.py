@@ -674,20 +674,13 @@ class StorageUnit:
         new = np.flatnonzero(slots < 0)
         if not len(new):
             return slots
-        new_ids = [sample_ids[i] for i in new.tolist()]
-        if len(set(new_ids)) != len(new_ids):  # an id twice in one write: one slot for both
-            for i, sid in zip(new.tolist(), new_ids):
-                if sid not in part.slot_of:
-                    part.slot_of[sid] = part.free_slots.pop() if part.free_slots else -1
-                    if part.slot_of[sid] < 0:
-                        part.slot_of[sid] = part.next_slot
-                        part.next_slot += 1
-                slots[i] = part.slot_of[sid]
-            return slots
-        reused = min(len(new), len(part.free_slots))
+        # First appearance order, as the one-by-one rule gives slots; an id twice in one
+        # write gets one slot.
+        new_ids = list(dict.fromkeys(sample_ids[i] for i in new.tolist()))
+        reused = min(len(new_ids), len(part.free_slots))
         taken = part.free_slots[len(part.free_slots) - reused :][::-1]
         del part.free_slots[len(part.free_slots) - reused :]
-        fresh = len(new) - reused
+        fresh = len(new_ids) - reused
         given = np.concatenate(
             [
                 np.asarray(taken, dtype=np.int64),
@@ -695,8 +688,11 @@ class StorageUnit:
             ]
         )
         part.next_slot += fresh
-        slots[new] = given
         part.slot_of.update(zip(new_ids, given.tolist()))
+        if len(new_ids) == len(new):
+            slots[new] = given
+        else:
+            slots[new] = [part.slot_of[sample_ids[i]] for i in new.tolist()]
         return slots
 
     def _release(self, block_refs: list[np.ndarray]) -> None:

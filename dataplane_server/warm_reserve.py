@@ -34,7 +34,7 @@ class WarmReserve:
         self.limit = self.configured  # grows to the largest write seen (never when 0 = off)
         self._ready: list[shm.MemFd] = []  # faulted in
         self._wanted: list[int] = []  # sizes to make next
-        self.requested = 0  # chunks asked of the background thread so far (tests, metrics)
+        self.requested = 0  # chunks asked of the background thread so far (tests observe it)
         self._recycled_sizes: set[int] = set()  # sizes of freed chunks kept for reuse
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
