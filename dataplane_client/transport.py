@@ -228,6 +228,8 @@ class Transport:
         for u, result in zip(plan, results):
             if isinstance(result, dict):
                 result.update(self._leased(u, result))
+                if self.shared[u] and not via_ray:
+                    result.update(_writable(result))
         return results
 
     def _leased(self, unit: int, result: dict) -> dict:
@@ -239,6 +241,16 @@ class Transport:
         (lease_id,) = ids
         lease = ReadLease(self.units[unit], lease_id)
         return {k: dataclasses.replace(v, lease=lease) for k, v in shared.items()}
+
+
+def _writable(result: dict) -> dict:
+    """A same-node read's small fields, which came back as bytes (not to be mapped), as
+    writable copies: what a same-node get returns is writable whichever way it came."""
+    return {
+        k: dataclasses.replace(v, values=v.values.copy())
+        for k, v in result.items()
+        if isinstance(v, EncodedField) and v.values is not None and not v.values.flags.writeable
+    }
 
 
 def _sources(

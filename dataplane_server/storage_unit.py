@@ -73,6 +73,9 @@ from dataplane_server.warm_reserve import WarmReserve
 
 _EXPIRED_REMEMBERED = 4096  # write ids of reclaimed stages kept to explain a late publish
 _PUBLISHED_REMEMBERED = 65536  # write ids of published stages: a retried commit is a no-op
+# A same-node read of a field this small gets its bytes in the answer: copying them costs
+# less than the reader mapping the chunks and the lease messages that guard its mappings.
+INLINE_READ_BYTES = 64 * 1024
 
 
 @dataclass
@@ -861,7 +864,8 @@ class StorageUnit:
         """Where the fields' bytes sit in shared memory, for a reader on this node to map.
 
         The chunks named are leased to the reader until it calls ``release_reads``
-        (or its process, ``owner``, dies): a leased chunk is never recycled.
+        (or its process, ``owner``, dies): a leased chunk is never recycled. A field
+        of at most ``INLINE_READ_BYTES`` comes back as its bytes instead (no lease).
         """
         t0 = time.perf_counter()
         out: dict = {}
@@ -869,9 +873,13 @@ class StorageUnit:
         for name, rows in self._rows(partition_id, sample_ids, fields):
             if isinstance(rows, tuple):
                 header, chunk_ids, which, starts, ends = rows
-                chunks = [self.arena.ref(c) for c in chunk_ids]
-                rows = SharedRows(header, chunks, which, starts, ends, lease)
-                leased.extend(chunk_ids)
+                if int((ends - starts).sum()) <= INLINE_READ_BYTES:
+                    values = self.arena.gather(chunk_ids, which, starts, ends)
+                    rows = dataclasses.replace(header, values=values)
+                else:
+                    chunks = [self.arena.ref(c) for c in chunk_ids]
+                    rows = SharedRows(header, chunks, which, starts, ends, lease)
+                    leased.extend(chunk_ids)
             out[name] = rows
         if leased:
             self._next_lease += 1
