@@ -35,6 +35,7 @@ class WarmReserve:
         self._ready: list[shm.MemFd] = []  # faulted in
         self._wanted: list[int] = []  # sizes to make next
         self.requested = 0  # chunks asked of the background thread so far (tests observe it)
+        self._making = 0  # bytes of the chunk the background thread is making now
         self._recycled_sizes: set[int] = set()  # sizes of freed chunks kept for reuse
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -50,6 +51,13 @@ class WarmReserve:
 
     def _held(self) -> int:
         return sum(chunk.size for chunk in self._ready)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing asked for and nothing being made: what the unit holds stays put (tests
+        measure its memory then; a chunk in the making counts there, not in the reserve)."""
+        with self._lock:
+            return not self._wanted and not self._making
 
     def wait_until_holding(self, nbytes: int, timeout_s: float) -> bool:
         """Block until at least ``nbytes`` are ready (tests and warm-up); False on timeout."""
@@ -135,11 +143,15 @@ class WarmReserve:
                 size = self._wanted.pop(0)
                 if self._held() + size > self.limit:
                     continue
+                self._making = size
             try:
                 made = shm.create(size)  # the zeroing happens here, off the write path
             except OSError:
+                with self._lock:
+                    self._making = 0
                 continue  # out of descriptors or memory: the write path makes (and reports) its own
             with self._lock:
+                self._making = 0
                 # Freed chunks recycled while this one was being made may have filled the
                 # reserve: the limit holds, the new chunk goes.
                 unwanted = self._closed or self._held() + made.size > self.limit

@@ -483,6 +483,12 @@ def test_clearing_one_gigabyte_returns_unit_memory(ray_session):
         full = unit_memory(pid)
         assert full - baseline > 900 * 2**20
         c.clear_samples(None, "p")
+        # A chunk the reserve's thread is making counts in the unit's memory, not yet in
+        # what it holds: measure once it is done (it keeps the chunk or closes it).
+        deadline = time.monotonic() + 60
+        while not ray.get(handle.units[0].__ray_call__.remote(lambda unit: unit.reserve.settled)):
+            assert time.monotonic() < deadline, "the warm reserve never settled"
+            time.sleep(0.05)  # polling an observable state with a deadline
         after = unit_memory(pid)
         held = ray.get(handle.units[0].metrics_snapshot.remote()).warm_reserve_bytes
         # Kept ready counts the region leased for this writer's next put, when the unit
