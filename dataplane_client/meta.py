@@ -73,14 +73,17 @@ class KVBatchMeta:
         if not isinstance(self.partition_id, str) or not self.partition_id:
             raise InvalidBatch(f"partition_id must be a non-empty str, got {self.partition_id!r}")
         self.sample_ids = list(self.sample_ids)
-        for sid in self.sample_ids:
-            if not isinstance(sid, str):
-                raise InvalidBatch(f"sample ids must be str, got {type(sid).__name__}", ids=[sid])
+        if not set(map(type, self.sample_ids)) <= {str}:  # a C-level pass; names the first
+            for sid in self.sample_ids:
+                if not isinstance(sid, str):
+                    raise InvalidBatch(
+                        f"sample ids must be str, got {type(sid).__name__}", ids=[sid]
+                    )
         n = len(self.sample_ids)
         if self.fields is not None:
             self.fields = list(self.fields)
         if self.sequence_lengths is not None:
-            self.sequence_lengths = [int(x) for x in self.sequence_lengths]
+            self.sequence_lengths = list(map(int, self.sequence_lengths))
             if len(self.sequence_lengths) != n:
                 raise InvalidBatch(
                     f"sequence_lengths has {len(self.sequence_lengths)} entries for {n} sample_ids",
@@ -88,7 +91,7 @@ class KVBatchMeta:
                 )
         if self.tags is not None:
             # Copied per row, so stamping one meta's tags never edits a meta it came from.
-            self.tags = [dict(t) for t in self.tags]
+            self.tags = list(map(dict, self.tags))
             if len(self.tags) != n:
                 raise InvalidBatch(
                     f"tags must align 1:1 with sample_ids: {len(self.tags)} tags for "

@@ -100,6 +100,7 @@ def test_key_figures_are_present(results):
             "ray_put_gibps",
             "ray_get_gibps",
             "memcpy_put_gibps",
+            "shm_memcpy_put_gibps",
         ):
             assert r[key] > 0, key
     for r in s["driver"]["data"]["results"]:
