@@ -19,27 +19,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
 
 from dataplane_client.errors import ServiceUnavailable
 from dataplane_client.messages import ClaimOutcome, ClaimRequest
 
 MAX_BATCH = 1024  # claims per controller call; more wait for the next call
-
-
-def on_thread(fn: Callable[[], Any]) -> Future:
-    """``fn()`` on a new daemon thread; its result or error as a future (a blocking claim's
-    wait: one thread each, so a crowd of waiters never queues behind a small pool)."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - handed to the waiter
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="dataplane-claim-wait", daemon=True).start()
-    return future
 
 
 class ClaimBatcher:

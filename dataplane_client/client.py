@@ -44,7 +44,7 @@ import ray._private.state as ray_state
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError, RayTaskError
 
 from dataplane_client import arguments, placement, prepare
-from dataplane_client.claim_batcher import ClaimBatcher, on_thread
+from dataplane_client.claim_batcher import ClaimBatcher
 from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import (
     DataPlaneError,
@@ -160,10 +160,12 @@ async def _wait_async(ref: Any) -> Any:
     clock = _RestartClock(ref)
     future = asyncio.ensure_future(ref) if not asyncio.isfuture(ref) else ref
     while True:
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), _POLL_S)
-        except asyncio.TimeoutError:
-            _give_up(ref, clock)
+        # asyncio.wait, not wait_for: the call's own error may be a TimeoutError
+        # (CapacityExceeded, ClaimTimeout are), which wait_for's timeout would look like.
+        done, _ = await asyncio.wait({future}, timeout=_POLL_S)
+        if done:
+            return future.result()
+        _give_up(ref, clock)
 
 
 def _resolve_sync(refs: list) -> list:
@@ -655,11 +657,7 @@ class RayDataPlaneClient(DataPlaneClient):
         )
         outcome = await asyncio.wrap_future(self._claims().submit(request))
         if outcome.must_wait:
-            # The wait on a thread of its own: awaiting the Ray ref on this loop would run
-            # the restart clock's GCS query here after each poll, and that query deadlocks
-            # while Ray's asyncio future of the ref is pending (seen in a driver's loop).
-            wait = functools.partial(self._wait_claim, request, timeout_s, started)
-            return await asyncio.wrap_future(on_thread(lambda: _get_sync(wait())))
+            return await _get_async(self._wait_claim(request, timeout_s, started))
         return _claim_answer(outcome)
 
     @_rpc_verb
