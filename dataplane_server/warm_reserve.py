@@ -146,12 +146,12 @@ class WarmReserve:
                 self._making = size
             try:
                 made = shm.create(size)  # the zeroing happens here, off the write path
-            except OSError:
-                with self._lock:
-                    self._making = 0
-                continue  # out of descriptors or memory: the write path makes (and reports) its own
+            except OSError:  # out of descriptors or memory: the write path reports its own
+                made = None
             with self._lock:
                 self._making = 0
+                if made is None:
+                    continue
                 # Freed chunks recycled while this one was being made may have filled the
                 # reserve: the limit holds, the new chunk goes.
                 unwanted = self._closed or self._held() + made.size > self.limit
