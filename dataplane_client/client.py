@@ -67,7 +67,12 @@ from dataplane_client.messages import (
 )
 from dataplane_client.meta import KVBatchMeta
 from dataplane_client.tensordict_io import to_tensordict
-from dataplane_client.transport import SharedMemoryUnavailable, Transport, assemble
+from dataplane_client.transport import (
+    SharedMemoryUnavailable,
+    StagedRegionGone,
+    Transport,
+    assemble,
+)
 
 Flow = Generator[list, list, Any]
 _MAX_REROUTES = 3
@@ -423,6 +428,8 @@ class RayDataPlaneClient(DataPlaneClient):
         )
         # Second copies (replicas: 2): -2 = derive from the unit; else as the controller said.
         replicas = np.full(len(sample_ids), -2, dtype=np.int64)
+        via_ray: set[int] = set()  # units this put reaches through Ray after a failed copy
+        use_leases = True
         for _attempt in range(_MAX_REROUTES + 1):
             new = np.nonzero(units < 0)[0]
             if len(new):
@@ -434,7 +441,13 @@ class RayDataPlaneClient(DataPlaneClient):
             plan = placement.stage_plan(units, replicas if self._replicas > 1 else None)
             staged = list(plan)
             results = yield from self._open_transport().stage_flow(
-                partition_id, write_id, sample_ids, encoded, plan
+                partition_id,
+                write_id,
+                sample_ids,
+                encoded,
+                plan,
+                via_ray=frozenset(via_ray),
+                use_leases=use_leases,
             )
             errors = [(u, r) for u, r in zip(staged, results) if isinstance(r, BaseException)]
             if errors:
@@ -444,7 +457,11 @@ class RayDataPlaneClient(DataPlaneClient):
                     if not isinstance(r, BaseException)
                 ]
                 if all(isinstance(e, SharedMemoryUnavailable) for _, e in errors):
-                    continue  # those units are now reached through Ray
+                    # Stage again: in fresh regions where ours were taken back, through
+                    # Ray where a copy could not be made.
+                    use_leases = False
+                    via_ray.update(u for u, e in errors if not isinstance(e, StagedRegionGone))
+                    continue
                 died = [u for u, e in errors if isinstance(e, RayActorError)]
                 if not died:
                     raise errors[0][1]

@@ -14,6 +14,8 @@ below it there are two paths, chosen per unit:
 from __future__ import annotations
 
 import dataclasses
+import errno
+import threading
 import time
 from collections.abc import Generator
 from typing import Any
@@ -26,11 +28,11 @@ from dataplane_client.codec import (
     DENSE,
     OBJECT,
     EncodedField,
-    contiguous_runs,
     decode_field,
     gather_bytes,
     row_byte_offsets,
     row_copy_pairs,
+    run_bounds,
     take_rows,
 )
 from dataplane_client.errors import DataPlaneError
@@ -40,12 +42,18 @@ Flow = Generator[list, list, Any]
 
 
 class SharedMemoryUnavailable(DataPlaneError):
-    """This process cannot open a same-node unit's shared memory (it then uses Ray)."""
+    """This process could not copy into a same-node unit's shared memory; the write is
+    staged again through Ray (``unit``: which unit)."""
+
+    def __init__(self, message: str, unit: int | None = None, **kwargs: Any):
+        super().__init__(message, **kwargs)
+        self.unit = unit
 
 
 class StagedRegionGone(SharedMemoryUnavailable):
     """The region a unit staged for this write was reclaimed before the copy (the
-    stage expired); nothing of the write is visible, and the writer stages again."""
+    stage expired, or a write lease was taken back); nothing of the write is visible,
+    and the writer stages again in shared memory, without a lease."""
 
 
 class ReadLease:
@@ -81,8 +89,11 @@ class Transport:
         ]
         self._owner: ray.ObjectRef | None = None
         self._closed_seq = [-1] * len(self.units)  # per unit: the chunk closures we know of
-        # Per unit: the region it set aside for our next write, and when we got it.
+        # Per unit: the region it set aside for our next write, and when we got it. Puts of
+        # several threads (and coroutines) take and replace it: only under this lock, so no
+        # two puts ever copy into one leased region.
         self._leases: list[tuple[WriteLease, float] | None] = [None] * len(self.units)
+        self._lease_lock = threading.Lock()
 
     def _stage_owner(self) -> list:
         """A boxed object this process owns: units reclaim our stages once it is gone.
@@ -103,21 +114,33 @@ class Transport:
         sample_ids: list[str],
         encoded: dict[str, EncodedField],
         plan: dict[int, np.ndarray],
+        *,
+        via_ray: frozenset[int] = frozenset(),
+        use_leases: bool = True,
     ) -> Flow:
         """Stage a write's rows on each unit of ``plan``; returns one result (or error) per unit.
 
         Same node, with a lease from this unit's last answer that the write fits
         in: the stage call goes out first and the rows are copied into the leased
         region while it travels (allocation costs no round trip of its own).
-        Otherwise the unit allocates, then the rows are copied.
+        Otherwise the unit allocates, then the rows are copied. ``via_ray``: units
+        this write reaches through Ray whatever ``shared`` says; ``use_leases``
+        False: allocate anew (a retry after a lease was reclaimed under us).
+
+        How each unit was staged is decided once, here, and kept in this flow:
+        ``shared`` may change while the stage calls travel (another put of this
+        client can find a unit unusable), and a write staged in shared memory must
+        still get its copy, or its commit would publish the unit's zeroed region.
         """
         refs, owner = [], self._stage_owner()
+        in_shm = {u: self.shared[u] and u not in via_ray for u in plan}
         copied: dict[int, BaseException | None] = {}  # unit -> error of a copy made up front
         for u, rows in plan.items():
             ids = [sample_ids[i] for i in rows]
-            if self.shared[u]:
+            if in_shm[u]:
                 headers = {k: take_rows(e, rows, header_only=True) for k, e in encoded.items()}
-                lease = self._usable_lease(u, [h.nbytes for h in headers.values()])
+                sizes = [h.nbytes for h in headers.values()]
+                lease = self._take_lease(u, sizes) if use_leases else None
                 if lease is not None:
                     call = self.units[u].stage_leased.remote(
                         partition_id,
@@ -128,7 +151,7 @@ class Transport:
                         lease.lease,
                         self._closed_seq[u],
                     )
-                    offsets, _ = shm.layout([h.nbytes for h in headers.values()])
+                    offsets, _ = shm.layout(sizes)
                     base = lease.region.offset
                     targets = [
                         (enc, lease.region.chunk, base + off)
@@ -145,8 +168,7 @@ class Transport:
             refs.append(call)
         results = yield refs
         for i, (u, rows) in enumerate(plan.items()):
-            staged_via_ray = not self.shared[u] and u not in copied
-            if staged_via_ray or isinstance(results[i], BaseException):
+            if not in_shm[u] or isinstance(results[i], BaseException):
                 continue
             alloc: ShmAlloc | None = results[i]
             if alloc is None:  # the unit took the lease back: the copy went nowhere visible
@@ -154,7 +176,8 @@ class Transport:
                 continue
             shm.write_maps.forget(alloc.closed, alloc.chunk_prefix if alloc.reset else None)
             self._closed_seq[u] = alloc.closed_seq
-            self._leases[u] = (alloc.next_lease, time.monotonic()) if alloc.next_lease else None
+            with self._lease_lock:
+                self._leases[u] = (alloc.next_lease, time.monotonic()) if alloc.next_lease else None
             if u in copied:
                 error = copied[u]
             else:
@@ -165,15 +188,17 @@ class Transport:
                 self.discard(u, write_id)  # staged, but its bytes never arrived: not awaited
         return results
 
-    def _usable_lease(self, unit: int, sizes: list[int]) -> WriteLease | None:
-        """This unit's lease for our next write, taken if the write fits and it is fresh."""
-        held = self._leases[unit]
-        if held is None:
-            return None
-        lease, got = held
-        if shm.layout(sizes)[1] > lease.region.nbytes:
-            return None  # kept: a later write may fit (the unit reclaims it when idle)
-        self._leases[unit] = None
+    def _take_lease(self, unit: int, sizes: list[int]) -> WriteLease | None:
+        """This unit's lease for our next write, taken (no other put gets it) if the write
+        fits and it is fresh."""
+        with self._lease_lock:
+            held = self._leases[unit]
+            if held is None:
+                return None
+            lease, got = held
+            if shm.layout(sizes)[1] > lease.region.nbytes:
+                return None  # kept: a later write may fit (the unit reclaims it when idle)
+            self._leases[unit] = None
         # Half its time left at least, so the unit never reclaims it under our copy.
         return lease if time.monotonic() - got < lease.ttl_s / 2 else None
 
@@ -195,11 +220,13 @@ class Transport:
                 else:
                     pairs.extend(field_pairs)
             parallel_copy.copy_pairs(pairs)  # the one copy of a same-node put
-        except shm.ChunkChanged as e:
+        except (shm.ChunkChanged, FileNotFoundError) as e:
+            # The chunk was closed or replaced (a reclaimed lease): this write stages again.
             return StagedRegionGone(f"unit {unit}: {e}")
         except OSError as e:
-            self.shared[unit] = False  # e.g. another user's unit: fall back to Ray from now on
-            return SharedMemoryUnavailable(f"unit {unit}: {e}")
+            if e.errno in (errno.EACCES, errno.EPERM):
+                self.shared[unit] = False  # another user's unit: reach it through Ray from now on
+            return SharedMemoryUnavailable(f"unit {unit}: {e}", unit=unit)
         return None
 
     def discard(self, unit: int, write_id: str):
@@ -296,9 +323,9 @@ def assemble(parts: list[EncodedField | SharedRows], order: np.ndarray) -> Any:
     lengths = None
     if first.kind != DENSE:
         lengths = np.concatenate([h.lengths for h in headers])[order]
-    key = which.astype(np.int64) << 48
-    run_starts, _ = contiguous_runs(starts + key, ends + key)
-    if len(run_starts) == 1 and isinstance(sources[int(which[0])], ChunkRef) and len(order):
+    # One run: every row is from one source and each starts where the one before ended.
+    run_firsts, _ = run_bounds(starts, ends, which)
+    if len(run_firsts) == 1 and isinstance(sources[int(which[0])], ChunkRef) and len(order):
         first_src = int(which[0])
         # Object rows are read whole (decoded into Python values, a copy): map them
         # read-only with every page faulted in at once, not one fault per page.
