@@ -427,6 +427,28 @@ def row_byte_offsets(enc: EncodedField) -> np.ndarray:
     return offs
 
 
+def run_bounds(
+    starts: np.ndarray, ends: np.ndarray, which: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Indices (first, last) of the maximal runs of byte ranges [starts[i], ends[i]):
+    a run goes on while a range starts where the one before it ended and, given
+    ``which`` (each range's source), comes from the same source.
+
+    Vectorised: the Python-level work is per run, not per row. Correct for any
+    number of sources (nothing is packed into the offsets' bits).
+    """
+    if len(starts) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
+    goes_on = starts[1:] == ends[:-1]
+    if which is not None:
+        goes_on &= which[1:] == which[:-1]
+    breaks = np.flatnonzero(~goes_on) + 1
+    first = np.concatenate(([0], breaks))
+    last = np.concatenate((breaks - 1, [len(starts) - 1]))
+    return first, last
+
+
 def contiguous_runs(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Merge byte ranges [starts[i], ends[i]) that abut into maximal runs.
 
@@ -451,15 +473,12 @@ def gather_pairs(
     back to back into ``out``: one per run of adjacent ranges of one buffer."""
     if len(starts) == 0:
         return []
-    # Merge only inside the same source buffer: offset the ranges so buffers never abut.
-    key = which.astype(np.int64) << 48
-    rs, re_ = contiguous_runs(starts + key, ends + key)
+    # Merge only inside the same source buffer.
+    first, last = run_bounds(starts, ends, which)
     pos, pairs = 0, []
-    for s, e in zip(rs.tolist(), re_.tolist()):
-        buf = buffers[s >> 48]
-        lo, hi = s & ((1 << 48) - 1), e & ((1 << 48) - 1)
+    for w, lo, hi in zip(which[first].tolist(), starts[first].tolist(), ends[last].tolist()):
         n = hi - lo
-        pairs.append((out[pos : pos + n], buf[lo:hi]))
+        pairs.append((out[pos : pos + n], buffers[w][lo:hi]))
         pos += n
     return pairs
 
