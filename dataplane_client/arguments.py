@@ -8,6 +8,7 @@ rest of the code relies on (a list, an int, a float).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,6 +22,42 @@ from dataplane_client.meta import KVBatchMeta, duplicated
 MAX_ID_BYTES = 1024
 
 
+def _shown(value: str) -> str:
+    """``value``'s repr, cut short (a message never carries a 5,000-char name)."""
+    return repr(value) if len(value) <= 60 else repr(value[:60]) + "..."
+
+
+def _utf8(value: str) -> bool:
+    """True when ``value`` encodes as UTF-8: no lone surrogate (``"\\ud800"``, as
+    ``json.loads`` or ``os.fsdecode`` may produce), which msgpack, the journal and the
+    wire cannot carry."""
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def text(value: str, what: str) -> str:
+    """A str that encodes as UTF-8, or InvalidBatch naming ``what``."""
+    if not _utf8(value):
+        raise InvalidBatch(
+            f"{what} must be valid UTF-8 text (no lone surrogate), got {_shown(value)}"
+        )
+    return value
+
+
+def name(value: Any, what: str) -> str:
+    """One name (a task, a field): a non-empty str of UTF-8 text."""
+    if not isinstance(value, str) or not value:
+        raise InvalidBatch(
+            f"{what} must be a non-empty str, got {type(value).__name__} {value!r:.60}"
+        )
+    return text(value, what)
+
+
 def plainly_good_ids(ids: Any) -> bool:
     """True when ``ids`` is a non-empty list of distinct non-empty str short enough, decided
     by loops that run in C (types, lengths, distinctness). False says only "look closer":
@@ -32,10 +69,11 @@ def plainly_good_ids(ids: Any) -> bool:
         and min(map(len, ids)) > 0
         and max(map(len, ids)) * 4 <= MAX_ID_BYTES  # 4: UTF-8's widest char
         and len(set(ids)) == len(ids)
+        and _utf8("".join(ids))  # one C pass: plain ASCII ids cost a join
     )
 
 
-def id_list(ids: Any, what: str = "sample ids", *, partition_id: str | None = None) -> list[str]:
+def id_list(ids: Any, what: str = "sample_ids", *, partition_id: str | None = None) -> list[str]:
     """A non-empty list/tuple of distinct non-empty str, each at most MAX_ID_BYTES long."""
     if plainly_good_ids(ids):
         return list(ids)
@@ -50,6 +88,12 @@ def id_list(ids: Any, what: str = "sample ids", *, partition_id: str | None = No
     bad = [s for s in ids if not isinstance(s, str) or not s]
     if bad:
         raise InvalidBatch(f"{what} must be non-empty str", ids=bad, partition_id=partition_id)
+    if not _utf8("".join(ids)):
+        raise InvalidBatch(
+            f"{what} must be valid UTF-8 text (no lone surrogate)",
+            ids=[s for s in ids if not _utf8(s)],
+            partition_id=partition_id,
+        )
     long = [s[:40] + "..." for s in ids if len(s.encode()) > MAX_ID_BYTES]
     if long:
         raise InvalidBatch(
@@ -63,7 +107,8 @@ def id_list(ids: Any, what: str = "sample ids", *, partition_id: str | None = No
 
 def partition_name(partition_id: Any) -> str:
     if not isinstance(partition_id, str) or not partition_id:
-        raise InvalidBatch(f"partition_id must be a non-empty str, got {partition_id!r}")
+        raise InvalidBatch(f"partition_id must be a non-empty str, got {partition_id!r:.80}")
+    text(partition_id, "partition_id")
     if len(partition_id.encode()) > MAX_ID_BYTES:
         raise InvalidBatch(f"partition_id must be at most {MAX_ID_BYTES} bytes")
     return partition_id
@@ -78,7 +123,9 @@ def name_list(names: Any, what: str, *, allow_empty: bool = False) -> list[str]:
         raise InvalidBatch(f"{what} must name at least one", fields=[])
     bad = [n for n in names if not isinstance(n, str) or not n]
     if bad:
-        raise InvalidBatch(f"{what} must be non-empty str, got {bad!r}")
+        raise InvalidBatch(f"{what} must be non-empty str, got {bad!r:.200}")
+    for n in names:
+        text(n, what)
     return names
 
 
@@ -93,6 +140,32 @@ def count(value: Any, what: str, *, minimum: int) -> int:
 
 def optional_count(value: Any, what: str, *, minimum: int) -> int | None:
     return None if value is None else count(value, what, minimum=minimum)
+
+
+def flag(value: Any, what: str) -> bool:
+    """A bool (an int, None or a str is refused: ``"no"`` would read as True)."""
+    if not isinstance(value, bool):
+        raise InvalidBatch(f"{what} must be a bool, got {type(value).__name__} {value!r:.60}")
+    return value
+
+
+def directory(path: Any, what: str = "directory") -> str:
+    """A directory name: a non-empty str or os.PathLike the file system can encode."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or not path:
+        raise InvalidBatch(
+            f"{what} must be a non-empty str or os.PathLike, got {type(path).__name__} {path!r:.60}"
+        )
+    if "\x00" in path:
+        raise InvalidBatch(f"{what} must not hold a NUL character, got {_shown(path)}")
+    try:
+        os.fsencode(path)  # a surrogate os.fsdecode made is a file name's byte: it encodes
+    except UnicodeEncodeError:
+        raise InvalidBatch(
+            f"{what} is no file name this system can encode: {_shown(path)}"
+        ) from None
+    return path
 
 
 def seconds(value: Any, what: str) -> float:
@@ -116,7 +189,8 @@ def lease_map(task_leases: Any) -> dict[str, float]:
     leases = {}
     for task, value in task_leases.items():
         if not isinstance(task, str):
-            raise InvalidBatch(f"task_leases keys are task names (str), got {task!r}")
+            raise InvalidBatch(f"task_leases keys are task names (str), got {task!r:.60}")
+        text(task, "task_leases keys")
         leases[task] = seconds(value, f"lease of {task!r}")
         if leases[task] <= 0:
             raise InvalidBatch(f"the lease of {task!r} must be longer than 0 s")
@@ -126,8 +200,23 @@ def lease_map(task_leases: Any) -> dict[str, float]:
 def batch_meta(meta: Any, verb: str) -> KVBatchMeta:
     """The ``KVBatchMeta`` a verb was handed (a claim's or a put's result), or InvalidBatch."""
     if not isinstance(meta, KVBatchMeta):
-        raise InvalidBatch(f"{verb} takes a KVBatchMeta, got {type(meta).__name__}")
+        raise InvalidBatch(f"{verb} takes a KVBatchMeta as meta, got {type(meta).__name__}")
     return meta
+
+
+def lease_ack(meta: Any) -> tuple[str, str, list[str], int]:
+    """An ``ack``'s meta, checked: (partition_id, task_name, sample_ids, lease_id)."""
+    meta = batch_meta(meta, "ack")
+    lease_id = meta.extra_info.get("lease_id")
+    if lease_id is None or meta.task_name is None:
+        raise InvalidBatch(
+            "this meta holds no lease: only claims of a leased task are acknowledged",
+            partition_id=meta.partition_id,
+        )
+    partition_id = partition_name(meta.partition_id)
+    task = name(meta.task_name, "meta.task_name")
+    ids = id_list(meta.sample_ids, "meta.sample_ids", partition_id=partition_id)
+    return partition_id, task, ids, count(lease_id, "meta.extra_info['lease_id']", minimum=1)
 
 
 def tag_list(tags: Any, n: int, *, partition_id: str | None = None) -> list[dict] | None:
@@ -172,8 +261,25 @@ def field_codecs(enums: Any, object_fields: Any) -> FieldCodecs:
     enums = dict(enums or {})
     name_list(list(enums), "enums' field names", allow_empty=True)
     vocabularies = {name: enum_codes.vocabulary(name, words) for name, words in enums.items()}
+    for field, words in vocabularies.items():
+        if not _utf8("".join(words)):
+            raise InvalidBatch(
+                "enum vocabulary words must be valid UTF-8 text (no lone surrogate)",
+                fields=[field],
+            )
+    if object_fields is None:  # as for enums and task_leases: none
+        object_fields = ()
     objects = frozenset(name_list(object_fields, "object_fields", allow_empty=True))
     both = sorted(objects & set(vocabularies))
     if both:
         raise InvalidBatch("a field is either an enum or an object field, not both", fields=both)
     return FieldCodecs(enums=vocabularies, object_fields=objects)
+
+
+def request_id(value: Any) -> str | None:
+    """A claim's request id: None, or a short ASCII string (the client makes a uuid hex)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= 128 or not value.isascii():
+        raise InvalidBatch(f"request_id must be a short ASCII string, got {value!r}")
+    return value

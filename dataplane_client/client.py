@@ -48,7 +48,6 @@ from dataplane_client.claim_batcher import ClaimBatcher
 from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import (
     DataPlaneError,
-    InvalidBatch,
     RoutingUnstable,
     SamplesLost,
     ServiceUnavailable,
@@ -377,18 +376,25 @@ class RayDataPlaneClient(DataPlaneClient):
         claims must be acknowledged with ``ack``, and samples whose lease runs
         out are handed out again.
         """
+        # Every argument checked (in the controller's order) before anything is forgotten or sent.
+        arguments.partition_name(partition_id)
+        leases = arguments.lease_map(task_leases)
         codecs = arguments.field_codecs(enums, object_fields)
+        fields = arguments.name_list(fields, "fields", allow_empty=True)
+        num_samples = arguments.optional_count(num_samples, "num_samples", minimum=0)
+        consumer_tasks = arguments.name_list(consumer_tasks, "consumer_tasks", allow_empty=True)
+        grpo_group_size = arguments.optional_count(grpo_group_size, "grpo_group_size", minimum=1)
         self._forget(partition_id, None)
         _one(
             (
                 yield [
                     self._controller.register_partition.remote(
                         partition_id,
-                        arguments.name_list(fields, "fields", allow_empty=True),
+                        fields,
                         num_samples,
-                        arguments.name_list(consumer_tasks, "consumer_tasks", allow_empty=True),
+                        consumer_tasks,
                         grpo_group_size,
-                        arguments.lease_map(task_leases),
+                        leases,
                         {name: list(words) for name, words in codecs.enums.items()},
                         sorted(codecs.object_fields),
                     )
@@ -545,7 +551,7 @@ class RayDataPlaneClient(DataPlaneClient):
     def _read(self, sample_ids: Sequence[str], partition_id: str, fields: Sequence[str]) -> Flow:
         """The get flow, once its arguments are valid (checked before anything is sent)."""
         return self._get_flow(
-            arguments.id_list(sample_ids, partition_id=partition_id),
+            arguments.id_list(sample_ids, partition_id=arguments.partition_name(partition_id)),
             partition_id,
             arguments.name_list(fields, "select_fields"),
         )
@@ -606,14 +612,15 @@ class RayDataPlaneClient(DataPlaneClient):
     ) -> tuple[ClaimRequest, float]:
         self._check_open()
         request = ClaimRequest(
-            partition_id=partition_id,
-            task_name=task_name,
+            partition_id=arguments.partition_name(partition_id),
+            task_name=arguments.name(task_name, "task_name"),
             required_fields=arguments.name_list(
                 required_fields, "required_fields", allow_empty=True
             ),
             batch_size=arguments.count(batch_size, "batch_size", minimum=1),
-            dp_rank=dp_rank,
-            blocking=bool(blocking),
+            dp_rank=arguments.optional_count(dp_rank, "dp_rank", minimum=0),
+            blocking=arguments.flag(blocking, "blocking"),
+            request_id=uuid.uuid4().hex,
         )
         return request, arguments.seconds(timeout_s, "timeout_s")
 
@@ -629,6 +636,7 @@ class RayDataPlaneClient(DataPlaneClient):
             request.dp_rank,
             True,
             left,
+            request_id=request.request_id,
         )
 
     # None is a non-blocking claim with nothing due (our extra; the ABC says KVBatchMeta).
@@ -684,27 +692,20 @@ class RayDataPlaneClient(DataPlaneClient):
         Late acks are harmless while nobody re-claimed the samples; once another
         claim holds them, the ack raises LeaseExpired and changes nothing.
         """
-        meta = arguments.batch_meta(meta, "ack")
-        lease_id = meta.extra_info.get("lease_id")
-        if lease_id is None or meta.task_name is None:
-            raise InvalidBatch(
-                "this meta holds no lease: only claims of a leased task are acknowledged",
-                partition_id=meta.partition_id,
-            )
-        return self._controller.ack.remote(
-            meta.partition_id, meta.task_name, list(meta.sample_ids), lease_id
-        )
+        return self._controller.ack.remote(*arguments.lease_ack(meta))
 
     @_rpc_verb
     def reset_consumption(self, partition_id: str, task_name: str) -> None:
         """Make every sample of the partition claimable again by the task."""
-        return self._controller.reset_consumption.remote(partition_id, task_name)
+        return self._controller.reset_consumption.remote(
+            arguments.partition_name(partition_id), arguments.name(task_name, "task_name")
+        )
 
     @_rpc_verb
     def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool:
         """True iff every named task has consumed every sample of the partition."""
         return self._controller.check_consumption_status.remote(
-            partition_id, arguments.name_list(task_names, "task_names")
+            arguments.partition_name(partition_id), arguments.name_list(task_names, "task_names")
         )
 
     @_rpc_verb
@@ -713,12 +714,12 @@ class RayDataPlaneClient(DataPlaneClient):
     ) -> list[TaskConsumption]:
         """Per task: consumed / total / expected, held leases and redeliveries."""
         return self._controller.consumption_detail.remote(
-            partition_id, arguments.name_list(task_names, "task_names")
+            arguments.partition_name(partition_id), arguments.name_list(task_names, "task_names")
         )
 
     @_rpc_verb
     def describe_partition(self, partition_id: str) -> PartitionDescription:
-        return self._controller.describe_partition.remote(partition_id)
+        return self._controller.describe_partition.remote(arguments.partition_name(partition_id))
 
     @_rpc_verb
     def service_info(self) -> ServiceInfo:
@@ -748,12 +749,12 @@ class RayDataPlaneClient(DataPlaneClient):
     def checkpoint(self, directory: str) -> str:
         """Save the whole store (declarations, samples, cursors, leases) to a new directory,
         reachable from every storage unit's node; returns its absolute path."""
-        return self._controller.checkpoint.remote(str(directory))
+        return self._controller.checkpoint.remote(arguments.directory(directory))
 
     @_rpc_verb
     def restore(self, directory: str) -> int:
         """Load a checkpoint into this (empty) service; returns the number of samples."""
-        return self._controller.restore.remote(str(directory))
+        return self._controller.restore.remote(arguments.directory(directory))
 
 
 def connect(

@@ -133,3 +133,13 @@ class ServiceUnavailable(RetryableError, ConnectionError):
 
 class RoutingUnstable(RetryableError, ConnectionError):
     """Samples kept moving between storage units while a write was in flight."""
+
+
+class JournalWriteFailed(ServiceUnavailable):
+    """The controller could not write its journal (e.g. a full disk); the call changed
+    nothing, and may be retried once the journal's disk has room."""
+
+
+class CheckpointError(DataPlaneError, OSError):
+    """A checkpoint cannot be saved where asked: the path cannot be made, written or renamed
+    into place (the message names the path and the operating system's reason)."""

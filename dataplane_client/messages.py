@@ -130,6 +130,9 @@ class ClaimRequest:
     batch_size: int
     dp_rank: int | None
     blocking: bool
+    # Names this claim across retries: a controller that answered it before (and died
+    # before the answer arrived) gives the same batch again, never a second one.
+    request_id: str | None = None
 
 
 @dataclass(frozen=True)

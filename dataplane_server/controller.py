@@ -26,6 +26,7 @@ from dataplane_client import arguments
 from dataplane_client.errors import (
     DataPlaneError,
     InvalidBatch,
+    JournalWriteFailed,
     ServiceUnavailable,
     UnknownPartition,
 )
@@ -133,12 +134,43 @@ class Controller(Inspection):
                 )
             )
 
-    def _log(self, *record) -> None:
+    # ---- the journal: written after validation and before the state changes ----------
+    def _pack(self, *record) -> bytes | None:
+        """A journal record's bytes (None without a journal); what cannot be journaled is
+        refused here, before anything changed."""
         if self.journal is None:
+            return None
+        try:
+            return self.journal.pack(*record)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise InvalidBatch(f"cannot be journaled ({e}): {record[:2]!r}") from None
+
+    def _write(self, packed: bytes | None) -> None:
+        """Append a packed record; a failure (e.g. a full disk) is JournalWriteFailed and the
+        caller has changed nothing yet."""
+        if self.journal is None or packed is None:
             return
-        self.journal.append(*record)
-        if self.journal.due():
+        try:
+            self.journal.write(packed)
+        except OSError as e:
+            self.stats.inc("journal_write_errors_total")
+            raise JournalWriteFailed(
+                f"the controller's journal could not be written ({e}); nothing was changed"
+            ) from None
+
+    def _log(self, *record) -> None:
+        self._write(self._pack(*record))
+
+    def _compact_if_due(self) -> None:
+        """Snapshot the state once enough records piled up: called after a change is applied,
+        so the snapshot holds it. A failed snapshot is retried later (the log still holds
+        every record)."""
+        if self.journal is None or not self.journal.due():
+            return
+        try:
             self.journal.compact(self.keys.export_state())
+        except OSError:
+            self.stats.inc("journal_write_errors_total")
 
     @served
     def unit_handles(self) -> list:
@@ -220,11 +252,19 @@ class Controller(Inspection):
             enums,
             object_fields,
         )
+        record = self._pack("register", partition_id, declared.to_record())
         async with self._lifecycle:
             if partition_id in self.keys.partitions:
                 await self._delete(partition_id)
+            try:
+                self._write(record)
+            except JournalWriteFailed as e:
+                raise JournalWriteFailed(
+                    f"{e.message}, except that the partition it replaces was deleted",
+                    partition_id=partition_id,
+                ) from None
             self.keys.register(partition_id, declared)
-            self._log("register", partition_id, declared.to_record())
+            self._compact_if_due()
 
     @served
     def field_codecs(self, partition_id: str) -> FieldCodecs:
@@ -238,8 +278,10 @@ class Controller(Inspection):
             return await self._delete(partition_id)
 
     async def _delete(self, partition_id: str) -> ClearResult:
-        part = self.keys.delete(partition_id)
+        self.keys.partition(partition_id)  # UnknownPartition before anything is journaled
         self._log("delete", partition_id)  # before the bytes go: a crash now frees them anyway
+        part = self.keys.delete(partition_id)
+        self._compact_if_due()
         self._emptied.forget(partition_id)
         await self._waits.wake(partition_id)
         self._waits.drop(partition_id)
@@ -311,24 +353,32 @@ class Controller(Inspection):
         dp_rank: int | None = None,
         blocking: bool = True,
         timeout_s: float = 60.0,
+        request_id: str | None = None,
     ) -> KVBatchMeta | None:
         """Hand out up to ``batch_size`` ready samples the task has not consumed.
 
         Without a lease the samples are consumed for the task at once; a leased
         task holds them until ``ack`` (or until the lease runs out). A blocking
         claim waits for a full batch (or the tail of a partition of known size)
-        and raises ClaimTimeout otherwise.
+        and raises ClaimTimeout otherwise. A claim whose ``request_id`` was
+        answered before (a retry after a controller restart) gets that answer.
         """
         timeout_s = arguments.seconds(timeout_s, "timeout_s")
         request = ClaimRequest(
-            partition_id, task_name, required_fields, batch_size, dp_rank, bool(blocking)
+            partition_id,
+            task_name,
+            required_fields,
+            batch_size,
+            dp_rank,
+            bool(blocking),
+            request_id=request_id,
         )
         part, required, batch_size, meta = self._claim_now(request)
         if meta is None and blocking:
             t0 = time.monotonic()
             try:
                 retry = functools.partial(
-                    self._claim, part, task_name, required, batch_size, dp_rank, False
+                    self._claim, part, task_name, required, batch_size, dp_rank, False, request_id
                 )
                 meta = await self._waits.wait(
                     self.keys, part, task_name, required, batch_size, timeout_s, retry
@@ -367,45 +417,72 @@ class Controller(Inspection):
         """Check a claim and try it once; SamplesLost when a blocking one can never be served."""
         required = arguments.name_list(request.required_fields, "required_fields", allow_empty=True)
         batch_size = arguments.count(request.batch_size, "batch_size", minimum=1)
+        request_id = arguments.request_id(request.request_id)
         part = self.keys.partition(request.partition_id)
         task = self.keys.task_of(part, request.task_name)
-        meta = self._claim(part, task, required, batch_size, request.dp_rank, not request.blocking)
+        meta = self._claim(
+            part, task, required, batch_size, request.dp_rank, not request.blocking, request_id
+        )
         if meta is None and request.blocking:
             claim_wait.raise_if_unsatisfiable(self.keys, part, task)
         return part, required, batch_size, meta
 
-    def _claim(self, part, task, required, batch_size, dp_rank, partial_ok) -> KVBatchMeta | None:
-        meta = self.keys.claim(
-            part, task, required, batch_size, partial_ok=partial_ok, dp_rank=dp_rank
+    def _claim(
+        self, part, task, required, batch_size, dp_rank, partial_ok, request_id
+    ) -> KVBatchMeta | None:
+        """Choose a batch, journal it, then hand it out (one synchronous step: no await)."""
+        answered = self.keys.answered(part, request_id)
+        if answered is not None:
+            self.stats.inc("claims_replayed_total")
+            return answered
+        choice = self.keys.choose(
+            part,
+            task,
+            required,
+            batch_size,
+            partial_ok=partial_ok,
+            dp_rank=dp_rank,
+            request_id=request_id,
         )
-        if meta is not None:
-            lease = part.declaration.task_leases.get(task)
-            deadline = None if lease is None else time.time() + lease
-            self._log(
-                "claim",
-                part.partition_id,
-                task,
-                meta.sample_ids,
-                deadline,
-                meta.extra_info.get("lease_id"),
-            )
-            self.stats.inc("claims_total")
-            self.stats.inc("claimed_samples_total", meta.size)
+        if choice is None:
+            return None
+        lease = part.declaration.task_leases.get(task)
+        answer = choice.answer
+        self._log(
+            "claim",
+            part.partition_id,
+            task,
+            answer.sample_ids,
+            None if lease is None else time.time() + lease,
+            answer.lease_id,
+            request_id,
+            answer.fields,
+            answer.dp_rank,
+        )
+        meta = self.keys.grant(choice)
+        self._compact_if_due()
+        self.stats.inc("claims_total")
+        self.stats.inc("claimed_samples_total", meta.size)
+        failpoints.die_once_if_armed(failpoints.CLAIM_ANSWER_LOST)  # journaled, not answered
         return meta
 
     @served
     async def ack(self, partition_id: str, task_name: str, sample_ids: list[str], lease_id) -> int:
         """Acknowledge leased samples (done for the task); returns how many were newly done."""
         ids = arguments.id_list(sample_ids)
-        done = self.keys.ack(partition_id, task_name, ids, lease_id)
+        part, rows = self.keys.check_ack(partition_id, task_name, ids, lease_id)
         self._log("ack", partition_id, task_name, ids)
+        done = self.keys.apply_ack(part, task_name, rows)
+        self._compact_if_due()
         self.stats.inc("acked_samples_total", done)
         return done
 
     @served
     async def reset_consumption(self, partition_id: str, task_name: str) -> None:
-        self.keys.reset_consumption(partition_id, task_name)
+        self.keys.task_of(self.keys.partition(partition_id), task_name)
         self._log("reset", partition_id, task_name)
+        self.keys.reset_consumption(partition_id, task_name)
+        self._compact_if_due()
         await self._waits.wake(partition_id)
 
     @served

@@ -18,10 +18,14 @@ ignored.
 from __future__ import annotations
 
 import collections
+import errno
 import os
 from typing import Any
 
 import msgpack
+
+from dataplane_server import failpoints
+from dataplane_server.claim_answers import ClaimAnswer, ClaimAnswers
 
 SNAPSHOT = "snapshot.msgpack"
 
@@ -67,14 +71,43 @@ class Journal:
         return {pid: _external(p) for pid, p in state.items()}
 
     # ---- writing ------------------------------------------------------------------
+    @staticmethod
+    def pack(*record: Any) -> bytes:
+        """A record's bytes; raises (ValueError, TypeError) for what msgpack cannot hold,
+        before anything is written."""
+        return msgpack.packb(list(record), use_bin_type=True)
+
     def append(self, *record: Any) -> None:
+        self.write(self.pack(*record))
+
+    def write(self, packed: bytes) -> None:
+        """Append a packed record, or raise OSError with the log as it was: a record half
+        written (a full disk) is cut off again, so the records after it still replay."""
         if self._log is None:
             self._log = open(self._log_path(self.generation), "ab")  # noqa: SIM115 - held open
-        self._log.write(msgpack.packb(list(record), use_bin_type=True))
-        self._log.flush()
-        if self.fsync:
-            os.fsync(self._log.fileno())
+        end = self._log.tell()
+        try:
+            failpoints.fail_if_armed(
+                failpoints.JOURNAL_WRITE, OSError(errno.ENOSPC, "No space left on device")
+            )
+            self._log.write(packed)
+            self._log.flush()
+            if self.fsync:
+                os.fsync(self._log.fileno())
+        except OSError:
+            self._cut_back(end)
+            raise
         self.records += 1
+
+    def _cut_back(self, end: int) -> None:
+        assert self._log is not None
+        log, self._log = self._log, None
+        try:
+            log.close()  # drops whatever the failed write left buffered
+        except OSError:
+            pass
+        with open(self._log_path(self.generation), "r+b") as f:
+            f.truncate(end)
 
     def due(self) -> bool:
         return self.records >= self.compact_every
@@ -117,7 +150,9 @@ def _internal(p: dict) -> dict:
         t["leases"].update((sid, (d, h)) for sid, d, h in st.get("leases", ()))
         t["deliveries"].update(dict(st.get("deliveries", ())))
         tasks[task] = t
-    return {"declaration": p["declaration"], "tasks": tasks}
+    answers = ClaimAnswers()
+    answers.restore(p.get("answers", ()))
+    return {"declaration": p["declaration"], "tasks": tasks, "answers": answers}
 
 
 def _external(p: dict) -> dict:
@@ -131,13 +166,14 @@ def _external(p: dict) -> dict:
             }
             for task, t in p["tasks"].items()
         },
+        "answers": p["answers"].export(),
     }
 
 
 def _replay(state: dict, record: list) -> None:
     op, pid, *rest = record
     if op == "register":
-        state[pid] = {"declaration": rest[0], "tasks": {}}
+        state[pid] = {"declaration": rest[0], "tasks": {}, "answers": ClaimAnswers()}
         return
     if op == "delete":
         state.pop(pid, None)
@@ -146,8 +182,13 @@ def _replay(state: dict, record: list) -> None:
     if part is None:
         return
     task = part["tasks"].setdefault(rest[0], _task())
-    if op == "claim":  # task, ids, lease deadline (wall clock) or None, holder
-        _, ids, deadline, holder = rest
+    if op == "claim":  # task, ids, lease deadline (wall clock) or None, holder, answer
+        _, ids, deadline, holder, *answer = rest
+        if answer:  # request id, fields, dp rank (absent in journals of older versions)
+            request_id, fields, dp_rank = answer
+            part["answers"].add(
+                request_id, ClaimAnswer(rest[0], ids, fields, holder or None, dp_rank)
+            )
         if deadline is None:
             task["consumed"].update(ids)
         else:
@@ -159,3 +200,4 @@ def _replay(state: dict, record: list) -> None:
             task["leases"].pop(sid, None)
     elif op == "reset":  # delivery counts survive a reset, as in the key space
         part["tasks"][rest[0]] = {**_task(), "deliveries": task["deliveries"]}
+        part["answers"].forget_task(rest[0])

@@ -45,6 +45,7 @@ from dataplane_client.messages import (
     TaskConsumption,
 )
 from dataplane_client.meta import KVBatchMeta
+from dataplane_server.claim_answers import ClaimAnswer, ClaimAnswers, new_lease_id
 from dataplane_server.columns import grown
 from dataplane_server.recovery_messages import StoredRows
 
@@ -117,7 +118,7 @@ def declaration(
     space keeps them. The one check both the Ray controller and the in-process twin use."""
     arguments.partition_name(partition_id)
     leases = arguments.lease_map(task_leases)
-    codecs = arguments.field_codecs(enums, object_fields or ())
+    codecs = arguments.field_codecs(enums, object_fields)
     return Declaration(
         fields=arguments.name_list(fields, "fields", allow_empty=True),
         expected_samples=arguments.optional_count(num_samples, "num_samples", minimum=0),
@@ -154,6 +155,7 @@ class Partition:
         self.lease_until: dict[str, np.ndarray] = {}  # leased task -> deadline per row
         self.holder: dict[str, np.ndarray] = {}  # leased task -> claim id per row
         self.deliveries: dict[str, np.ndarray] = {}  # leased task -> times handed out
+        self.answers = ClaimAnswers()  # recent claims' answers, by request id
         self.waiting_claims = 0
         self.epoch = 0  # bumped when rows are added or forgotten: a lookup older than it is stale
 
@@ -300,6 +302,16 @@ def _produced_everywhere(part: Partition, names: list[str], rows: np.ndarray) ->
     return [f for f in names if f in part.produced and part.produced[f][rows].all()]
 
 
+@dataclass(frozen=True)
+class ClaimChoice:
+    """A batch ``KeySpace.choose`` picked and nothing has handed out yet."""
+
+    part: Partition
+    request_id: str | None
+    rows: np.ndarray
+    answer: ClaimAnswer
+
+
 class KeySpace:
     """Every partition of one service, and which storage units are alive."""
 
@@ -310,7 +322,6 @@ class KeySpace:
         # partition -> plans whose bytes are being published right now. Few at a time, so a
         # check compares against each; nothing per sample outlives its commit.
         self._in_flight: dict[str, list[CommitPlan]] = {}
-        self._next_claim_id = NO_LEASE + 1
         self.redeliveries_total = 0
 
     # ---- partitions ---------------------------------------------------------------
@@ -581,7 +592,7 @@ class KeySpace:
     def ready_count(self, part: Partition, task: str, required: list[str], batch_size: int) -> int:
         return len(self._pick(part, self._claimable(part, task, required), batch_size))
 
-    def claim(
+    def choose(
         self,
         part: Partition,
         task: str,
@@ -590,8 +601,10 @@ class KeySpace:
         *,
         partial_ok: bool,
         dp_rank: int | None = None,
-    ) -> KVBatchMeta | None:
-        """Hand out a batch (marking it consumed or leased), or None when none is due yet.
+        request_id: str | None = None,
+    ) -> ClaimChoice | None:
+        """The batch a claim would hand out, changing nothing (``grant`` hands it out); None
+        when none is due yet.
 
         A full batch is always due; so is the tail of a partition of known size;
         anything non-empty is due when ``partial_ok``.
@@ -611,26 +624,73 @@ class KeySpace:
         tail = left is not None and 0 < len(rows) >= min(batch_size, left)
         if not (len(rows) >= batch_size or tail or (partial_ok and len(rows))):
             return None
-        extra: dict[str, Any] = {} if dp_rank is None else {"dp_rank": dp_rank}
-        lease = part.declaration.task_leases.get(task)
+        leased = task in part.declaration.task_leases
+        return ClaimChoice(
+            part,
+            request_id,
+            rows,
+            ClaimAnswer(
+                task=task,
+                sample_ids=[part.ids[r] for r in rows.tolist()],
+                fields=_produced_everywhere(part, list(part.schema), rows),
+                lease_id=new_lease_id() if leased else None,
+                dp_rank=dp_rank,
+            ),
+        )
+
+    def grant(self, choice: ClaimChoice) -> KVBatchMeta:
+        """Hand out a chosen batch: consumed for its task, or leased to its claim."""
+        part, rows, answer = choice.part, choice.rows, choice.answer
+        lease = part.declaration.task_leases.get(answer.task)
         if lease is None:
-            part.column(part.consumed, task)[rows] = True
+            part.column(part.consumed, answer.task)[rows] = True
         else:
-            claim_id = self._next_claim_id
-            self._next_claim_id += 1
-            part.column(part.lease_until, task, np.float64, 0.0)[rows] = self.clock() + lease
-            part.column(part.holder, task, np.int64, NO_LEASE)[rows] = claim_id
-            deliveries = part.column(part.deliveries, task, np.int32, 0)
+            part.column(part.lease_until, answer.task, np.float64, 0.0)[rows] = self.clock() + lease
+            part.column(part.holder, answer.task, np.int64, NO_LEASE)[rows] = answer.lease_id
+            deliveries = part.column(part.deliveries, answer.task, np.int32, 0)
             self.redeliveries_total += int((deliveries[rows] > 0).sum())
             deliveries[rows] += 1
-            extra["lease_id"] = claim_id
-        tags = [part.tags[r] or {} for r in rows.tolist()]
+        part.answers.add(choice.request_id, answer)
+        return self.meta_of(part, answer)
+
+    def claim(
+        self,
+        part: Partition,
+        task: str,
+        required: list[str],
+        batch_size: int,
+        *,
+        partial_ok: bool,
+        dp_rank: int | None = None,
+    ) -> KVBatchMeta | None:
+        """``choose`` then ``grant``: for callers with no journal to write in between."""
+        choice = self.choose(
+            part, task, required, batch_size, partial_ok=partial_ok, dp_rank=dp_rank
+        )
+        return None if choice is None else self.grant(choice)
+
+    def answered(self, part: Partition, request_id: str | None) -> KVBatchMeta | None:
+        """The batch a claim of this request id was already given (a retry), else None."""
+        answer = part.answers.get(request_id)
+        return None if answer is None else self.meta_of(part, answer)
+
+    @staticmethod
+    def meta_of(part: Partition, answer: ClaimAnswer) -> KVBatchMeta:
+        """A claim's answer as the meta its claimer gets (lengths and tags as stored now)."""
+        rows = part.rows_of(answer.sample_ids)
+        live = rows >= 0
+        lengths = np.full(len(rows), -1, dtype=np.int64)
+        lengths[live] = part.seq_len[rows[live]]
+        tags = [(part.tags[r] or {}) if r >= 0 else {} for r in rows.tolist()]
+        extra: dict[str, Any] = {} if answer.dp_rank is None else {"dp_rank": answer.dp_rank}
+        if answer.lease_id is not None:
+            extra["lease_id"] = answer.lease_id
         return KVBatchMeta(
             partition_id=part.partition_id,
-            task_name=task,
-            sample_ids=[part.ids[r] for r in rows.tolist()],
-            fields=_produced_everywhere(part, list(part.schema), rows),
-            sequence_lengths=part.seq_len[rows].tolist(),
+            task_name=answer.task,
+            sample_ids=list(answer.sample_ids),
+            fields=list(answer.fields),
+            sequence_lengths=lengths.tolist(),
             extra_info=extra,
             tags=tags if any(tags) else None,
         )
@@ -670,8 +730,10 @@ class KeySpace:
         held = held[(held > self.clock()) & ~part.column(part.consumed, task)[:n]]
         return float(held.min()) if len(held) else None
 
-    def ack(self, partition_id: str, task: str, sample_ids: list[str], claim_id: int) -> int:
-        """Acknowledge leased samples: they are done for the task. Returns how many.
+    def check_ack(
+        self, partition_id: str, task: str, sample_ids: list[str], claim_id: int
+    ) -> tuple[Partition, np.ndarray]:
+        """The rows an ack would mark done (``apply_ack``), changing nothing.
 
         An ack after the lease expired is harmless while nobody re-claimed the
         samples (the work was done once); if another claim holds them now, the
@@ -693,10 +755,18 @@ class KeySpace:
                 ids=stolen,
                 partition_id=partition_id,
             )
-        fresh = rows[~consumed[rows]]
-        consumed[fresh] = True
-        part.column(part.lease_until, task, np.float64, 0.0)[fresh] = 0.0
-        return len(fresh)
+        return part, rows[~consumed[rows]]
+
+    def apply_ack(self, part: Partition, task: str, rows: np.ndarray) -> int:
+        """Mark acknowledged rows done for the task; returns how many."""
+        part.column(part.consumed, task)[rows] = True
+        part.column(part.lease_until, task, np.float64, 0.0)[rows] = 0.0
+        return len(rows)
+
+    def ack(self, partition_id: str, task: str, sample_ids: list[str], claim_id: int) -> int:
+        """Acknowledge leased samples (``check_ack`` then ``apply_ack``). Returns how many."""
+        part, rows = self.check_ack(partition_id, task, sample_ids, claim_id)
+        return self.apply_ack(part, task, rows)
 
     def reset_consumption(self, partition_id: str, task: str) -> None:
         """Re-open the partition for the task: every live sample is claimable again."""
@@ -705,6 +775,7 @@ class KeySpace:
         for table in (part.consumed, part.lease_until, part.holder):
             if task in table:
                 table[task][:] = 0
+        part.answers.forget_task(task)
 
     def consumption(self, part: Partition, task: str) -> TaskConsumption:
         self.task_of(part, task)
@@ -823,7 +894,11 @@ class KeySpace:
         """What only the key space knows, per partition: its declaration (as a record) and
         its consumption. The journal's snapshot and a checkpoint's state, in this form."""
         return {
-            pid: {"declaration": p.declaration.to_record(), "tasks": self.export_consumption(p)}
+            pid: {
+                "declaration": p.declaration.to_record(),
+                "tasks": self.export_consumption(p),
+                "answers": p.answers.export(),
+            }
             for pid, p in self.partitions.items()
         }
 
@@ -867,7 +942,6 @@ class KeySpace:
                 holder = np.asarray([h for _, _, h in leases], dtype=np.int64)
                 part.column(part.lease_until, task, np.float64, 0.0)[rows[keep]] = until[keep]
                 part.column(part.holder, task, np.int64, NO_LEASE)[rows[keep]] = holder[keep]
-                self._next_claim_id = max(self._next_claim_id, int(holder.max()) + 1)
             counts = task_state.get("deliveries", ())
             if counts:
                 rows = part.rows_of([sid for sid, _ in counts])

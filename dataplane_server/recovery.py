@@ -116,6 +116,7 @@ def rebuild(keys: KeySpace, state: dict[str, dict], views: list[UnitRecovery | N
             pid, Declaration.from_record(p["declaration"]), held.get(pid, [])
         )
         keys.restore_consumption(part, p["tasks"])
+        part.answers.restore(p.get("answers", ()))
     return {pid: [u for u, _ in got] for pid, got in held.items() if pid not in state}
 
 

@@ -578,3 +578,50 @@ def test_consumption_counts_samples_lost_with_their_unit():
     ks.claim(part, "t", ["x"], 2, partial_ok=False)
     assert ks.consumption(part, "t").lost == 1
     assert ks.consumption(part, "t").done
+
+
+def _restarted(ks, clock, ids):
+    """A key space rebuilt from ``ks``'s exported state, as a restarted controller's is."""
+    state = ks.export_state()["p"]
+    fresh = _space(clock=clock)
+    part = fresh.register("p", Declaration.from_record(state["declaration"])) or fresh.partition(
+        "p"
+    )
+    _write(fresh, ids)
+    fresh.restore_consumption(part, state["tasks"])
+    part.answers.restore(state["answers"])
+    return fresh, part
+
+
+def test_lease_ids_are_never_reused_after_restarts():
+    """A counter rebuilt from the surviving leases restarted at 1 once the old lease lapsed
+    and was compacted away: the old holder's late ack then matched the new holder's lease."""
+    clock = Clock()
+    ks = _space(clock=clock)
+    part = _register(ks, tasks=["train"], leases={"train": 5.0})
+    _write(ks, ["a", "b"])
+    old = ks.claim(part, "train", ["x"], 2, partial_ok=True)
+    clock.now += 10.0  # lapsed: a restart's snapshot keeps no trace of it
+    for _ in range(2):
+        ks, part = _restarted(ks, clock, ["a", "b"])
+    new = ks.claim(part, "train", ["x"], 2, partial_ok=True)
+    assert new.sample_ids == old.sample_ids
+    assert new.extra_info["lease_id"] != old.extra_info["lease_id"]
+    with pytest.raises(LeaseExpired):
+        ks.ack("p", "train", ["a", "b"], old.extra_info["lease_id"])
+    assert ks.ack("p", "train", ["a", "b"], new.extra_info["lease_id"]) == 2
+
+
+def test_a_chosen_claim_changes_nothing_until_granted():
+    ks = _space()
+    part = _register(ks, tasks=["t"])
+    _write(ks, ["a", "b"])
+    choice = ks.choose(part, "t", ["x"], 2, partial_ok=False, request_id="r1")
+    assert ks.consumption(part, "t").consumed == 0
+    assert ks.choose(part, "t", ["x"], 2, partial_ok=False).answer.sample_ids == ["a", "b"]
+    meta = ks.grant(choice)
+    assert ks.consumption(part, "t").consumed == 2
+    assert ks.answered(part, "r1").sample_ids == meta.sample_ids  # a retry's answer
+    assert ks.answered(part, "r2") is None
+    ks2, part2 = _restarted(ks, ks.clock, ["a", "b"])
+    assert ks2.answered(part2, "r1").sample_ids == ["a", "b"]  # kept across a restart
