@@ -47,9 +47,11 @@ from dataplane_client import arguments, placement, prepare
 from dataplane_client.claim_batcher import ClaimBatcher
 from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import (
+    CodecsChanged,
     DataPlaneError,
     RoutingUnstable,
     SamplesLost,
+    SamplesNotFound,
     ServiceUnavailable,
     UnknownPartition,
 )
@@ -426,6 +428,17 @@ class RayDataPlaneClient(DataPlaneClient):
         """
         codecs = yield from self._codecs_of(partition_id)
         w = prepare.write(sample_ids, partition_id, fields, tags, overwrite, codecs)
+        try:
+            return (yield from self._put_flow(partition_id, w, codecs.key))
+        except CodecsChanged:
+            # Registered again with another vocabulary since we cached it: encode anew.
+            self._codecs.pop(partition_id, None)
+            codecs = yield from self._codecs_of(partition_id)
+            w = prepare.write(sample_ids, partition_id, fields, tags, overwrite, codecs)
+            return (yield from self._put_flow(partition_id, w, codecs.key))
+
+    def _put_flow(self, partition_id: str, w: prepare.Write, codecs_key: str) -> Flow:
+        """The put of checked and encoded rows: staged on the units, then committed."""
         sample_ids, encoded = w.sample_ids, w.encoded
 
         keys = zip(itertools.repeat(partition_id), sample_ids)
@@ -495,6 +508,7 @@ class RayDataPlaneClient(DataPlaneClient):
                 overwrite=w.overwrite,
                 staged_units=staged,
                 replicas=replicas.tolist() if self._replicas > 1 else None,
+                codecs_key=codecs_key,
             )
             try:
                 result = _one((yield [self._controller.commit.remote(request)]))
@@ -560,6 +574,9 @@ class RayDataPlaneClient(DataPlaneClient):
         self, sample_ids: list[str], partition_id: str, fields: list[str], failover: bool = True
     ) -> Flow:
         where = _one((yield [self._controller.locate.remote(partition_id, sample_ids, fields)]))
+        cached = self._codecs.get(partition_id)
+        if cached is not None and cached.key != where.codecs_key:
+            self._codecs.pop(partition_id)  # registered again since: decode with its codecs
         units = np.asarray(where.units, dtype=np.int64)
         self._remember(partition_id, sample_ids, units)
         plan = {int(u): np.nonzero(units == u)[0] for u in np.unique(units)}
@@ -594,6 +611,12 @@ class RayDataPlaneClient(DataPlaneClient):
                     raise r from None
             decoded = {name: assemble([r[name] for r in results], order) for name in fields}
         codecs = yield from self._codecs_of(partition_id)
+        if codecs.key != where.codecs_key:  # registered again (samples deleted) while we read
+            raise SamplesNotFound(
+                "the partition was registered again while they were read",
+                ids=sample_ids,
+                partition_id=partition_id,
+            )
         return to_tensordict(decoded, len(sample_ids), enums=codecs.enums)
 
     # ---- claims and consumption ---------------------------------------------------

@@ -143,3 +143,8 @@ class JournalWriteFailed(ServiceUnavailable):
 class CheckpointError(DataPlaneError, OSError):
     """A checkpoint cannot be saved where asked: the path cannot be made, written or renamed
     into place (the message names the path and the operating system's reason)."""
+
+
+class CodecsChanged(RetryableError, ValueError):
+    """The partition was registered again with other enums or object fields since this
+    client encoded the write; nothing was stored (the client re-encodes and retries)."""

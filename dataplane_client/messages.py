@@ -11,6 +11,9 @@ and nothing here is reachable from a non-Ray client.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +72,15 @@ class FieldCodecs:
     enums: dict[str, tuple[str, ...]] = field(default_factory=dict)
     object_fields: frozenset[str] = frozenset()
 
+    @functools.cached_property
+    def key(self) -> str:
+        """A fingerprint of the encoding: equal keys encode and decode every row alike. A
+        client checks its cached codecs against the partition's with it (a partition
+        re-registered with another vocabulary has another key)."""
+        words = sorted((name, list(vocab)) for name, vocab in self.enums.items())
+        blob = json.dumps([words, sorted(self.object_fields)], ensure_ascii=False)
+        return hashlib.blake2b(blob.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+
 
 @dataclass(frozen=True)
 class CommitRequest:
@@ -91,6 +103,9 @@ class CommitRequest:
     overwrite: bool
     staged_units: list[int]
     replicas: list[int] | None = None
+    # The FieldCodecs.key the writer encoded with; the commit is refused (CodecsChanged)
+    # when the partition's differs (re-registered since). None: not checked.
+    codecs_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +130,7 @@ class Location:
 
     fields: list[str]
     units: list[int]
+    codecs_key: str = ""  # the partition's FieldCodecs.key: how its rows are encoded
 
 
 @dataclass(frozen=True)

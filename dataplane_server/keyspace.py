@@ -27,6 +27,7 @@ import numpy as np
 
 from dataplane_client import arguments
 from dataplane_client.errors import (
+    CodecsChanged,
     FieldAlreadyProduced,
     FieldNotProduced,
     InvalidBatch,
@@ -74,7 +75,7 @@ class Declaration:
         if unknown:
             raise UnknownTask(f"task_leases names tasks that are not consumer tasks: {unknown}")
 
-    @property
+    @functools.cached_property
     def codecs(self) -> FieldCodecs:
         return FieldCodecs(enums=dict(self.enums), object_fields=self.object_fields)
 
@@ -359,6 +360,12 @@ class KeySpace:
         but the reservation of the plan's cells (release it with ``release``)."""
         part = self.partition(req.partition_id)
         pid, names, ids = req.partition_id, list(req.schemas), req.sample_ids
+        if req.codecs_key is not None and req.codecs_key != part.declaration.codecs.key:
+            raise CodecsChanged(
+                "the partition was registered again with other enums or object fields "
+                "since this write was encoded",
+                partition_id=pid,
+            )
         _check_shapes(req, len(self.unit_alive))
         for name, schema in req.schemas.items():
             known = part.schema.get(name)
@@ -542,7 +549,9 @@ class KeySpace:
                     fields=[name],
                     partition_id=partition_id,
                 )
-        return Location(fields=list(fields), units=units.tolist())
+        return Location(
+            fields=list(fields), units=units.tolist(), codecs_key=part.declaration.codecs.key
+        )
 
     def committed_result(self, req: CommitRequest) -> CommitResult:
         """The result of a commit already applied (a retry of it): lengths as stored."""

@@ -1,0 +1,43 @@
+"""Every client encodes and decodes with the partition's current vocabulary.
+
+A user re-registered a partition's enum field with another vocabulary from the
+driver: a rollout client that had used the partition before kept its cached
+vocabulary, wrote ``math`` as the old code of ``math``, and the driver read
+``chat``; the reverse read raised a false ``CorruptPayload``. Clients now check
+their cached codecs against the partition's (a fingerprint in every commit and
+every read's answer) and fetch them again when they differ.
+"""
+
+import torch
+
+OLD = ["math", "code", "chat"]
+NEW = ["chat", "code", "math", "web"]
+
+
+def _fields(words):
+    return {"x": torch.arange(len(words), dtype=torch.int64).reshape(-1, 1), "step": words}
+
+
+def test_a_reregistered_vocabulary_reaches_every_client(service, request):
+    from dataplane_client import connect
+
+    pid = f"codecs-{request.node.name}"
+    driver = service.client()
+    rollout = connect(service.config.name, service.config.namespace)
+    try:
+        driver.register_partition(pid, ["x", "step"], None, ["t"], enums={"step": OLD})
+        rollout.put_samples(["a"], pid, _fields(["code"]))  # the rollout caches OLD
+        assert rollout.get_samples(["a"], pid, ["step"])["step"] == ["code"]
+
+        driver.register_partition(pid, ["x", "step"], None, ["t"], enums={"step": NEW})
+        rollout.put_samples(["m"], pid, _fields(["math"]))  # written with NEW's code
+        assert driver.get_samples(["m"], pid, ["step"])["step"] == ["math"]
+        driver.put_samples(["w", "c"], pid, _fields(["web", "chat"]))  # codes OLD lacks
+        assert rollout.get_samples(["w", "c", "m"], pid, ["step"])["step"] == [
+            "web",
+            "chat",
+            "math",
+        ]
+    finally:
+        rollout.close()
+        driver.delete_partition(pid)
