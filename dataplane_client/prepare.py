@@ -58,8 +58,10 @@ def write(
     tag_list = arguments.tag_list(tags, len(ids), partition_id=partition_id)
     if not isinstance(overwrite, bool):
         raise InvalidBatch(f"overwrite must be a bool, got {overwrite!r}")
+    fields = as_field_mapping(fields)
+    arguments.name_list(list(fields), "fields", allow_empty=True)  # names: non-empty UTF-8 str
     encoded = encode_fields(
-        as_field_mapping(fields),
+        fields,
         num_rows=len(ids),
         enums=codecs.enums,
         object_fields=codecs.object_fields,

@@ -27,7 +27,7 @@ import numpy as np
 
 from dataplane_client import arguments, prepare
 from dataplane_client.codec import EncodedField, row_byte_offsets
-from dataplane_client.errors import ClaimTimeout, InvalidBatch, ServiceUnavailable, UnknownPartition
+from dataplane_client.errors import ClaimTimeout, ServiceUnavailable, UnknownPartition
 from dataplane_client.interface import DataPlaneClient
 from dataplane_client.messages import ClearResult, CommitRequest, FieldCodecs, TaskConsumption
 from dataplane_client.meta import KVBatchMeta
@@ -108,6 +108,7 @@ class InProcessDataPlaneClient(DataPlaneClient):
 
     def delete_partition(self, partition_id: str) -> ClearResult:
         """Delete the partition: its samples, bytes and declaration."""
+        arguments.partition_name(partition_id)
         with self._changed:
             part = self._open().delete(partition_id)
             freed = self._nbytes(self._store.pop(partition_id, {}).values())
@@ -190,7 +191,7 @@ class InProcessDataPlaneClient(DataPlaneClient):
         )
 
     def _read(self, sample_ids: Any, partition_id: str, fields: Any) -> Any:
-        ids = arguments.id_list(sample_ids, partition_id=partition_id)
+        ids = arguments.id_list(sample_ids, partition_id=arguments.partition_name(partition_id))
         names = arguments.name_list(fields, "select_fields")
         with self._changed:
             keys = self._open()
@@ -213,8 +214,12 @@ class InProcessDataPlaneClient(DataPlaneClient):
         timeout_s: float = 60.0,
     ) -> KVBatchMeta | None:
         """Claim up to ``batch_size`` ready samples the task has not consumed yet."""
+        arguments.partition_name(partition_id)
+        arguments.name(task_name, "task_name")
         required = arguments.name_list(required_fields, "required_fields", allow_empty=True)
         batch_size = arguments.count(batch_size, "batch_size", minimum=1)
+        dp_rank = arguments.optional_count(dp_rank, "dp_rank", minimum=0)
+        blocking = arguments.flag(blocking, "blocking")
         timeout_s = arguments.seconds(timeout_s, "timeout_s")
         deadline = time.monotonic() + timeout_s
         with self._changed:
@@ -249,20 +254,14 @@ class InProcessDataPlaneClient(DataPlaneClient):
 
     def ack(self, meta: KVBatchMeta) -> int:
         """Acknowledge a leased claim (or a slice of it): its samples are done for its task."""
-        meta = arguments.batch_meta(meta, "ack")
-        lease_id = meta.extra_info.get("lease_id")
-        if lease_id is None or meta.task_name is None:
-            raise InvalidBatch(
-                "this meta holds no lease: only claims of a leased task are acknowledged",
-                partition_id=meta.partition_id,
-            )
+        partition_id, task, ids, lease_id = arguments.lease_ack(meta)
         with self._changed:
-            return self._open().ack(
-                meta.partition_id, meta.task_name, arguments.id_list(meta.sample_ids), lease_id
-            )
+            return self._open().ack(partition_id, task, ids, lease_id)
 
     def reset_consumption(self, partition_id: str, task_name: str) -> None:
         """Make every sample of the partition claimable again by the task."""
+        arguments.partition_name(partition_id)
+        arguments.name(task_name, "task_name")
         with self._changed:
             self._open().reset_consumption(partition_id, task_name)
             self._notify()
@@ -271,13 +270,16 @@ class InProcessDataPlaneClient(DataPlaneClient):
         self, partition_id: str, task_names: Sequence[str]
     ) -> list[TaskConsumption]:
         """Per task: consumed / total / expected, held leases and redeliveries."""
+        arguments.partition_name(partition_id)
+        names = arguments.name_list(task_names, "task_names")
         with self._changed:
             keys = self._open()
             part = keys.partition(partition_id)
-            return [keys.consumption(part, t) for t in arguments.name_list(task_names, "tasks")]
+            return [keys.consumption(part, t) for t in names]
 
     def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool:
         """True iff every named task has consumed every sample of the partition."""
+        arguments.partition_name(partition_id)
         names = arguments.name_list(task_names, "task_names")
         return all(t.done for t in self.consumption_detail(partition_id, names))
 
@@ -286,7 +288,7 @@ class InProcessDataPlaneClient(DataPlaneClient):
         """Forget samples and free their bytes; ``None`` deletes the whole partition."""
         if sample_ids is None:
             return self.delete_partition(partition_id)
-        ids = arguments.id_list(sample_ids, partition_id=partition_id)
+        ids = arguments.id_list(sample_ids, partition_id=arguments.partition_name(partition_id))
         with self._changed:
             self._open().clear_samples(partition_id, ids)
             store = self._store[partition_id]

@@ -3,19 +3,25 @@
 Each example starts from a well-formed call and replaces one or more arguments with a
 malformed value (wrong type, NaN/inf/negative numbers, huge or duplicate ids,
 unhashable tags, empty field lists, mismatched lengths, non-tensor leaves, meta-device
-tensors, object arrays, unknown names). What must hold: the call returns or raises a
-typed error from ``dataplane_client.errors`` that is also the matching built-in, never
-anything else; it never hangs (pytest-timeout); and the store is unchanged afterwards
+tensors, object arrays, unknown names, lone surrogates). What must hold: the call returns
+or raises a typed error from ``dataplane_client.errors`` that is also the matching built-in,
+never anything else; it never hangs (pytest-timeout); and the store is unchanged afterwards
 (partition description, consumption, every sample's bytes, the partitions that exist).
 
+A second test goes through every argument of every verb (sync and awaited) with wrong
+types and strings UTF-8 cannot carry: each must be InvalidBatch naming the argument, on
+both clients alike, and change nothing.
+
 The bugs this file found (raw errors for a non-meta, non-mapping leases,
-unhashable partition ids, sparse tensors) are fixed; their regression tests
-are at the end.
+unhashable partition ids, sparse tensors, lone surrogates; a dp_rank of any type
+accepted) are fixed; their regression tests are at the end.
 Inputs tried per surface are printed at the end of the module.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import uuid
 from collections import Counter
 
@@ -26,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dataplane_client import KVBatchMeta
-from dataplane_client.errors import DataPlaneError
+from dataplane_client.errors import DataPlaneError, InvalidBatch
 from dataplane_server.inprocess import InProcessDataPlaneClient
 
 # Fuzzing runs many examples against both clients: the full suite, not make test-fast.
@@ -139,6 +145,10 @@ def _same(value):
 
 
 NAN, INF = float("nan"), float("inf")
+# A lone surrogate (json.loads('"\\ud800"') makes one): no UTF-8 for it, so no msgpack either.
+SURROGATE = "\ud800"
+# os.fsdecode's stand-in for a byte that is no UTF-8 ("s\udcff"): no UTF-8 for it either.
+FSDECODED = os.fsdecode(b"s\xff")
 
 PARTITION_BAD = {
     "int": _same(5),
@@ -151,6 +161,9 @@ PARTITION_BAD = {
     "tensor": lambda s: torch.tensor(1),
     "set": _same({"p"}),
     "dict": _same({"p": 1}),
+    "bool": _same(True),
+    "surrogate": _same("p" + SURROGATE),
+    "fsdecoded": _same(FSDECODED),
 }
 PARTITION_UNKNOWN = {"unknown": _same("no-such-partition")}
 
@@ -171,6 +184,10 @@ IDS_BAD = {
     "none-in-list": _same(("s0", None)),
     "nan-id": _same([NAN]),
     "many-huge": _same([f"{i}" * 1100 for i in range(1, 9)]),
+    "surrogate-id": _same(["s0", "s" + SURROGATE]),
+    "fsdecoded-id": _same([FSDECODED]),
+    "dict": _same({"s0": 1}),
+    "float-nan": _same(NAN),
 }
 IDS_UNKNOWN = {"unknown": _same(["never-written"]), "part-unknown": _same(["s0", "never-written"])}
 
@@ -183,6 +200,9 @@ NAMES_BAD = {
     "int": _same(5),
     "nested": _same([["score"]]),
     "set": _same({"score"}),
+    "surrogate": _same(["score" + SURROGATE]),
+    "bytes-name": _same([b"score"]),
+    "dict": _same({"score": 1}),
 }
 
 FIELDS_BAD = {
@@ -208,6 +228,8 @@ FIELDS_BAD = {
     "jagged-mismatched": lambda s: {"tokens": [torch.arange(3)]},
     "jagged-not-tensors": _same({"tokens": [[1, 2], [3]]}),
     "sparse": lambda s: {"score": torch.ones(2).to_sparse()},
+    "surrogate-name": lambda s: {"sc" + SURROGATE: torch.ones(2)},
+    "surrogate-enum-word": _same({"env": ["math", SURROGATE]}),
 }
 
 TAGS_BAD = {
@@ -218,6 +240,8 @@ TAGS_BAD = {
     "unhashable-group": _same([{"group_id": []}, {"group_id": []}]),
     "set-value": _same([{"k": {1}}, {"k": {2}}]),
     "object-value": _same([{"k": object()}, {}]),
+    "surrogate-value": _same([{"k": SURROGATE}, {}]),
+    "surrogate-key": _same([{SURROGATE: 1}, {}]),
 }
 
 COUNT_BAD = {
@@ -248,6 +272,20 @@ TASK_BAD = {
     "empty": _same(""),
     "list": _same(["train"]),
     "huge": _same("t" * 5000),
+    "none": _same(None),
+    "bytes": _same(b"train"),
+    "dict": _same({"train": 1}),
+    "bool": _same(True),
+    "surrogate": _same("train" + SURROGATE),
+}
+
+DP_RANK_BAD = {
+    "str": _same("x"),
+    "negative": _same(-1),
+    "bool": _same(True),
+    "float": _same(1.0),
+    "nan": _same(NAN),
+    "list": _same([0]),
 }
 
 
@@ -261,6 +299,9 @@ def _meta_bad(s) -> dict:
         "unknown-partition": _same(KVBatchMeta("no-such-partition", None, ["s0"], ["score"])),
         "no-fields": _same(KVBatchMeta(pid, None, ["s0"])),
         "unknown-field": _same(KVBatchMeta(pid, None, ["s0"], ["nope"])),
+        "surrogate-partition": _same(KVBatchMeta("p" + SURROGATE, None, ["s0"], ["score"])),
+        "surrogate-id": _same(KVBatchMeta(pid, None, ["s" + SURROGATE], ["score"])),
+        "surrogate-field": _same(KVBatchMeta(pid, None, ["s0"], ["sc" + SURROGATE])),
     }
 
 
@@ -279,6 +320,18 @@ def _lease_meta_bad(s) -> dict:
         ),
         "lease-id-str": _same(KVBatchMeta(pid, "ref", ["s0"], extra_info={"lease_id": "x"})),
         "lease-id-nan": _same(KVBatchMeta(pid, "ref", ["s0"], extra_info={"lease_id": NAN})),
+        "lease-id-zero": _same(KVBatchMeta(pid, "ref", ["s0"], extra_info={"lease_id": 0})),
+        "lease-id-bool": _same(KVBatchMeta(pid, "ref", ["s0"], extra_info={"lease_id": True})),
+        "task-int": _same(KVBatchMeta(pid, 5, ["s0"], extra_info=dict(ref.extra_info))),
+        "surrogate-task": _same(
+            KVBatchMeta(pid, "ref" + SURROGATE, ["s0"], extra_info=dict(ref.extra_info))
+        ),
+        "surrogate-id": _same(
+            KVBatchMeta(pid, "ref", ["s" + SURROGATE], extra_info=dict(ref.extra_info))
+        ),
+        "surrogate-partition": _same(
+            KVBatchMeta("p" + SURROGATE, "ref", ["s0"], extra_info=dict(ref.extra_info))
+        ),
     }
 
 
@@ -323,12 +376,15 @@ def _verbs(s) -> dict:
                     "int-key": _same({1: ["a"]}),
                     "list": _same(["f"]),
                     "none-vocabulary": _same({"f": None}),
+                    "surrogate-word": _same({"f": ["a", "b" + SURROGATE]}),
+                    "surrogate-field": _same({"f" + SURROGATE: ["a"]}),
                 },
                 "object_fields": {
                     "bare-str": _same("x"),
                     "ints": _same([1]),
                     "empty-name": _same([""]),
                     "int": _same(5),
+                    "surrogate": _same(["o" + SURROGATE]),
                 },
                 "task_leases": {
                     "negative": _same({"t": -1.0}),
@@ -338,6 +394,7 @@ def _verbs(s) -> dict:
                     "str-lease": _same({"t": "1"}),
                     "none-lease": _same({"t": None}),
                     "int-key": _same({1: 1.0}),
+                    "surrogate-key": _same({"t" + SURROGATE: 1.0}),
                 },
             },
             # The existing partition too: a refused re-register must leave it intact.
@@ -393,11 +450,25 @@ def _verbs(s) -> dict:
                 "required_fields": NAMES_BAD | {"unknown": _same(["nope"]), "empty": _same([])},
                 "batch_size": COUNT_BAD | {"huge": _same(2**80)},
                 "timeout_s": SECONDS_BAD,
-                "blocking": {"false": _same(False)},
+                "dp_rank": DP_RANK_BAD,
+                "blocking": {
+                    "false": _same(False),
+                    "str": _same("no"),
+                    "none": _same(None),
+                    "int": _same(1),
+                },
             },
             {},
         ),
         "ack": ({"meta": s["ref"]}, {"meta": _lease_meta_bad(s)}, {}),
+        "consumption_detail": (
+            {"partition_id": pid, "task_names": TASKS},
+            {
+                "partition_id": PARTITION_BAD | PARTITION_UNKNOWN,
+                "task_names": NAMES_BAD | {"unknown": _same(["nope"])},
+            },
+            {},
+        ),
         "check_consumption_status": (
             {"partition_id": pid, "task_names": ["train"]},
             {
@@ -445,6 +516,7 @@ def _untyped(exc: BaseException | None) -> bool:
         "get_data",
         "claim_meta",
         "ack",
+        "consumption_detail",
         "check_consumption_status",
         "clear_samples",
         "delete_partition",
@@ -492,6 +564,365 @@ def test_the_fuzzed_store_still_serves_well_formed_calls(store):
     assert c.check_consumption_status(pid, TASKS)
 
 
+# ---- wrong types and strings UTF-8 cannot carry: InvalidBatch naming the argument -----------
+# Every argument of every verb, one at a time, sync and awaited: each value must be refused
+# as InvalidBatch (the same class on both clients), the message must name what was wrong,
+# and the store must be as it was. A label's value is the value itself, or _Named(value,
+# needle) when the message names something more precise than the argument.
+
+
+class _Named:
+    def __init__(self, value, needle: str):
+        self.value, self.needle = value, needle
+
+
+STR_WRONG = {
+    "none": None,
+    "int": 5,
+    "bytes": b"train",
+    "float-nan": NAN,
+    "list": ["train"],
+    "dict": {"train": 1},
+    "bool": True,
+    "empty": "",
+    "surrogate": "train" + SURROGATE,
+    "fsdecoded": FSDECODED,
+}
+PARTITION_WRONG = STR_WRONG | {"huge": "p" * 5000}
+NAMES_WRONG = {
+    "none": None,
+    "int": 5,
+    "bytes": b"score",
+    "float-nan": NAN,
+    "str": "score",
+    "dict": {"score": 1},
+    "bool": True,
+    "none-in-list": ["score", None],
+    "int-in-list": [5],
+    "bytes-in-list": [b"score"],
+    "nan-in-list": [NAN],
+    "empty-name": [""],
+    "nested": [["score"]],
+    "surrogate": ["score", "sc" + SURROGATE],
+    "fsdecoded": [FSDECODED],
+}
+IDS_WRONG = NAMES_WRONG | {
+    "duplicate": ["s0", "s0"],
+    "huge-id": ["x" * 5000],
+    # Many plain ids and one that is no UTF-8: the large-list fast path must not miss it.
+    "many-one-surrogate": [f"n{i}" for i in range(5000)] + ["n" + SURROGATE],
+}
+INT_WRONG = {
+    "none": None,
+    "str": "1",
+    "bytes": b"1",
+    "float": 1.0,
+    "float-nan": NAN,
+    "list": [1],
+    "dict": {"a": 1},
+    "bool": True,
+    "negative": -1,
+}
+SECONDS_WRONG = {
+    "none": None,
+    "str": "1",
+    "bytes": b"1",
+    "float-nan": NAN,
+    "inf": INF,
+    "negative": -1.0,
+    "list": [1.0],
+    "dict": {"a": 1.0},
+    "bool": True,
+}
+BOOL_WRONG = {
+    "none": None,
+    "int": 1,
+    "str": "no",
+    "bytes": b"",
+    "float-nan": NAN,
+    "list": [True],
+    "dict": {},
+}
+DIRECTORY_WRONG = {
+    "none": None,
+    "int": 5,
+    "bytes": b"/tmp/x",
+    "float-nan": NAN,
+    "list": ["/tmp/x"],
+    "dict": {"/tmp/x": 1},
+    "bool": True,
+    "empty": "",
+    "surrogate": "/tmp/x" + SURROGATE,
+    "nul": "/tmp/x\x00y",
+}
+
+
+def _wrong(s) -> dict:
+    """verb -> (well-formed keyword arguments, {argument: {label: wrong value}})."""
+    pid, ref = s["pid"], s["ref"]
+    lease = dict(ref.extra_info)
+
+    def meta(**kw):
+        return KVBatchMeta(**{"partition_id": pid, "sample_ids": ["s0"], **kw})
+
+    not_a_meta = {k: _Named(v, "meta") for k, v in STR_WRONG.items()}
+    return {
+        "register_partition": (
+            # The existing partition: a refused re-register must leave it as it was.
+            {
+                "partition_id": pid,
+                "fields": ["a"],
+                "num_samples": None,
+                "consumer_tasks": ["t"],
+                "grpo_group_size": None,
+                "enums": None,
+                "object_fields": (),
+                "task_leases": None,
+            },
+            {
+                "partition_id": PARTITION_WRONG,
+                "fields": NAMES_WRONG,
+                "num_samples": _without(INT_WRONG, "none"),
+                "consumer_tasks": NAMES_WRONG,
+                "grpo_group_size": _without(INT_WRONG, "none"),
+                "enums": {
+                    k: _Named(v, "enum")
+                    for k, v in {
+                        "int": 5,
+                        "str": "f",
+                        "bytes": b"f",
+                        "float-nan": NAN,
+                        "bool": True,
+                        "list": ["f"],
+                        "word-str": {"f": "abc"},
+                        "words-none": {"f": None},
+                        "word-int": {"f": ["a", 1]},
+                        "word-none": {"f": ["a", None]},
+                        "field-int": {1: ["a"]},
+                        "surrogate-word": {"f": ["a", "b" + SURROGATE]},
+                        "surrogate-field": {"f" + SURROGATE: ["a"]},
+                    }.items()
+                },
+                "object_fields": _without(NAMES_WRONG, "none"),  # None: no object fields
+                "task_leases": {
+                    k: _Named(v, "lease")
+                    for k, v in {
+                        "int": 5,
+                        "str": "t",
+                        "bytes": b"t",
+                        "float-nan": NAN,
+                        "bool": True,
+                        "list": ["t"],
+                        "lease-str": {"t": "1"},
+                        "lease-none": {"t": None},
+                        "lease-nan": {"t": NAN},
+                        "lease-bool": {"t": True},
+                        "key-int": {1: 1.0},
+                        "key-bytes": {b"t": 1.0},
+                        "surrogate-key": {"t" + SURROGATE: 1.0},
+                    }.items()
+                },
+            },
+        ),
+        "put_samples": (
+            {
+                "sample_ids": ["new-a", "new-b"],
+                "partition_id": pid,
+                "fields": _put_fields(s),
+                "tags": None,
+                "overwrite": False,
+            },
+            {
+                "sample_ids": IDS_WRONG,
+                "partition_id": PARTITION_WRONG,
+                "fields": {
+                    "none": None,
+                    "int": 5,
+                    "str": "score",
+                    "bytes": b"score",
+                    "float-nan": NAN,
+                    "list": ["score"],
+                    "bool": True,
+                    "name-int": {1: torch.ones(2)},
+                    "name-empty": {"": torch.ones(2)},
+                    "name-surrogate": {"sc" + SURROGATE: torch.ones(2)},
+                    "name-fsdecoded": {FSDECODED: torch.ones(2)},
+                },
+                "tags": {
+                    "str": "x",
+                    "int": 5,
+                    "bool": True,
+                    "float-nan": NAN,
+                    "dict": {"a": 1},
+                    "ints": [1, 2],
+                    "surrogate-value": [{"k": SURROGATE}, {}],
+                    "surrogate-key": [{SURROGATE: 1}, {}],
+                },
+                "overwrite": BOOL_WRONG,
+            },
+        ),
+        "get_samples": (
+            {"sample_ids": ["s0", "s1"], "partition_id": pid, "select_fields": ["score"]},
+            {
+                "sample_ids": IDS_WRONG,
+                "partition_id": PARTITION_WRONG,
+                "select_fields": NAMES_WRONG,
+            },
+        ),
+        "get_data": (
+            {"meta": meta(fields=["score"]), "select_fields": None},
+            {
+                "meta": not_a_meta
+                | {
+                    "surrogate-partition": _Named(
+                        KVBatchMeta("p" + SURROGATE, None, ["s0"], ["score"]), "partition_id"
+                    ),
+                    "surrogate-id": _Named(
+                        meta(sample_ids=["s" + SURROGATE], fields=["score"]), "sample_ids"
+                    ),
+                    "surrogate-field": _Named(meta(fields=["sc" + SURROGATE]), "select_fields"),
+                },
+                "select_fields": _without(NAMES_WRONG, "none"),  # None: the meta's fields
+            },
+        ),
+        "claim_meta": (
+            {
+                "partition_id": pid,
+                "task_name": "train",
+                "required_fields": ["tokens"],
+                "batch_size": 2,
+                "dp_rank": None,
+                "blocking": False,
+                "timeout_s": 0.2,
+            },
+            {
+                "partition_id": PARTITION_WRONG,
+                "task_name": STR_WRONG,
+                "required_fields": NAMES_WRONG,
+                "batch_size": INT_WRONG | {"zero": 0},
+                "dp_rank": _without(INT_WRONG, "none"),
+                "blocking": BOOL_WRONG,
+                "timeout_s": SECONDS_WRONG,
+            },
+        ),
+        "ack": (
+            {"meta": ref},
+            {
+                "meta": not_a_meta
+                | {
+                    "no-lease": _Named(meta(task_name="ref"), "lease"),
+                    "task-int": _Named(meta(task_name=5, extra_info=lease), "meta.task_name"),
+                    "task-empty": _Named(meta(task_name="", extra_info=lease), "meta.task_name"),
+                    "task-surrogate": _Named(
+                        meta(task_name="ref" + SURROGATE, extra_info=lease), "meta.task_name"
+                    ),
+                    "ids-empty": _Named(
+                        meta(task_name="ref", sample_ids=[], extra_info=lease), "meta.sample_ids"
+                    ),
+                    "id-surrogate": _Named(
+                        meta(task_name="ref", sample_ids=["s" + SURROGATE], extra_info=lease),
+                        "meta.sample_ids",
+                    ),
+                    "partition-surrogate": _Named(
+                        KVBatchMeta("p" + SURROGATE, "ref", ["s0"], extra_info=lease),
+                        "partition_id",
+                    ),
+                }
+                | {
+                    f"lease-id-{k}": _Named(
+                        meta(task_name="ref", extra_info={"lease_id": v}), "lease_id"
+                    )
+                    for k, v in {
+                        "str": "1",
+                        "float": 1.0,
+                        "float-nan": NAN,
+                        "bool": True,
+                        "zero": 0,
+                        "list": [1],
+                    }.items()
+                },
+            },
+        ),
+        "reset_consumption": (
+            {"partition_id": pid, "task_name": "train"},
+            {"partition_id": PARTITION_WRONG, "task_name": STR_WRONG},
+        ),
+        "check_consumption_status": (
+            {"partition_id": pid, "task_names": TASKS},
+            {"partition_id": PARTITION_WRONG, "task_names": NAMES_WRONG},
+        ),
+        "consumption_detail": (
+            {"partition_id": pid, "task_names": TASKS},
+            {"partition_id": PARTITION_WRONG, "task_names": NAMES_WRONG},
+        ),
+        "clear_samples": (
+            {"sample_ids": ["s0"], "partition_id": pid},
+            # sample_ids=None deletes the partition: well-formed, not tried here.
+            {"sample_ids": _without(IDS_WRONG, "none"), "partition_id": PARTITION_WRONG},
+        ),
+        "delete_partition": ({"partition_id": pid}, {"partition_id": PARTITION_WRONG}),
+        # Ray client only (the in-process one has no such verbs).
+        "describe_partition": ({"partition_id": pid}, {"partition_id": PARTITION_WRONG}),
+        "checkpoint": ({"directory": "unused"}, {"directory": DIRECTORY_WRONG}),
+        "restore": ({"directory": "unused"}, {"directory": DIRECTORY_WRONG}),
+    }
+
+
+WRONG_VERBS = [
+    "register_partition",
+    "put_samples",
+    "get_samples",
+    "get_data",
+    "claim_meta",
+    "ack",
+    "reset_consumption",
+    "check_consumption_status",
+    "consumption_detail",
+    "clear_samples",
+    "delete_partition",
+    "describe_partition",
+    "checkpoint",
+    "restore",
+]
+
+
+def _call(c, verb: str, awaited: bool, kwargs: dict) -> BaseException | None:
+    try:
+        if awaited:
+            asyncio.run(getattr(c, f"{verb}_async")(**kwargs))
+        else:
+            getattr(c, verb)(**kwargs)
+    except Exception as e:  # noqa: BLE001 - judged by the caller
+        return e
+    return None
+
+
+@pytest.mark.parametrize("verb", WRONG_VERBS)
+def test_wrong_types_and_unencodable_strings_are_invalid_batch_naming_the_argument(store, verb):
+    c = store["client"]
+    if not hasattr(c, verb):
+        pytest.skip(f"the {store['kind']} client has no {verb}")
+    base, pools = _wrong(store)[verb]
+    assert set(pools) <= set(base), "every argument tried is one the verb takes"
+    wrong = []
+    for arg, pool in pools.items():
+        for label, value in pool.items():
+            needle = value.needle if isinstance(value, _Named) else arg
+            kwargs = {**base, arg: value.value if isinstance(value, _Named) else value}
+            for awaited in (False, True):
+                TRIED[f"{store['kind']}.{verb}.wrong"] += 1
+                raised = _call(c, verb, awaited, kwargs)
+                call = f"{verb}{'_async' if awaited else ''}({arg}={label})"
+                if not isinstance(raised, InvalidBatch):
+                    wrong.append(f"{call} raised {raised!r:.300}, not InvalidBatch")
+                elif needle not in str(raised):
+                    wrong.append(f"{call}: {str(raised)[:200]!r} does not name {needle!r}")
+            if _snapshot(c, store["pid"]) != store["before"]:
+                wrong.append(f"{verb}({arg}={label}) changed the store")
+                store["before"] = _snapshot(c, store["pid"])  # judge the next one on its own
+    assert wrong == []
+
+
 # ---- regressions: raw exceptions where a typed error was due (fixed) -----------------------------
 
 
@@ -517,8 +948,8 @@ def test_a_meta_that_is_not_a_kvbatchmeta_is_invalid_batch(request, kind, meta):
     c = _client(request, kind)
     for call in (lambda: c.ack(meta), lambda: c.get_data(meta, ["x"])):
         raised = _raises_typed(call)
-        assert raised is not None
-        assert not _untyped(raised), repr(raised)
+        assert isinstance(raised, InvalidBatch), repr(raised)
+        assert "KVBatchMeta as meta" in str(raised)
 
 
 @_kinds()
@@ -527,8 +958,8 @@ def test_task_leases_that_is_not_a_mapping_is_invalid_batch(request, kind):
     raised = _raises_typed(
         lambda: c.register_partition(f"tl-{uuid.uuid4().hex[:6]}", [], None, ["t"], task_leases="t")
     )
-    assert raised is not None
-    assert not _untyped(raised), repr(raised)
+    assert isinstance(raised, InvalidBatch), repr(raised)
+    assert "task_leases" in str(raised)
 
 
 @_kinds()
@@ -545,6 +976,9 @@ def test_an_unhashable_partition_id_is_a_typed_error_on_every_verb(request, kind
     ]
     raw = [r for r in map(_raises_typed, calls) if r is None or _untyped(r)]
     assert raw == []
+    assert all(
+        isinstance(r, InvalidBatch) and "partition_id" in str(r) for r in map(_raises_typed, calls)
+    )
 
 
 @_kinds()
@@ -553,6 +987,61 @@ def test_a_sparse_tensor_field_is_invalid_batch(request, kind):
     pid = f"sp-{uuid.uuid4().hex[:6]}"
     c.register_partition(pid, ["x"], None, [])
     raised = _raises_typed(lambda: c.put_samples(["a", "b"], pid, {"x": torch.ones(2).to_sparse()}))
-    assert raised is not None
-    assert not _untyped(raised), repr(raised)
+    assert isinstance(raised, InvalidBatch), repr(raised)
     assert isinstance(_raises_typed(lambda: c.get_samples(["a"], pid, ["x"])), KeyError)
+
+
+def _kept(c, pid: str) -> None:
+    """The partition ``_registered`` made is there as it was: its samples, its task."""
+    got = c.get_samples(["a", "b"], pid, ["x"])
+    assert got["x"].tolist() == [0.0, 1.0]
+    assert [t.task for t in c.consumption_detail(pid, ["t"])] == ["t"]
+    meta = c.claim_meta(pid, "t", ["x"], 2, blocking=False)
+    assert sorted(meta.sample_ids) == ["a", "b"]
+
+
+def _registered(c) -> str:
+    pid = f"sur-{uuid.uuid4().hex[:6]}"
+    c.register_partition(pid, ["x"], None, ["t"])
+    c.put_samples(["a", "b"], pid, {"x": torch.arange(2.0)})
+    return pid
+
+
+@_kinds()
+def test_registering_again_with_a_lone_surrogate_task_name_keeps_the_partition(request, kind):
+    """It passed the checks; the controller deleted the old partition and then failed to
+    journal the new one (a raw UnicodeEncodeError); the in-process client took it."""
+    c = _client(request, kind)
+    pid = _registered(c)
+    with pytest.raises(InvalidBatch, match="consumer_tasks"):
+        c.register_partition(pid, ["x"], None, ["t" + SURROGATE])
+    with pytest.raises(InvalidBatch, match="task_leases"):
+        c.register_partition(pid, ["x"], None, ["t"], task_leases={"t" + SURROGATE: 1.0})
+    with pytest.raises(InvalidBatch, match="enum"):
+        c.register_partition(pid, ["x"], None, ["t"], enums={"e": ["a" + SURROGATE]})
+    _kept(c, pid)
+
+
+@_kinds()
+def test_a_lone_surrogate_sample_id_is_invalid_batch(request, kind):
+    """A raw UnicodeEncodeError on the Ray client; stored by the in-process one."""
+    c = _client(request, kind)
+    pid = _registered(c)
+    for ids in (["c" + SURROGATE], ["c", FSDECODED], [f"c{i}" for i in range(8192)] + [SURROGATE]):
+        n = len(ids)
+        with pytest.raises(InvalidBatch, match="sample_ids") as e:
+            c.put_samples(ids, pid, {"x": torch.zeros(n)})
+        assert e.value.ids == [s for s in ids if not s.isascii()]
+    _kept(c, pid)
+
+
+@_kinds()
+@pytest.mark.parametrize("dp_rank", ["x", -1, True, 1.0, [0]], ids=str)
+def test_a_dp_rank_that_is_not_an_int_of_at_least_0_is_invalid_batch(request, kind, dp_rank):
+    c = _client(request, kind)
+    pid = _registered(c)
+    with pytest.raises(InvalidBatch, match="dp_rank"):
+        c.claim_meta(pid, "t", ["x"], 2, dp_rank=dp_rank, blocking=False)
+    _kept(c, pid)
+    c.reset_consumption(pid, "t")
+    assert c.claim_meta(pid, "t", ["x"], 2, dp_rank=3, blocking=False).extra_info["dp_rank"] == 3
