@@ -16,6 +16,7 @@ loads.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -23,7 +24,7 @@ import os
 import msgpack
 
 from dataplane_client import atomic_dir
-from dataplane_client.errors import CorruptPayload, InvalidBatch
+from dataplane_client.errors import CheckpointError, CorruptPayload, InvalidBatch
 from dataplane_server.recovery_messages import DumpedFile
 
 FORMAT = 1
@@ -32,7 +33,44 @@ STATE = "state.msgpack"
 
 
 def start(directory: str) -> str:
-    return atomic_dir.start(directory, InvalidBatch)
+    """A fresh temporary directory beside ``directory``, made before any unit writes.
+
+    ``InvalidBatch`` when ``directory`` exists; ``CheckpointError`` naming the path and
+    the operating system's reason when it cannot be a checkpoint (a dangling symbolic
+    link, a path under a regular file or in /proc, no permission). Nothing is left behind.
+    """
+    path = os.path.abspath(directory)
+    if os.path.islink(path) and not os.path.exists(path):
+        # Not "exists" to os.path.exists, but the final rename could never replace it.
+        raise CheckpointError(
+            f"cannot save a checkpoint to {path}: {os.strerror(errno.EEXIST)} (a dangling "
+            f"symbolic link to {os.readlink(path)!r}); choose a new path"
+        )
+    missing = []  # the parents makedirs will create, deepest first
+    above = os.path.dirname(path)
+    while not os.path.lexists(above):
+        missing.append(above)
+        above = os.path.dirname(above)
+    try:
+        return atomic_dir.start(path, InvalidBatch)
+    except OSError as e:
+        for made in missing:  # what makedirs made before it failed
+            try:
+                os.rmdir(made)
+            except OSError:
+                pass  # never made, or not empty: not ours to remove
+        raise save_failed(path, e) from None
+
+
+def save_failed(directory: str, e: OSError) -> CheckpointError:
+    """The typed error for an ``OSError`` met saving to ``directory``."""
+    why = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else (e.strerror or str(e))
+    above = os.path.dirname(directory)
+    while not os.path.lexists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        why += f" ({above} is not a directory)"
+    return CheckpointError(f"cannot save a checkpoint to {directory}: {why}")
 
 
 def finish(tmp: str, directory: str, files: list[DumpedFile], state: dict) -> None:

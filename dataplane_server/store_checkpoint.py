@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dataplane_client.errors import InvalidBatch
+from dataplane_client.errors import CorruptPayload, DataPlaneError, InvalidBatch
 from dataplane_server import checkpoint, recovery, unit_calls
 from dataplane_server.journal import Journal
 from dataplane_server.keyspace import KeySpace
@@ -45,9 +45,23 @@ async def save(
     except BaseException as e:
         checkpoint.abandon(tmp)
         if isinstance(e, Exception):
+            failure = _os_error(e)  # a unit's file, the state, the manifest or the rename
+            if failure is not None:
+                raise checkpoint.save_failed(os.path.abspath(directory), failure) from None
             raise unit_calls.typed(e) from None
         raise
     return os.path.abspath(directory)
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The ``OSError`` behind a failure (raised here, or in a unit and wrapped by Ray), if
+    it is one; a data-plane error, a lost actor or a timeout is not."""
+    cause = exc if isinstance(exc, DataPlaneError) else getattr(exc, "cause", exc)
+    if isinstance(cause, OSError) and not isinstance(
+        cause, DataPlaneError | ConnectionError | TimeoutError
+    ):
+        return cause
+    return None
 
 
 def second_copies(keys: KeySpace, unit: int) -> dict[str, list[str]]:
@@ -88,6 +102,9 @@ async def restore(
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:  # undo what did load: the service stays empty
         await asyncio.gather(*[unit_calls.free(units, pid, dict.fromkeys(alive)) for pid in state])
+        unreadable = _os_error(failed[0])
+        if unreadable is not None:  # as the controller's own reads of the checkpoint say it
+            raise CorruptPayload(f"{path}: cannot read a unit's checkpoint file ({unreadable})")
         raise unit_calls.typed(failed[0])
     if journal:
         journal.compact(state)

@@ -7,10 +7,13 @@ Status codes, chosen for what the caller should do next:
 - ``InvalidBatch`` (target exists, service not empty, too few live units) ->
   FAILED_PRECONDITION: the request is well formed, the system is not in the
   state it needs; retrying the same call fails until someone changes that state.
-- ``CorruptPayload`` (no manifest, a checksum or size mismatch) -> DATA_LOSS:
-  the checkpoint's bytes are not what was saved; no retry helps, pick another.
-- an ``OSError`` in the controller (permission denied, disk full) ->
-  FAILED_PRECONDITION, with its message (the caller named the path).
+- ``CorruptPayload`` (no manifest, a file that cannot be read, a checksum or
+  size mismatch) -> DATA_LOSS: the checkpoint's bytes are not what was saved;
+  no retry helps, pick another.
+- ``CheckpointError`` (the directory cannot be made, written or renamed into
+  place: a dangling symbolic link, a path under a regular file or in /proc,
+  permission denied, disk full) -> FAILED_PRECONDITION, with its message naming
+  the path and the operating system's reason; so would any other ``OSError``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 
 import grpc
 
-from dataplane_client import errors
+from dataplane_client import arguments, errors
 from dataplane_server.admin.sources import ActorSources
 from dataplane_server.admin_pb import admin_pb2
 
@@ -48,7 +51,10 @@ def directory_of(request) -> str:
             grpc.StatusCode.INVALID_ARGUMENT,
             f"directory must be an absolute path on the service's nodes, got {path!r}",
         )
-    return path
+    try:
+        return arguments.directory(path)  # e.g. a NUL byte, which no file name holds
+    except errors.InvalidBatch as e:
+        raise CheckpointAbort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
 
 def _mapped(exc: BaseException) -> CheckpointAbort | None:
@@ -56,6 +62,8 @@ def _mapped(exc: BaseException) -> CheckpointAbort | None:
         return CheckpointAbort(grpc.StatusCode.DATA_LOSS, f"CorruptPayload: {exc}")
     if isinstance(exc, errors.InvalidBatch):
         return CheckpointAbort(grpc.StatusCode.FAILED_PRECONDITION, f"InvalidBatch: {exc}")
+    if isinstance(exc, errors.CheckpointError):
+        return CheckpointAbort(grpc.StatusCode.FAILED_PRECONDITION, f"CheckpointError: {exc}")
     if isinstance(exc, OSError) and not isinstance(exc, ConnectionError | TimeoutError):
         return CheckpointAbort(grpc.StatusCode.FAILED_PRECONDITION, f"{type(exc).__name__}: {exc}")
     return None
