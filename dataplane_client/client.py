@@ -476,10 +476,12 @@ class RayDataPlaneClient(DataPlaneClient):
                     if not isinstance(r, BaseException)
                 ]
                 if all(isinstance(e, SharedMemoryUnavailable) for _, e in errors):
-                    # Stage again: in fresh regions where ours were taken back, through
-                    # Ray where a copy could not be made.
+                    # Stage again: in a fresh region where a lease was taken back (once),
+                    # through Ray where a copy could not be made.
+                    via_ray.update(
+                        u for u, e in errors if not (isinstance(e, StagedRegionGone) and use_leases)
+                    )
                     use_leases = False
-                    via_ray.update(u for u, e in errors if not isinstance(e, StagedRegionGone))
                     continue
                 died = [u for u, e in errors if isinstance(e, RayActorError)]
                 if not died:

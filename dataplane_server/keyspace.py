@@ -747,6 +747,8 @@ class KeySpace:
         An ack after the lease expired is harmless while nobody re-claimed the
         samples (the work was done once); if another claim holds them now, the
         ack is refused (LeaseExpired) and changes nothing: the new holder owns them.
+        Samples cleared since the claim are done already (a clear acknowledges):
+        they are skipped, so an ack racing a clear still acknowledges the rest.
         """
         part = self.partition(partition_id)
         self.task_of(part, task)
@@ -754,7 +756,9 @@ class KeySpace:
             raise InvalidBatch(
                 f"task {task!r} has no lease: its claims need no ack", partition_id=partition_id
             )
-        rows = part.existing_rows(sample_ids, "unknown or cleared samples")
+        rows = part.rows_of(sample_ids)
+        sample_ids = [s for s, r in zip(sample_ids, rows.tolist()) if r >= 0]
+        rows = rows[rows >= 0]
         holder = part.column(part.holder, task, np.int64, NO_LEASE)
         consumed = part.column(part.consumed, task)
         stolen = [s for s, r in zip(sample_ids, rows) if holder[r] != claim_id and not consumed[r]]
