@@ -1,0 +1,52 @@
+"""``grpo_groups``: whole complete groups only, oldest group first (the default of a
+partition registered with ``grpo_group_size``).
+
+A group is complete when it has exactly ``group_size`` live rows and every one
+is ready; groups are ordered by their oldest ready row and handed out whole,
+each group's rows in commit order, as many as fit in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from dataplane_client.errors import InvalidBatch
+from dataplane_server.claim_policies.base import (
+    PartitionTraits,
+    ReadyRows,
+    only_options,
+    register,
+)
+
+
+@register("grpo_groups")
+class GrpoGroups:
+    def check_options(self, options: Mapping[str, Any], traits: PartitionTraits) -> dict:
+        only_options("grpo_groups", options, ())
+        if traits.group_size is None:
+            raise InvalidBatch(
+                "claim policy 'grpo_groups' needs a partition registered with grpo_group_size"
+            )
+        return {}
+
+    def choose(self, ready: ReadyRows, batch_size: int, options: Mapping[str, Any]) -> np.ndarray:
+        size = ready.group_size
+        if size is None or not len(ready):
+            return np.zeros(0, dtype=np.int64)
+        group = ready.group
+        grouped = np.nonzero(group >= 0)[0]
+        codes = group[grouped]
+        ready_in_group = np.bincount(codes)
+        complete = (ready_in_group[codes] == size) & (ready.group_members[grouped] == size)
+        positions, codes = grouped[complete], codes[complete]
+        # np.unique's first indices order the groups by their oldest ready row.
+        _, first = np.unique(codes, return_index=True)
+        taken = codes[np.sort(first)][: batch_size // size]
+        rank = np.full(int(codes.max(initial=-1)) + 1, -1, dtype=np.int64)
+        rank[taken] = np.arange(len(taken))
+        keep = rank[codes] >= 0
+        # A stable sort by group rank keeps each group's rows in commit order.
+        return positions[keep][np.argsort(rank[codes[keep]], kind="stable")]
