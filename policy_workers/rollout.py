@@ -156,3 +156,8 @@ class RolloutActor:
             self.groups_written += 1
             await asyncio.sleep(0)  # let other coroutines of this actor run between groups
         return {"actor": self.index, "groups": len(prompt_ids), "backoffs": self.backoffs}
+
+    def stats(self) -> dict:
+        """Back-offs so far (full store) and groups written, over every ``run`` of this actor
+        (a ``run`` that raised returns nothing, so its counts are read here)."""
+        return {"backoffs": self.backoffs, "groups_written": self.groups_written}

@@ -21,7 +21,7 @@ from dataplane_client.codec import EncodedField
 from dataplane_client.errors import SamplesNotFound
 from dataplane_client.messages import SharedRows
 from dataplane_server import start
-from dataplane_server.storage_unit import INLINE_READ_BYTES
+from dataplane_server.unit_store import INLINE_READ_BYTES
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,8 @@ def unit(ray_session):
     handle.shutdown()
 
 
-def _read_leases(handle) -> dict:
-    return ray.get(handle.units[0].__ray_call__.remote(lambda self: dict(self.read_leases)))
+def _read_leases(handle) -> int:
+    return ray.get(handle.units[0].holdings.remote()).read_leases
 
 
 def _rows(n: int, row_bytes: int, start: int = 0) -> torch.Tensor:
@@ -59,7 +59,7 @@ def test_a_small_field_comes_back_as_bytes_and_a_large_one_as_leased_chunks(unit
     del got
     answer = ray.get(unit.units[0].read_shm.remote("sizes", ids[:4], ["small"], None))
     assert isinstance(answer["small"], EncodedField)
-    assert _read_leases(unit) == {}  # nothing to release for the inline read
+    assert _read_leases(unit) == 0  # nothing to release for the inline read
 
 
 def test_a_small_read_takes_no_lease_and_returns_writable_rows(unit):
@@ -73,7 +73,7 @@ def test_a_small_read_takes_no_lease_and_returns_writable_rows(unit):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch warns when it wraps read-only memory
         got = client.get_samples(ids, "small", ["x"])["x"]
-    assert _read_leases(unit) == {}
+    assert _read_leases(unit) == 0
     got += 1  # changing what we got changes nothing stored
     assert torch.equal(client.get_samples(ids, "small", ["x"])["x"], _rows(4, 64))
 
@@ -122,4 +122,4 @@ def test_small_reads_racing_rewrites_and_clears_never_mix_samples(unit):
         thread.join(timeout=60)
     assert reads >= 300, f"only {reads} reads in the deadline ({vanished} found nothing)"
     assert written[0] > 1
-    assert _read_leases(unit) == {}
+    assert _read_leases(unit) == 0

@@ -18,6 +18,7 @@ import torch
 
 from dataplane_client import DataPlaneConfig, connect, shm
 from dataplane_server import start
+from dataplane_server.unit_store import UnitHoldings
 
 ROWS = 8
 ROW_FLOATS = 128 * 1024  # 512 KiB a row, 4 MiB a write: a chunk of its own, not a slab
@@ -31,8 +32,8 @@ def _ids(tag: str) -> list[str]:
     return [f"{tag}{i}" for i in range(ROWS)]
 
 
-def _unit(handle, what: str):
-    return ray.get(handle.units[0].__ray_call__.remote(lambda self: getattr(self, what)))
+def _holdings(handle) -> UnitHoldings:
+    return ray.get(handle.units[0].holdings.remote())
 
 
 def _recycled(handle) -> int:
@@ -64,7 +65,7 @@ def test_a_freed_chunk_nobody_reads_is_reused_and_the_writer_keeps_its_mapping(u
     assert _recycled(unit) >= 6
     # Eight writes went through a few mappings this process kept, not one mapping per put
     # (counted for this unit's chunks only: other tests of this process map theirs).
-    prefix = ray.get(unit.units[0].__ray_call__.remote(lambda self: shm.chunk_prefix()))
+    prefix = _holdings(unit).chunk_prefix
     assert 0 < shm.write_maps.mapped_bytes(prefix) <= 4 * ROWS * ROW_FLOATS * 4
 
 
@@ -75,14 +76,14 @@ def test_a_reader_holding_tensors_sees_its_own_bytes_while_the_memory_is_cleared
     client.register_partition("p", fields=["x"])
     client.put_samples(_ids("held"), "p", {"x": _rows(1.0)})
     held = client.get_samples(_ids("held"), "p", ["x"])["x"]  # zero-copy: maps the chunk
-    assert _unit(unit, "read_leases")  # the read holds a lease while its tensors live
+    assert _holdings(unit).read_leases  # the read holds a lease while its tensors live
     client.clear_samples(_ids("held"), "p")
     for i in range(6):  # writes of the same size: each would take a recycled chunk
         client.put_samples(_ids(f"new{i}-"), "p", {"x": _rows(100.0 + i)})
         client.clear_samples(_ids(f"new{i}-"), "p")
     assert torch.equal(held, _rows(1.0)), "a recycled chunk overwrote bytes a reader holds"
     del held
-    _wait_until(lambda: not _unit(unit, "read_leases"), 30, "the lease to be released")
+    _wait_until(lambda: not _holdings(unit).read_leases, 30, "the lease to be released")
 
 
 def reader_class():
@@ -108,9 +109,9 @@ def test_the_leases_of_a_dead_reader_are_released_and_its_chunk_recycled(unit):
     client.put_samples(_ids("r"), "p", {"x": _rows(5.0)})
     reader = reader_class().remote(unit.config.name, unit.config.namespace)
     assert ray.get(reader.hold.remote("p", _ids("r"))) == 5.0
-    assert _unit(unit, "read_leases")
+    assert _holdings(unit).read_leases
     ray.kill(reader)  # its mappings die with it; it never says so
-    _wait_until(lambda: not _unit(unit, "read_leases"), 60, "the dead reader's lease to go")
+    _wait_until(lambda: not _holdings(unit).read_leases, 60, "the dead reader's lease to go")
     before = _recycled(unit)
     client.clear_samples(_ids("r"), "p")
     assert _recycled(unit) == before + 1
@@ -143,7 +144,7 @@ def test_puts_through_leased_regions_store_every_write_and_hold_one_lease(unit):
     client.register_partition("p", fields=["x"])
     for i in range(5):
         client.put_samples(_ids(f"w{i}-"), "p", {"x": _rows(10.0 + i)})
-        assert len(_unit(unit, "write_leases")) <= 1  # the next one, never a pile
+        assert _holdings(unit).write_leases <= 1  # the next one, never a pile
     assert client._transport._leases[0] is not None
     for i in range(5):
         assert torch.equal(client.get_samples(_ids(f"w{i}-"), "p", ["x"])["x"], _rows(10.0 + i))
@@ -158,19 +159,18 @@ def test_the_region_leased_to_a_dead_writer_is_reclaimed(unit):
     write = ROWS * ROW_FLOATS * 4
     client.put_samples(_ids("w"), "p", {"x": _rows(1.0)})
     client.clear_samples(_ids("w"), "p")
-    ready = ray.get(
-        unit.units[0].__ray_call__.remote(
-            lambda self: self.arena.reserve.wait_until_holding(2 * write, 60)
-        )
+    _wait_until(
+        lambda: _holdings(unit).reserve_bytes >= 2 * write,
+        60,
+        "the unit's reserve to make the chunks it asked for",
     )
-    assert ready, "the unit's reserve never made the chunks it asked for"
     baseline = _unit_bytes(unit)
     writer = writer_class().remote(unit.config.name, unit.config.namespace)
     assert ray.get(writer.put.remote("p", _ids("d"), 3.0))
     assert ray.get(writer.put.remote("p", _ids("e"), 4.0))  # the second through the lease
-    assert _unit(unit, "write_leases")
+    assert _holdings(unit).write_leases
     ray.kill(writer)
-    _wait_until(lambda: not _unit(unit, "write_leases"), 60, "the dead writer's lease to go")
+    _wait_until(lambda: not _holdings(unit).write_leases, 60, "the dead writer's lease to go")
     assert torch.equal(client.get_samples(_ids("e"), "p", ["x"])["x"], _rows(4.0))
     client.clear_samples([*_ids("d"), *_ids("e")], "p")
     assert _unit_bytes(unit) == baseline  # nothing of the writer's is held any more

@@ -31,6 +31,5 @@ def test_a_rollout_actor_backs_off_from_a_full_store_and_then_reports_it(service
         ray.get(actor.run.remote("step0", [0]))
     # Every attempt was refused and counted (the store's level never held the actor up:
     # it stays empty); after the last one the actor reports the full store.
-    assert ray.get(actor.__ray_call__.remote(lambda self: self.backoffs)) == ATTEMPTS
-    assert ray.get(actor.__ray_call__.remote(lambda self: self.groups_written)) == 0
+    assert ray.get(actor.stats.remote()) == {"backoffs": ATTEMPTS, "groups_written": 0}
     ray.kill(actor)

@@ -486,7 +486,7 @@ def test_clearing_one_gigabyte_returns_unit_memory(ray_session):
         # A chunk the reserve's thread is making counts in the unit's memory, not yet in
         # what it holds: measure once it is done (it keeps the chunk or closes it).
         deadline = time.monotonic() + 60
-        while not ray.get(handle.units[0].__ray_call__.remote(lambda unit: unit.reserve.settled)):
+        while not ray.get(handle.units[0].holdings.remote()).reserve_settled:
             assert time.monotonic() < deadline, "the warm reserve never settled"
             time.sleep(0.05)  # polling an observable state with a deadline
         after = unit_memory(pid)
@@ -494,13 +494,7 @@ def test_clearing_one_gigabyte_returns_unit_memory(ray_session):
         # Kept ready counts the region leased for this writer's next put, when the unit
         # had a chunk ready to lease at its last put (not always): one per writer, outside
         # the reserve's limit.
-        leased = ray.get(
-            handle.units[0].__ray_call__.remote(
-                lambda unit: sum(
-                    unit.arena.chunk_bytes(w.block) for w in unit.write_leases.values()
-                )
-            )
-        )
+        leased = ray.get(handle.units[0].holdings.remote()).write_lease_chunk_bytes
         print(
             f"unit memory (USS + its memfds) MiB: baseline {baseline / 2**20:.0f}, "
             f"holding 1 GiB {full / 2**20:.0f}, after clear {after / 2**20:.0f} "

@@ -7,12 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataplane_server.recovery_messages import SampleMeta
-from dataplane_server.storage_unit import StorageUnit, _Partition
-
-_slots_for = StorageUnit.__ray_metadata__.modified_class._slots_for
+from dataplane_server.unit_partition import Partition
 
 
-def _one_by_one(part: _Partition, ids: list[str]) -> list[int]:
+def _one_by_one(part: Partition, ids: list[str]) -> list[int]:
     out = []
     for sid in ids:
         if sid not in part.slot_of:
@@ -34,9 +32,9 @@ _writes = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(_writes)
 def test_slots_match_the_one_by_one_rule(writes):
-    fast, slow = _Partition(), _Partition()
+    fast, slow = Partition(), Partition()
     for ids, cleared in writes:
-        assert _slots_for(None, fast, ids).tolist() == _one_by_one(slow, ids)
+        assert fast.slots_for(ids).tolist() == _one_by_one(slow, ids)
         assert fast.slot_of == slow.slot_of
         assert fast.next_slot == slow.next_slot
         for part in (fast, slow):
@@ -45,11 +43,11 @@ def test_slots_match_the_one_by_one_rule(writes):
 
 
 def test_commit_metadata_first_commit_wins_and_tags_merge():
-    part = _Partition()
+    part = Partition()
     ids = ["a", "b", "c"]
-    slots = _slots_for(None, part, ids)
+    slots = part.slots_for(ids)
     part.remember(slots, ids, SampleMeta(5, {"a": 7, "c": 9}, {"b": {"x": 1}}))
-    later = _slots_for(None, part, ["b", "c", "d"])
+    later = part.slots_for(["b", "c", "d"])
     part.remember(later, ["b", "c", "d"], SampleMeta(6, {"b": 3, "c": 4, "d": 2}, {"b": {"y": 2}}))
     by_id = dict(zip(["a", "b", "c", "d"], [*slots.tolist(), int(later[2])]))
     assert [int(part.seq[by_id[s]]) for s in "abcd"] == [5, 5, 5, 6]
