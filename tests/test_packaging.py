@@ -83,6 +83,17 @@ def test_core_dependencies_are_lean_and_extras_hold_the_rest(wheel):
 
 
 @pytest.mark.slow
+def test_wheel_metadata_points_at_no_file_outside_the_package(wheel):
+    # The long description is README.md: a "../" path in it names a file next to the
+    # checkout it was written in, which neither a clone nor an installed wheel has.
+    [meta_name] = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    meta = wheel.read(meta_name).decode()
+    title = (ROOT / "README.md").read_text().splitlines()[0]
+    assert title in meta  # the README is the long description
+    assert "../" not in meta
+
+
+@pytest.mark.slow
 def test_wheel_ships_the_proto_the_example_config_and_py_typed(wheel):
     names = set(wheel.namelist())
     missing = sorted(set(PACKAGE_DATA) - names)

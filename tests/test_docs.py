@@ -1,0 +1,112 @@
+"""The repository's documents stand on their own in a clone.
+
+They point only at files inside the repository (no ``../`` reaching a sibling
+checkout that a clone lacks) and every relative markdown link names a file that
+exists.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parents[1]
+# Folders that hold no documentation of ours: tools' caches, environments, build output.
+NOT_OURS = {"build", "dist", "node_modules", "__pycache__"}
+
+# An inline link or image, "[text](target)" or "[text](target "title")", and a reference
+# definition, "[name]: target".
+INLINE_LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?(?:\s+(?:\"[^\"]*\"|'[^']*'|\([^)]*\)))?\s*\)")
+REFERENCE_LINK = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)", re.MULTILINE)
+FENCED_BLOCK = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+# A path that climbs out of the folder it is written in: "../x", "../../x/y.md".
+PARENT_PATH = re.compile(r"(?<![\w.])((?:\.\./)+[^\s`'\")\]>]*)")
+
+
+def _markdown_files() -> list[Path]:
+    found = [
+        path
+        for path in ROOT.rglob("*.md")
+        if not any(
+            part.startswith(".") or part.endswith(".egg-info") or part in NOT_OURS
+            for part in path.relative_to(ROOT).parts[:-1]
+        )
+    ]
+    return sorted(found)
+
+
+def _inside_the_repo(path: Path) -> bool:
+    return path.resolve().is_relative_to(ROOT)
+
+
+def _links(text: str) -> list[str]:
+    """The targets of the markdown links in ``text`` (code blocks and spans are not links)."""
+    prose = INLINE_CODE.sub("", FENCED_BLOCK.sub("", text))
+    return INLINE_LINK.findall(prose) + REFERENCE_LINK.findall(prose)
+
+
+def _is_relative(target: str) -> bool:
+    return not re.match(r"^[a-zA-Z][\w+.-]*:|^#|^/", target)  # not a URL, an anchor, absolute
+
+
+def test_the_documents_checked_here_include_the_known_ones():
+    # A broken walk (say, one that skipped every folder) would let every test below pass.
+    names = {path.relative_to(ROOT).as_posix() for path in _markdown_files()}
+    assert {"README.md", "RELIABILITY.md", "tests/README.md", "deploy/README.md"} <= names
+
+
+def test_no_document_points_outside_the_repo():
+    # A "../" path must land on a file of this repository, read from the document's own
+    # folder: "../shared/DESIGN.md" in README.md named a sibling checkout's file.
+    outside = [
+        f"{doc.relative_to(ROOT)}: {ref}"
+        for doc in _markdown_files()
+        for ref in PARENT_PATH.findall(doc.read_text())
+        if not (_inside_the_repo(doc.parent / ref) and (doc.parent / ref).exists())
+    ]
+    assert outside == [], "documents point at files a clone does not have"
+
+
+def test_every_relative_link_names_a_file_in_the_repo():
+    broken = []
+    for doc in _markdown_files():
+        for target in _links(doc.read_text()):
+            path = target.split("#")[0]
+            if not path or not _is_relative(target):
+                continue
+            resolved = doc.parent / path
+            if not (_inside_the_repo(resolved) and resolved.exists()):
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert broken == [], "links to files that do not exist (or lie outside the repo)"
+
+
+def test_link_finder_sees_links_and_not_code():
+    text = (
+        "See [the notes](docs/architecture.md#state) and ![a figure](fig.png 'x').\n"
+        '[ref]: deploy/README.md "deploy"\n'
+        "`x[0](y)` is code, and so is\n```\nf[i](j)\n```\n"
+    )
+    assert sorted(_links(text)) == ["deploy/README.md", "docs/architecture.md#state", "fig.png"]
+    assert PARENT_PATH.findall("in `../shared/DESIGN.md`, see ../../x.md and [y](../y)") == [
+        "../shared/DESIGN.md",
+        "../../x.md",
+        "../y",
+    ]
+
+
+def test_package_metadata_points_only_inside_the_repo():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    readme = ROOT / project["readme"]
+    assert _inside_the_repo(readme), project["readme"]
+    assert readme.is_file(), project["readme"]
+    assert "../" not in project["description"]
+    for url in project.get("urls", {}).values():
+        assert "../" not in url, url
