@@ -1,8 +1,8 @@
 """The repository's documents stand on their own in a clone.
 
 They point only at files inside the repository (no ``../`` reaching a sibling
-checkout that a clone lacks) and every relative markdown link names a file that
-exists.
+checkout that a clone lacks), every relative markdown link names a file that
+exists, and ``tests/README.md`` gives every test file a row.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ FENCED_BLOCK = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
 # A path that climbs out of the folder it is written in: "../x", "../../x/y.md".
 PARENT_PATH = re.compile(r"(?<![\w.])((?:\.\./)+[^\s`'\")\]>]*)")
+# A table row's first cell: "| `test_a.py` | ..." or "| `test_a.py`, `test_b.py` | ...".
+FIRST_CELL = re.compile(r"^\|([^|\n]*)\|", re.MULTILINE)
+TEST_FILE_NAME = re.compile(r"`(test_\w+\.py)`")
 
 
 def _markdown_files() -> list[Path]:
@@ -110,3 +113,14 @@ def test_package_metadata_points_only_inside_the_repo():
     assert "../" not in project["description"]
     for url in project.get("urls", {}).values():
         assert "../" not in url, url
+
+
+def test_tests_readme_has_a_row_for_every_test_file_and_no_other():
+    # Every test file says in one line what it checks; a new file without a row fails here.
+    text = (ROOT / "tests/README.md").read_text()
+    rows = [name for cell in FIRST_CELL.findall(text) for name in TEST_FILE_NAME.findall(cell)]
+    assert len(rows) > 50, "tests/README.md's table of test files went missing"
+    files = {path.name for path in (ROOT / "tests").glob("test_*.py")}
+    assert sorted(files - set(rows)) == [], "test files without a row in tests/README.md"
+    assert sorted(set(rows) - files) == [], "rows in tests/README.md for files that do not exist"
+    assert len(rows) == len(set(rows)), "a test file is listed twice"
