@@ -32,12 +32,109 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from policy_workers.demo_report import WIDTH, StepReport, report_lines
 
 TOLERANCE = 1e-5  # logprobs through the data plane vs a direct computation (float32)
+
+
+@dataclass
+class Run:
+    """What every training step uses: the run's flags, the service, the policy and the
+    driver's own checks (a reference model and the DP leaders whose batches it measures)."""
+
+    args: argparse.Namespace
+    handle: Any  # dataplane_server.ServiceHandle
+    client: Any  # its DataPlaneClient
+    policy: Any  # TQPolicy
+    recorder: Any  # DispatchRecorder: what the driver shipped to and received from workers
+    leaders: list[int]
+    reference_model: Any
+    progress: Progress
+
+    @property
+    def per_step(self) -> int:
+        return self.args.prompts_per_step * self.args.generations
+
+
+@dataclass
+class Tally:
+    """What the steps add up: their reports, the checks and what those checks count."""
+
+    reports: list[StepReport] = field(default_factory=list)
+    checks: dict[str, bool] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)  # every sample id trained on so far
+    duplicates: int = 0
+    max_ref_diff: float = 0.0
+    # Must stay False: workers return metrics, tensors stay in the store.
+    tensors_received: bool = False
+    checkpoints: list[str] = field(default_factory=list)
+
+
+def main(argv: list[str] | None = None) -> int:
+    set_environment_before_ray()
+    args = parse_args(argv)
+    import ray
+
+    from dataplane_server.local_ray import init_local_ray
+
+    t_setup = time.perf_counter()
+    own_ray = not ray.is_initialized()
+    init_local_ray(args.dp * args.tp + args.rollout_actors + 4, namespace="dataplane-demo")
+    dp_cfg, handle = start_service(args)
+    client = handle.client()
+    first_step, restored_samples = restore_store(client, args.resume_manifest)
+    model_cfg, policy, recorder = build_policy(args, dp_cfg)
+    if args.resume_manifest:
+        load_policy(policy, args, first_step, restored_samples)
+    leaders = measure_classic_path(policy)
+    reference_model = build_reference_model(model_cfg)
+    progress = Progress(enabled=not args.no_progress and sys.stderr.isatty())
+    run = Run(args, handle, client, policy, recorder, leaders, reference_model, progress)
+    print(f"set up in {time.perf_counter() - t_setup:.1f}s (Ray, service, policy workers)")
+
+    steps = range(first_step, args.steps)
+    partitions = register_partitions(run, steps)
+    actors, rollout_refs = start_rollouts(run, partitions, model_cfg, dp_cfg)
+    tally = Tally()
+    try:
+        pending = list(rollout_refs)
+        for k, pid in zip(steps, partitions):
+            pending = train_one_step(run, tally, k, pid, pending)
+            checkpoint_if_due(run, tally, k)
+        rollout_summaries = ray.get(rollout_refs)
+    finally:
+        policy.shutdown()
+        for a in actors:
+            ray.kill(a)
+
+    samples_lost = len(steps) * run.per_step - len(tally.seen)
+    add_run_checks(tally, samples_lost, run.per_step)
+    print_report(tally, samples_lost, backoffs=sum(s["backoffs"] for s in rollout_summaries))
+    if args.json_out:
+        write_json_report(args.json_out, tally, samples_lost, first_step, restored_samples)
+    if args.keep_serving:
+        keep_serving(handle)
+    handle.shutdown()
+    if own_ray:
+        ray.shutdown()
+    return 0 if all(tally.checks.values()) else 1
+
+
+# ---- set-up --------------------------------------------------------------------------
+
+
+def set_environment_before_ray() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Ray 2.60 turns token auth on for a new local cluster and logs a WARNING saying so.
+    # Asking for that same mode keeps auth on and the demo's output clean. Ray reads the
+    # mode when it is imported, so this must come before `import ray` (and before
+    # parse_args: --resume reads the checkpoint with modules that import it).
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -139,17 +236,361 @@ def _take_saved_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     args.resume_manifest = manifest
 
 
-def _nbytes(obj) -> int:
-    return len(pickle.dumps(obj, protocol=5))
+def start_service(args: argparse.Namespace):
+    """The data-plane service on the local Ray; prints its admin and metrics addresses."""
+    from dataplane_client.config import DataPlaneConfig
+    from dataplane_server import start
+
+    dp_cfg = DataPlaneConfig(name="dataplane-demo", num_storage_units=args.num_storage_units)
+    handle = start(dp_cfg)
+    print(f"data plane up: admin endpoint {handle.admin_address}  metrics {handle.metrics_address}")
+    print(f"  try: dataplane status --address {handle.admin_address}")
+    return dp_cfg, handle
 
 
-def _store_bytes(handle) -> int:
-    """Bytes the storage units received plus served so far (their own counters)."""
-    import ray
+def restore_store(client, resume: dict | None) -> tuple[int, int]:
+    """--resume: the saved store into the fresh service. Returns (first step, samples restored)."""
+    from policy_workers.demo_checkpoint import STORE
 
-    snaps = ray.get([u.metrics_snapshot.remote() for u in handle.units])
-    counters = [s.stats.get("counters", {}) for s in snaps]
-    return int(sum(c.get("put_bytes_total", 0) + c.get("get_bytes_total", 0) for c in counters))
+    if not resume:
+        return 0, 0
+    return resume["next_step"], client.restore(resume["parts"][STORE]["path"])
+
+
+def build_policy(args: argparse.Namespace, dp_cfg):
+    """The DP x TP policy workers; prints the policy's and the rollouts' shape.
+
+    Returns (model config, policy, the recorder of what the driver ships and receives).
+    """
+    from policy_workers.config import (
+        DynamicBatchingConfig,
+        LossConfig,
+        ModelConfig,
+        PolicyConfig,
+        SequencePackingConfig,
+    )
+    from policy_workers.recording import DispatchRecorder
+    from policy_workers.tq_policy import TQPolicy
+
+    per_step = args.prompts_per_step * args.generations
+    max_len = args.prompt_len + args.max_new_tokens
+    model_cfg = ModelConfig(model_path=args.model_path, max_position_embeddings=max(512, max_len))
+    mb_tokens = max(args.mb_tokens, max_len)
+    policy_cfg = PolicyConfig(
+        dp=args.dp,
+        tp=args.tp,
+        model=model_cfg,
+        loss=LossConfig(reference_policy_kl_penalty=args.kl_penalty),
+        data_plane=dp_cfg,
+        train_global_batch_size=per_step,
+        train_micro_batch_size=max(1, per_step // args.dp // 2),
+        dynamic_batching=DynamicBatchingConfig(
+            enabled=args.packing == "dynamic",
+            train_mb_tokens=mb_tokens,
+            logprob_mb_tokens=mb_tokens,
+        ),
+        sequence_packing=SequencePackingConfig(
+            enabled=args.packing == "sequence",
+            train_mb_tokens=mb_tokens,
+            logprob_mb_tokens=mb_tokens,
+        ),
+    )
+    print(
+        f"policy: {args.dp * args.tp} workers (DP={args.dp} x TP={args.tp}), "
+        f"packing={args.packing}, KL penalty {args.kl_penalty:g}"
+    )
+    print(
+        f"rollouts: {args.rollout_actors} async actors, {args.prompts_per_step} prompts x "
+        f"{args.generations} generations per step, {args.steps} steps"
+    )
+    # The demo inspects what the driver shipped and received (at most one step's worth).
+    recorder = DispatchRecorder(keep_last=8)
+    return model_cfg, TQPolicy(policy_cfg, recorder=recorder), recorder
+
+
+def load_policy(policy, args: argparse.Namespace, first_step: int, restored_samples: int) -> None:
+    """--resume: the saved weights and optimizer state into the fresh policy."""
+    from policy_workers.demo_checkpoint import OPTIMIZER, WEIGHTS
+
+    parts = args.resume_manifest["parts"]
+    policy.load_checkpoint(parts[WEIGHTS]["path"], parts[OPTIMIZER]["path"])
+    print(f"resumed at step {first_step}: policy loaded, {restored_samples} rollout samples")
+    print(fit(f"  restored from {args.resume}"))
+
+
+def measure_classic_path(policy) -> list[int]:
+    """Turns on the workers' batch recording for the classic-path column; returns the DP
+    leaders (the ranks whose batches the classic driver would have shipped)."""
+    from policy_workers.sharding import REPLICA_AXES
+
+    # Workers measure their batches for the classic-path column (no digests: not needed).
+    policy.run_on_all_workers("set_io_recording", True, keep_last=64, digests=False)
+    sharding = policy.sharding
+    return [
+        r
+        for r in range(sharding.size)
+        if sharding.is_axis_zero(sharding.get_worker_coords(r), REPLICA_AXES)
+    ]
+
+
+def build_reference_model(model_cfg):
+    """The driver's own copy of the initial model: its check, off the data path."""
+    from policy_workers.model import build_hf_model
+
+    return build_hf_model(model_cfg).eval()
+
+
+def register_partitions(run: Run, steps: range) -> list[str]:
+    """One partition per step (restored ones are kept); returns their ids."""
+    from policy_workers.rollout import GRPO_FIELDS
+
+    partitions = [f"demo-step{k}" for k in steps]
+    for pid in partitions:
+        if not partition_exists(run.client, pid):  # restored ones are kept
+            run.client.register_partition(
+                pid,
+                fields=GRPO_FIELDS,
+                num_samples=run.per_step,
+                consumer_tasks=["train"],
+                grpo_group_size=run.args.generations,
+            )
+    return partitions
+
+
+def start_rollouts(run: Run, partitions: list[str], model_cfg, dp_cfg) -> tuple[list, list]:
+    """The rollout actors, each handed every step's prompts; returns (actors, their runs)."""
+    from policy_workers.rollout import RolloutActor, RolloutConfig
+
+    args = run.args
+    rollout_cfg = RolloutConfig(
+        generations=args.generations,
+        prompt_len=args.prompt_len,
+        min_new_tokens=args.min_new_tokens,
+        max_new_tokens=args.max_new_tokens,
+    )
+    actors = [
+        RolloutActor.remote(i, model_cfg, rollout_cfg, dp_cfg.name, dp_cfg.namespace)
+        for i in range(args.rollout_actors)
+    ]
+    # Every actor is handed all steps up front, so it keeps streaming into the next
+    # step's partition while the driver trains on the current one. Prompt p goes to
+    # actor p mod n; groups a restored store already holds are not generated again.
+    rollout_refs = []
+    for pid in partitions:
+        prompts = list(range(args.prompts_per_step))
+        if args.resume_manifest:
+            prompts = missing_prompts(run.client, pid, prompts, args.generations)
+        for a, actor in enumerate(actors):
+            mine = [q for q in prompts if q % len(actors) == a]
+            if mine:
+                rollout_refs.append(actor.run.remote(pid, mine))
+    return actors, rollout_refs
+
+
+# ---- one training step ---------------------------------------------------------------
+
+
+def train_one_step(run: Run, tally: Tally, k: int, pid: str, pending: list) -> list:
+    """Step ``k`` on partition ``pid``: claim, logprob passes, advantages, train, check,
+    report, delete the partition. Returns the rollout runs still going."""
+    store_before = _store_bytes(run.handle)
+    times: dict[str, float] = {}
+    meta, pending = claim_step_batch(run, k, pid, pending, times)
+    driver_bytes = _nbytes(meta)  # keys, lengths and tags (plus metrics, below)
+    # The classic driver would have gathered the rollouts' fields: as stored, measured.
+    classic_bytes = sum(run.client.describe_partition(pid).bytes_per_unit)
+    tally.duplicates += len(tally.seen & set(meta.sample_ids))
+    tally.seen |= set(meta.sample_ids)
+
+    meta, rewards, result, driver_tensor_bytes = run_passes(run, k, meta, times)
+    driver_bytes += bytes_through_the_driver(run, tally)
+    classic_bytes += classic_bytes_of_passes(run.policy, run.leaders)
+    check_reference_logprobs(run, tally, k, meta)
+
+    metrics = result["all_mb_metrics"]
+    tally.reports.append(
+        StepReport(
+            step=k,
+            samples=meta.size,
+            tokens=sum(meta.sequence_lengths),
+            classic_bytes=classic_bytes,
+            driver_bytes=driver_bytes + driver_tensor_bytes,
+            driver_tensor_bytes=driver_tensor_bytes,
+            store_bytes=_store_bytes(run.handle) - store_before,
+            times=times,
+            loss=float(result["loss"]),
+            grad_norm=float(result["grad_norm"]),
+            kl=sum(metrics["kl_sum"]) / max(sum(metrics["num_valid_tokens"]), 1.0),
+            mean_reward=float(rewards.mean()),
+        )
+    )
+    run.client.clear_samples(None, pid)  # the whole partition: its samples and declaration
+    return pending
+
+
+def claim_step_batch(run: Run, k: int, pid: str, pending: list, times: dict):
+    """Waits for the step's rollouts, then claims all of them (keys only), in id order.
+    Returns (the batch's meta, the rollout runs still going)."""
+    from policy_workers.rollout import GRPO_FIELDS
+
+    t0 = time.perf_counter()
+    bar = run.progress.bar(run.per_step, f"step {k} rollouts")
+    pending = wait_for_rollouts(run.client, pid, run.per_step, pending, bar)
+    bar.close()
+    meta = run.client.claim_meta(pid, "train", GRPO_FIELDS, run.per_step, timeout_s=60.0)
+    # Rollouts finish in any order; the batch in id order makes a step (and a
+    # resumed run) reproducible bit for bit.
+    meta = meta.subset(sorted(range(meta.size), key=meta.sample_ids.__getitem__))
+    times["rollout_wait"] = time.perf_counter() - t0
+    return meta, pending
+
+
+def run_passes(run: Run, k: int, meta, times: dict):
+    """Reference and policy logprobs, advantages, one training step: all through the data
+    plane. Returns (meta, rewards, train result, tensor bytes the driver carried)."""
+    passes = run.progress.bar(4, f"step {k} passes")
+    t = time.perf_counter()
+    meta = run.policy.get_reference_policy_logprobs_from_meta(meta)
+    times["ref_logprobs"] = time.perf_counter() - t
+    passes.update()
+    t = time.perf_counter()
+    meta = run.policy.get_logprobs_from_meta(meta)
+    times["logprobs"] = time.perf_counter() - t
+    passes.update()
+
+    # Only the small fields come to the driver: a reward per sample and the group
+    # tags in; one advantage per sample out (workers broadcast it over tokens).
+    t = time.perf_counter()
+    rewards = run.client.get_data(meta, ["rewards"])["rewards"]
+    adv = group_advantages(rewards, [tag["group_id"] for tag in meta.tags])
+    meta = run.policy.write_to_dataplane(meta, {"advantages": adv})
+    driver_tensor_bytes = rewards.numel() * rewards.element_size()
+    driver_tensor_bytes += adv.numel() * adv.element_size()
+    times["advantages"] = time.perf_counter() - t
+    passes.update()
+
+    t = time.perf_counter()
+    result = run.policy.train_from_meta(meta, gbs=run.per_step)
+    times["train"] = time.perf_counter() - t
+    passes.update()
+    passes.close()
+    return meta, rewards, result, driver_tensor_bytes
+
+
+def bytes_through_the_driver(run: Run, tally: Tally) -> int:
+    """Bytes of the metas the driver shipped to workers and the results it got back this
+    step (then forgotten); notes whether any result held a tensor."""
+    from policy_workers.tq_policy import contains_tensor
+
+    recorder = run.recorder
+    tally.tensors_received |= any(
+        contains_tensor(r) for results in recorder.received for r in results
+    )
+    shipped = sum(_nbytes(m) for metas in recorder.shipped for m in metas)
+    received = sum(_nbytes(r) for results in recorder.received for r in results)
+    recorder.clear()
+    return shipped + received
+
+
+def check_reference_logprobs(run: Run, tally: Tally, k: int, meta) -> None:
+    """The data plane's reference logprobs equal a direct computation on one sample (not
+    part of the data path, so not counted); at step 0 the policy's logprobs do too."""
+    from dataplane_client.materialize import materialize
+    from policy_workers.model import reference_logprobs
+
+    probe = meta.subset([k % meta.size])
+    got = run.client.get_data(probe, ["input_ids", "reference_policy_logprobs"])
+    probe_batch = materialize(got)
+    with torch.no_grad():
+        want = reference_logprobs(
+            run.reference_model, probe_batch["input_ids"], torch.tensor(probe.sequence_lengths)
+        )
+    diff = float((want - probe_batch["reference_policy_logprobs"]).abs().max())
+    tally.max_ref_diff = max(tally.max_ref_diff, diff)
+    if k == 0:  # before the first update the policy is the reference model
+        first_lp = materialize(run.client.get_data(probe, ["prev_logprobs"]))["prev_logprobs"]
+        tally.checks["step-0 policy logprobs equal a direct computation"] = bool(
+            (want - first_lp).abs().max() <= TOLERANCE
+        )
+
+
+def checkpoint_if_due(run: Run, tally: Tally, k: int) -> None:
+    """--checkpoint-dir: the store and the policy after every --checkpoint-every steps and
+    after the last."""
+    from policy_workers.demo_checkpoint import RUN_FLAGS, save_run
+
+    args, done = run.args, k + 1
+    if args.checkpoint_dir and (done % args.checkpoint_every == 0 or done == args.steps):
+        run_flags = {name: getattr(args, name) for name in RUN_FLAGS}
+        tally.checkpoints.append(
+            save_run(args.checkpoint_dir, done, run_flags, run.client, run.policy)
+        )
+        print(fit(f"checkpoint after step {k}: {tally.checkpoints[-1]}"), flush=True)
+
+
+# ---- the summary ---------------------------------------------------------------------
+
+
+def add_run_checks(tally: Tally, samples_lost: int, per_step: int) -> None:
+    """The pass/fail checks over the whole run (after the step-0 one)."""
+    checks, reports = tally.checks, tally.reports
+    checks["reference logprobs equal a direct computation, every step"] = (
+        tally.max_ref_diff <= TOLERANCE
+    )
+    checks["no sample duplicated across steps"] = tally.duplicates == 0
+    checks["no sample lost: every step trained on all its samples"] = samples_lost == 0 and all(
+        r.samples == per_step for r in reports
+    )
+    checks["the driver received no tensor from the workers"] = not tally.tensors_received
+    checks["loss, grad norm and KL are finite"] = all(
+        torch.isfinite(torch.tensor([r.loss, r.grad_norm, r.kl])).all() for r in reports
+    )
+
+
+def print_report(tally: Tally, samples_lost: int, backoffs: int) -> None:
+    """The per-step table, the checks and the summary (80 columns)."""
+    lines = report_lines(
+        tally.reports,
+        tally.checks,
+        max_logprob_diff=tally.max_ref_diff,
+        tolerance=TOLERANCE,
+        samples_lost=samples_lost,
+        backoffs=backoffs,
+    )
+    print("\n".join(lines))
+
+
+def write_json_report(
+    path: str, tally: Tally, samples_lost: int, first_step: int, restored_samples: int
+) -> None:
+    """--json: the report as JSON."""
+    with open(path, "w") as f:
+        json.dump(
+            {
+                "steps": [r.__dict__ for r in tally.reports],
+                "checks": tally.checks,
+                "max_reference_logprob_diff": tally.max_ref_diff,
+                "samples_lost": samples_lost,
+                "first_step": first_step,
+                "restored_samples": restored_samples,
+                "checkpoints": tally.checkpoints,
+            },
+            f,
+            indent=2,
+        )
+
+
+def keep_serving(handle) -> None:
+    """--keep-serving: the service stays up for `dataplane status` until Ctrl-C or SIGTERM."""
+    print(
+        f"\nThe service stays up: dataplane status --address {handle.admin_address}\n"
+        "Press Ctrl-C (or send SIGTERM) to stop it.",
+        flush=True,
+    )
+    wait_for_stop_signal()
+
+
+# ---- helpers -------------------------------------------------------------------------
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: list[str]) -> torch.Tensor:
@@ -252,287 +693,17 @@ def wait_for_stop_signal() -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # Ray 2.60 turns token auth on for a new local cluster and logs a WARNING saying so.
-    # Asking for that same mode keeps auth on and the demo's output clean. Ray reads the
-    # mode when it is imported, so this must come before `import ray` (and before
-    # parse_args: --resume reads the checkpoint with modules that import it).
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    args = parse_args(argv)
+def _nbytes(obj) -> int:
+    return len(pickle.dumps(obj, protocol=5))
+
+
+def _store_bytes(handle) -> int:
+    """Bytes the storage units received plus served so far (their own counters)."""
     import ray
 
-    from dataplane_client.config import DataPlaneConfig
-    from dataplane_client.materialize import materialize
-    from dataplane_server import start
-    from dataplane_server.local_ray import init_local_ray
-    from policy_workers.config import (
-        DynamicBatchingConfig,
-        LossConfig,
-        ModelConfig,
-        PolicyConfig,
-        SequencePackingConfig,
-    )
-    from policy_workers.demo_checkpoint import OPTIMIZER, RUN_FLAGS, STORE, WEIGHTS, save_run
-    from policy_workers.model import build_hf_model, reference_logprobs
-    from policy_workers.recording import DispatchRecorder
-    from policy_workers.rollout import GRPO_FIELDS, RolloutActor, RolloutConfig
-    from policy_workers.sharding import REPLICA_AXES
-    from policy_workers.tq_policy import TQPolicy, contains_tensor
-
-    group = args.generations
-    per_step = args.prompts_per_step * group
-    workers = args.dp * args.tp
-    t_setup = time.perf_counter()
-    own_ray = not ray.is_initialized()
-    init_local_ray(workers + args.rollout_actors + 4, namespace="dataplane-demo")
-    progress = Progress(enabled=not args.no_progress and sys.stderr.isatty())
-
-    dp_cfg = DataPlaneConfig(name="dataplane-demo", num_storage_units=args.num_storage_units)
-    handle = start(dp_cfg)
-    print(f"data plane up: admin endpoint {handle.admin_address}  metrics {handle.metrics_address}")
-    print(f"  try: dataplane status --address {handle.admin_address}")
-    client = handle.client()
-    resume = args.resume_manifest
-    first_step = resume["next_step"] if resume else 0
-    restored_samples = client.restore(resume["parts"][STORE]["path"]) if resume else 0
-
-    max_len = args.prompt_len + args.max_new_tokens
-    model_cfg = ModelConfig(model_path=args.model_path, max_position_embeddings=max(512, max_len))
-    mb_tokens = max(args.mb_tokens, max_len)
-    policy_cfg = PolicyConfig(
-        dp=args.dp,
-        tp=args.tp,
-        model=model_cfg,
-        loss=LossConfig(reference_policy_kl_penalty=args.kl_penalty),
-        data_plane=dp_cfg,
-        train_global_batch_size=per_step,
-        train_micro_batch_size=max(1, per_step // args.dp // 2),
-        dynamic_batching=DynamicBatchingConfig(
-            enabled=args.packing == "dynamic",
-            train_mb_tokens=mb_tokens,
-            logprob_mb_tokens=mb_tokens,
-        ),
-        sequence_packing=SequencePackingConfig(
-            enabled=args.packing == "sequence",
-            train_mb_tokens=mb_tokens,
-            logprob_mb_tokens=mb_tokens,
-        ),
-    )
-    print(
-        f"policy: {workers} workers (DP={args.dp} x TP={args.tp}), packing={args.packing}, "
-        f"KL penalty {args.kl_penalty:g}"
-    )
-    print(
-        f"rollouts: {args.rollout_actors} async actors, {args.prompts_per_step} prompts x "
-        f"{group} generations per step, {args.steps} steps"
-    )
-    # The demo inspects what the driver shipped and received (at most one step's worth).
-    recorder = DispatchRecorder(keep_last=8)
-    policy = TQPolicy(policy_cfg, recorder=recorder)
-    if resume:
-        parts = resume["parts"]
-        policy.load_checkpoint(parts[WEIGHTS]["path"], parts[OPTIMIZER]["path"])
-        print(f"resumed at step {first_step}: policy loaded, {restored_samples} rollout samples")
-        print(fit(f"  restored from {args.resume}"))
-    # Workers measure their batches for the classic-path column (no digests: not needed).
-    policy.run_on_all_workers("set_io_recording", True, keep_last=64, digests=False)
-    sharding = policy.sharding
-    leaders = [
-        r
-        for r in range(sharding.size)
-        if sharding.is_axis_zero(sharding.get_worker_coords(r), REPLICA_AXES)
-    ]
-    reference_model = build_hf_model(model_cfg).eval()  # the driver's own check, off the data path
-    print(f"set up in {time.perf_counter() - t_setup:.1f}s (Ray, service, policy workers)")
-
-    steps = range(first_step, args.steps)
-    partitions = [f"demo-step{k}" for k in steps]
-    for pid in partitions:
-        if not partition_exists(client, pid):  # restored ones are kept
-            client.register_partition(
-                pid,
-                fields=GRPO_FIELDS,
-                num_samples=per_step,
-                consumer_tasks=["train"],
-                grpo_group_size=group,
-            )
-    rollout_cfg = RolloutConfig(
-        generations=group,
-        prompt_len=args.prompt_len,
-        min_new_tokens=args.min_new_tokens,
-        max_new_tokens=args.max_new_tokens,
-    )
-    actors = [
-        RolloutActor.remote(i, model_cfg, rollout_cfg, dp_cfg.name, dp_cfg.namespace)
-        for i in range(args.rollout_actors)
-    ]
-    # Every actor is handed all steps up front, so it keeps streaming into the next
-    # step's partition while the driver trains on the current one. Prompt p goes to
-    # actor p mod n; groups a restored store already holds are not generated again.
-    rollout_refs = []
-    for pid in partitions:
-        prompts = list(range(args.prompts_per_step))
-        if resume:
-            prompts = missing_prompts(client, pid, prompts, group)
-        for a, actor in enumerate(actors):
-            mine = [q for q in prompts if q % len(actors) == a]
-            if mine:
-                rollout_refs.append(actor.run.remote(pid, mine))
-
-    reports: list[StepReport] = []
-    checks: dict[str, bool] = {}
-    seen: set[str] = set()
-    duplicates = 0
-    max_ref_diff = 0.0
-    tensors_received = False  # must stay False: workers return metrics, tensors stay in the store
-    pending = list(rollout_refs)
-    run_flags = {name: getattr(args, name) for name in RUN_FLAGS}
-    checkpoints: list[str] = []
-    try:
-        for k, pid in zip(steps, partitions):
-            store_before = _store_bytes(handle)
-            times = {}
-            t0 = time.perf_counter()
-            bar = progress.bar(per_step, f"step {k} rollouts")
-            pending = wait_for_rollouts(client, pid, per_step, pending, bar)
-            bar.close()
-            meta = client.claim_meta(pid, "train", GRPO_FIELDS, per_step, timeout_s=60.0)
-            # Rollouts finish in any order; the batch in id order makes a step (and a
-            # resumed run) reproducible bit for bit.
-            meta = meta.subset(sorted(range(meta.size), key=meta.sample_ids.__getitem__))
-            times["rollout_wait"] = time.perf_counter() - t0
-            driver_bytes = _nbytes(meta)  # keys, lengths and tags (plus metrics, below)
-            # The classic driver would have gathered the rollouts' fields: as stored, measured.
-            classic_bytes = sum(client.describe_partition(pid).bytes_per_unit)
-            duplicates += len(seen & set(meta.sample_ids))
-            seen |= set(meta.sample_ids)
-
-            passes = progress.bar(4, f"step {k} passes")
-            t = time.perf_counter()
-            meta = policy.get_reference_policy_logprobs_from_meta(meta)
-            times["ref_logprobs"] = time.perf_counter() - t
-            passes.update()
-            t = time.perf_counter()
-            meta = policy.get_logprobs_from_meta(meta)
-            times["logprobs"] = time.perf_counter() - t
-            passes.update()
-
-            # Only the small fields come to the driver: a reward per sample and the group
-            # tags in; one advantage per sample out (workers broadcast it over tokens).
-            t = time.perf_counter()
-            rewards = client.get_data(meta, ["rewards"])["rewards"]
-            adv = group_advantages(rewards, [tag["group_id"] for tag in meta.tags])
-            meta = policy.write_to_dataplane(meta, {"advantages": adv})
-            driver_tensor_bytes = rewards.numel() * rewards.element_size()
-            driver_tensor_bytes += adv.numel() * adv.element_size()
-            times["advantages"] = time.perf_counter() - t
-            passes.update()
-
-            t = time.perf_counter()
-            result = policy.train_from_meta(meta, gbs=per_step)
-            times["train"] = time.perf_counter() - t
-            passes.update()
-            passes.close()
-            tensors_received |= any(
-                contains_tensor(r) for results in recorder.received for r in results
-            )
-            driver_bytes += sum(_nbytes(m) for metas in recorder.shipped for m in metas)
-            driver_bytes += sum(_nbytes(r) for results in recorder.received for r in results)
-            recorder.clear()
-            classic_bytes += classic_bytes_of_passes(policy, leaders)
-
-            # Check (not part of the data path, so not counted): the data plane's
-            # reference logprobs equal a direct computation on one sample.
-            probe = meta.subset([k % meta.size])
-            got = client.get_data(probe, ["input_ids", "reference_policy_logprobs"])
-            probe_batch = materialize(got)
-            with torch.no_grad():
-                want = reference_logprobs(
-                    reference_model, probe_batch["input_ids"], torch.tensor(probe.sequence_lengths)
-                )
-            diff = float((want - probe_batch["reference_policy_logprobs"]).abs().max())
-            max_ref_diff = max(max_ref_diff, diff)
-            if k == 0:  # before the first update the policy is the reference model
-                first_lp = materialize(client.get_data(probe, ["prev_logprobs"]))["prev_logprobs"]
-                checks["step-0 policy logprobs equal a direct computation"] = bool(
-                    (want - first_lp).abs().max() <= TOLERANCE
-                )
-
-            metrics = result["all_mb_metrics"]
-            reports.append(
-                StepReport(
-                    step=k,
-                    samples=meta.size,
-                    tokens=sum(meta.sequence_lengths),
-                    classic_bytes=classic_bytes,
-                    driver_bytes=driver_bytes + driver_tensor_bytes,
-                    driver_tensor_bytes=driver_tensor_bytes,
-                    store_bytes=_store_bytes(handle) - store_before,
-                    times=times,
-                    loss=float(result["loss"]),
-                    grad_norm=float(result["grad_norm"]),
-                    kl=sum(metrics["kl_sum"]) / max(sum(metrics["num_valid_tokens"]), 1.0),
-                    mean_reward=float(rewards.mean()),
-                )
-            )
-            client.clear_samples(None, pid)  # the whole partition: its samples and declaration
-            done = k + 1
-            if args.checkpoint_dir and (done % args.checkpoint_every == 0 or done == args.steps):
-                checkpoints.append(save_run(args.checkpoint_dir, done, run_flags, client, policy))
-                print(fit(f"checkpoint after step {k}: {checkpoints[-1]}"), flush=True)
-        rollout_summaries = ray.get(rollout_refs)
-    finally:
-        policy.shutdown()
-        for a in actors:
-            ray.kill(a)
-
-    samples_lost = len(steps) * per_step - len(seen)
-    checks["reference logprobs equal a direct computation, every step"] = max_ref_diff <= TOLERANCE
-    checks["no sample duplicated across steps"] = duplicates == 0
-    checks["no sample lost: every step trained on all its samples"] = samples_lost == 0 and all(
-        r.samples == per_step for r in reports
-    )
-    checks["the driver received no tensor from the workers"] = not tensors_received
-    checks["loss, grad norm and KL are finite"] = all(
-        torch.isfinite(torch.tensor([r.loss, r.grad_norm, r.kl])).all() for r in reports
-    )
-
-    lines = report_lines(
-        reports,
-        checks,
-        max_logprob_diff=max_ref_diff,
-        tolerance=TOLERANCE,
-        samples_lost=samples_lost,
-        backoffs=sum(s["backoffs"] for s in rollout_summaries),
-    )
-    print("\n".join(lines))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(
-                {
-                    "steps": [r.__dict__ for r in reports],
-                    "checks": checks,
-                    "max_reference_logprob_diff": max_ref_diff,
-                    "samples_lost": samples_lost,
-                    "first_step": first_step,
-                    "restored_samples": restored_samples,
-                    "checkpoints": checkpoints,
-                },
-                f,
-                indent=2,
-            )
-    if args.keep_serving:
-        print(
-            f"\nThe service stays up: dataplane status --address {handle.admin_address}\n"
-            "Press Ctrl-C (or send SIGTERM) to stop it.",
-            flush=True,
-        )
-        wait_for_stop_signal()
-    handle.shutdown()
-    if own_ray:
-        ray.shutdown()
-    return 0 if all(checks.values()) else 1
+    snaps = ray.get([u.metrics_snapshot.remote() for u in handle.units])
+    counters = [s.stats.get("counters", {}) for s in snaps]
+    return int(sum(c.get("put_bytes_total", 0) + c.get("get_bytes_total", 0) for c in counters))
 
 
 if __name__ == "__main__":
