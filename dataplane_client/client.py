@@ -44,6 +44,7 @@ import ray._private.state as ray_state
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError, RayTaskError
 
 from dataplane_client import arguments, placement, prepare
+from dataplane_client.assembly import assemble
 from dataplane_client.claim_batcher import ClaimBatcher
 from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import (
@@ -68,12 +69,7 @@ from dataplane_client.messages import (
 )
 from dataplane_client.meta import KVBatchMeta
 from dataplane_client.tensordict_io import to_tensordict
-from dataplane_client.transport import (
-    SharedMemoryUnavailable,
-    StagedRegionGone,
-    Transport,
-    assemble,
-)
+from dataplane_client.transport import SharedMemoryUnavailable, StagedRegionGone, Transport
 
 Flow = Generator[list, list, Any]
 _MAX_REROUTES = 3

@@ -39,13 +39,10 @@ from typing import Any
 
 import numpy as np
 
+from dataplane_client import failpoints
 from dataplane_client.messages import ChunkRef
 
 PAGE = mmap.PAGESIZE
-
-# Test-only: called with a chunk's path just before a reader or writer opens it, so a
-# test can widen the window in which the unit may free the chunk. None in production.
-before_open = None
 
 # Chunk names are unique for the life of this process: a token per process, a serial per chunk.
 _PROCESS_TOKEN = secrets.token_hex(4)
@@ -135,8 +132,7 @@ def create(nbytes: int) -> MemFd:
 
 def _open_verified(chunk: ChunkRef, flags: int, end: int) -> int:
     """Open ``chunk.path`` and check it is that chunk (and holds ``end`` bytes)."""
-    if before_open is not None:
-        before_open(chunk.path)
+    failpoints.reached(failpoints.CHUNK_OPEN, chunk.path)  # the unit may free it meanwhile
     fd = os.open(chunk.path, flags)
     try:
         opened = os.readlink(f"/proc/self/fd/{fd}")

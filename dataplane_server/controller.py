@@ -22,7 +22,7 @@ import time
 
 import ray
 
-from dataplane_client import arguments
+from dataplane_client import arguments, failpoints
 from dataplane_client.errors import (
     DataPlaneError,
     InvalidBatch,
@@ -45,7 +45,6 @@ from dataplane_client.messages import (
 from dataplane_client.meta import KVBatchMeta
 from dataplane_server import (
     claim_wait,
-    failpoints,
     liveness,
     publish,
     recovery,
@@ -89,8 +88,6 @@ class Controller(Inspection):
         self.stats = Stats()
         self._waits = claim_wait.ClaimWaits()  # blocking claims wait here, per partition
         self._lifecycle = asyncio.Lock()  # register / delete of one id never interleave
-        # Tests only: an async callable awaited between publish and apply, to widen that window.
-        self.after_publish = None
 
     # ---- wiring -------------------------------------------------------------------
     async def attach_units(self, handles: list | None = None) -> list[UnitInfo]:
@@ -316,8 +313,7 @@ class Controller(Inspection):
         except BaseException:
             self.keys.release(plan)
             raise
-        if self.after_publish is not None:
-            await self.after_publish()
+        await failpoints.pause_if_armed(failpoints.COMMIT_AFTER_PUBLISH)  # clears race in here
         try:
             result, cleared_meanwhile = self.keys.apply_commit(plan)
         except UnknownPartition:

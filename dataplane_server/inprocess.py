@@ -26,13 +26,13 @@ from typing import Any
 import numpy as np
 
 from dataplane_client import arguments, prepare
+from dataplane_client.assembly import assemble
 from dataplane_client.codec import EncodedField, row_byte_offsets
 from dataplane_client.errors import ClaimTimeout, ServiceUnavailable, UnknownPartition
 from dataplane_client.interface import DataPlaneClient
 from dataplane_client.messages import ClearResult, CommitRequest, FieldCodecs, TaskConsumption
 from dataplane_client.meta import KVBatchMeta
 from dataplane_client.tensordict_io import to_tensordict
-from dataplane_client.transport import assemble
 from dataplane_server.keyspace import CommitPlan, KeySpace, declaration
 
 _UNIT = 0  # the one in-memory "storage unit" every sample lives on

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgpack
 
-from dataplane_server import failpoints
+from dataplane_client import failpoints
 from dataplane_server.claim_answers import ClaimAnswer, ClaimAnswers
 
 SNAPSHOT = "snapshot.msgpack"

@@ -7,8 +7,7 @@ error a unit raised reaches the caller as itself, without Ray's wrapper.
 from __future__ import annotations
 
 import asyncio
-
-import ray
+import sys
 
 from dataplane_client.errors import DataPlaneError
 from dataplane_client.messages import UnitInfo, UnitSnapshot
@@ -17,7 +16,11 @@ UNIT_PING_TIMEOUT_S = 5.0
 
 
 def is_dead_actor(exc: BaseException) -> bool:
-    return isinstance(exc, ray.exceptions.RayActorError)
+    # Only Ray raises RayActorError, so while Ray is not loaded nothing raised one. Looked
+    # up, not imported: recovery, which uses this module, imports without Ray
+    # (tests/test_core_imports.py).
+    ray = sys.modules.get("ray")
+    return ray is not None and isinstance(exc, ray.exceptions.RayActorError)
 
 
 def typed(exc: BaseException) -> BaseException:

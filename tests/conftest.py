@@ -11,7 +11,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Set before Ray starts, so every actor sees it (dataplane_server/failpoints.py).
+# Set before Ray starts, so every actor sees it (dataplane_client/failpoints.py).
 os.environ.setdefault("RL_DATAPLANE_FAILPOINTS", tempfile.mkdtemp(prefix="dataplane-failpoints-"))
 
 import pytest

@@ -1,6 +1,6 @@
 """Rows assembled from many sources come back bit for bit (no Ray).
 
-``transport.assemble`` builds one field from the parts of many sources (the
+``assembly.assemble`` builds one field from the parts of many sources (the
 in-process client keeps one source per row). It once packed the source index into
 the high bits of an int64 (``which << 48``), which wraps past 2**15 sources: a
 40,000-row read held other samples' bytes in 7,232 of its rows.
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from dataplane_client.assembly import assemble
 from dataplane_client.codec import DENSE, EncodedField, encode_field
-from dataplane_client.transport import assemble
 from dataplane_server.inprocess import InProcessDataPlaneClient
 
 N = 40_000  # more than 2**15 sources

@@ -3,10 +3,12 @@
 A reader learns where rows live (``read_shm``), then opens the unit's chunk by
 ``/proc/<unit pid>/fd/<n>``. Between the two a writer may clear those rows and
 put new ones, and the kernel hands the freed descriptor number to the new
-chunk. An injected delay between locate and open widens that window; every
-row read must still hold the bytes written for its own sample id.
+chunk. An injected delay between locate and open (the ``CHUNK_OPEN`` failpoint)
+widens that window; every row read must still hold the bytes written for its own
+sample id.
 """
 
+import contextlib
 import threading
 import time
 import zlib
@@ -15,7 +17,7 @@ import pytest
 import ray
 import torch
 
-from dataplane_client import DataPlaneConfig, connect, shm
+from dataplane_client import DataPlaneConfig, connect, failpoints, shm
 from dataplane_client.errors import SamplesNotFound
 from dataplane_server import start
 
@@ -62,6 +64,13 @@ def churner_class():
 
 
 @pytest.fixture
+def at_chunk_open():
+    """Runs an action at this process's ``CHUNK_OPEN`` failpoint until the test ends."""
+    with contextlib.ExitStack() as stack:
+        yield lambda action: stack.enter_context(failpoints.run_at(failpoints.CHUNK_OPEN, action))
+
+
+@pytest.fixture
 def churn_service(ray_session):
     handle = start(DataPlaneConfig(name="dp-identity", num_storage_units=1, admin_enabled=False))
     yield handle
@@ -70,14 +79,14 @@ def churn_service(ray_session):
 
 @pytest.mark.slow
 @pytest.mark.timeout(360)
-def test_put_clear_churn_with_delayed_open_reads_zero_wrong_rows(churn_service, monkeypatch):
+def test_put_clear_churn_with_delayed_open_reads_zero_wrong_rows(churn_service, at_chunk_open):
     opened = []
 
     def delay_before_open(path: str) -> None:
         opened.append(path)
         time.sleep(0.002)  # injected delay between locate and open, not synchronisation
 
-    monkeypatch.setattr(shm, "before_open", delay_before_open)
+    at_chunk_open(delay_before_open)
     reader = churn_service.client()
     assert reader._transport.shared == [True]  # the same-node mapping path is under test
     pid = "churn"
@@ -145,7 +154,9 @@ def test_a_reader_never_maps_a_slab_whose_descriptor_went_to_another(one_unit):
     assert torch.equal(client.get_samples(new_ids, "p", ["x"])["x"], new_rows)
 
 
-def test_a_writer_whose_stage_was_reclaimed_never_writes_into_another_chunk(one_unit, monkeypatch):
+def test_a_writer_whose_stage_was_reclaimed_never_writes_into_another_chunk(
+    one_unit, at_chunk_open
+):
     """Between alloc and copy the unit drops the stage (as an expiry would) and another
     put takes the descriptor: the writer must not copy into that chunk."""
     client = one_unit.client()
@@ -162,7 +173,7 @@ def test_a_writer_whose_stage_was_reclaimed_never_writes_into_another_chunk(one_
         ray.get(one_unit.units[0].discard.remote(write_id))
         client.put_samples(other_ids, "p", {"x": other_rows})
 
-    monkeypatch.setattr(shm, "before_open", reclaim_then_reuse)
+    at_chunk_open(reclaim_then_reuse)
     client.put_samples(mine_ids, "p", {"x": mine_rows})  # staged again after the race
     (now,) = ray.get(one_unit.units[0].read_shm.remote("p", other_ids, ["x"])).values()
     assert raced

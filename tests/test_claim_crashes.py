@@ -18,8 +18,8 @@ import pytest
 import ray._private.state as ray_state
 import torch
 
+from dataplane_client import failpoints
 from dataplane_client.errors import ClaimTimeout
-from dataplane_server import failpoints
 
 N = 1_000
 BATCH = 16

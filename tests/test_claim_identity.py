@@ -10,7 +10,7 @@ Found by a user on a real service:
 - lease ids were a counter rebuilt from the leases that survived a restart, so
   after two restarts a late ack of an old holder matched a new holder's lease.
 
-Faults are injected with failpoints (``dataplane_server/failpoints.py``): the
+Faults are injected with failpoints (``dataplane_client/failpoints.py``): the
 controller dies right after a claim is journaled, before its answer leaves;
 the journal's writes fail while armed.
 """
@@ -24,8 +24,8 @@ import ray
 import ray._private.state as ray_state
 import torch
 
+from dataplane_client import failpoints
 from dataplane_client.errors import JournalWriteFailed, LeaseExpired
-from dataplane_server import failpoints
 
 pytestmark = pytest.mark.timeout(180)
 

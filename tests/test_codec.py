@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dataplane_client import codec
+from dataplane_client.assembly import assemble
 from dataplane_client.batched_data_dict import BatchedDataDict
 from dataplane_client.byte_format import pack, unpack
 from dataplane_client.codec import (
@@ -17,7 +18,6 @@ from dataplane_client.codec import (
     take_rows,
 )
 from dataplane_client.errors import CorruptPayload, InvalidBatch, NonTensorField, SchemaConflict
-from dataplane_client.transport import assemble
 
 TRAINING_DTYPES = [
     torch.float32,

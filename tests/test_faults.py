@@ -23,6 +23,7 @@ import ray
 import torch
 
 import dataplane_client.client as client_module
+from dataplane_client import failpoints
 from dataplane_client.errors import (
     CorruptPayload,
     DataPlaneError,
@@ -31,7 +32,7 @@ from dataplane_client.errors import (
     ServiceUnavailable,
 )
 from dataplane_client.messages import CommitRequest
-from dataplane_server import checkpoint, failpoints
+from dataplane_server import checkpoint
 
 DENSE_F32 = ("dense", "float32", ())
 

@@ -51,7 +51,7 @@ def test_a_field_read_in_one_piece_views_the_object_store_copy(ray_path_client, 
     """No copy on arrival: the decoded tensor's memory is the unit read's object-store buffer."""
     import ray
 
-    from dataplane_client.transport import assemble
+    from dataplane_client.assembly import assemble
 
     c = ray_path_client
     pid = f"rp-{uuid.uuid4().hex[:8]}"

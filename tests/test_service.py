@@ -1,6 +1,7 @@
 """The service end to end on a real local Ray: every client verb and every typed error."""
 
 import asyncio
+import contextlib
 import os
 import time
 import uuid
@@ -11,7 +12,7 @@ import ray
 import torch
 from unit_memory import unit_memory, unit_pid
 
-from dataplane_client import DataPlaneConfig, KVBatchMeta, connect
+from dataplane_client import DataPlaneConfig, KVBatchMeta, connect, failpoints
 from dataplane_client.errors import (
     CapacityExceeded,
     ClaimTimeout,
@@ -724,13 +725,15 @@ def test_concurrent_commits_and_claims_never_raise_an_untyped_error(service):
     assert len(everything) == len(set(everything)) == c.describe_partition(pid).num_samples
 
 
-def _delay_every_commit_after_publish(handle, seconds: float) -> None:
-    async def pause():
-        await asyncio.sleep(seconds)  # an injected delay that widens the race window
-
-    ray.get(
-        handle.controller.__ray_call__.remote(lambda ctrl: setattr(ctrl, "after_publish", pause))
-    )
+@contextlib.contextmanager
+def _delay_every_commit_after_publish(seconds: float):
+    """Every controller pauses each commit between publish and apply (an injected delay
+    that widens the race window), until the block ends; yields how often it paused."""
+    failpoints.arm(failpoints.COMMIT_AFTER_PUBLISH, str(seconds))
+    try:
+        yield lambda: failpoints.fired(failpoints.COMMIT_AFTER_PUBLISH)
+    finally:
+        failpoints.disarm(failpoints.COMMIT_AFTER_PUBLISH)
 
 
 def test_concurrent_writes_and_clears_leave_no_orphan_bytes(ray_session):
@@ -773,10 +776,11 @@ def test_concurrent_writes_and_clears_leave_no_orphan_bytes(ray_session):
     try:
         c = handle.client()
         c.register_partition(pid, ["x", "y"], None, [])
-        _delay_every_commit_after_publish(handle, 0.02)
         churners = [Churn.remote("dp-race", "dataplane") for _ in range(3)]
         try:
-            outs = ray.get([m.run.remote(pid, k) for k, m in enumerate(churners)], timeout=300)
+            with _delay_every_commit_after_publish(0.02) as pauses:
+                outs = ray.get([m.run.remote(pid, k) for k, m in enumerate(churners)], timeout=300)
+                assert pauses() > 0  # the window was widened
         finally:
             for m in churners:
                 ray.kill(m)

@@ -1,0 +1,144 @@
+"""The core imports without Ray, checked where it counts: in a fresh interpreter.
+
+The core is what must run with no Ray at all: the key space and what the controller
+builds on it (journal, checkpoints, recovery, retention), a storage unit's store, the
+in-process client, and the client's wire vocabulary and data model. import-linter forbids ``ray`` in these modules
+(pyproject.toml), but it reads import statements only: it cannot see what a
+package's ``__init__`` does when it runs, which is how the key space once loaded
+Ray through ``dataplane_client/__init__.py``. So each module here is imported for
+real, and ``sys.modules`` decides.
+
+Not core, because they call Ray itself: dataplane_client.client and .transport (the
+Ray client and its bulk-data path), and the controller's actors and their callers
+(controller, storage_unit, service, factory, local_ray, publish, liveness,
+inspection, stats, store_checkpoint, unit_lookup, claim_wait, verbs).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CORE_MODULES = (
+    # the controller's pure parts
+    "dataplane_server.keyspace",
+    "dataplane_server.claim_policies",
+    "dataplane_server.columns",
+    "dataplane_server.journal",
+    "dataplane_server.claim_answers",
+    "dataplane_server.arena",
+    "dataplane_server.checkpoint",
+    "dataplane_server.recovery",
+    "dataplane_server.recovery_messages",
+    "dataplane_server.retention",
+    "dataplane_server.unit_calls",
+    "dataplane_server.inprocess",
+    # a storage unit's bytes (the actor around them is not core)
+    "dataplane_server.unit_store",
+    "dataplane_server.unit_partition",
+    "dataplane_server.unit_leases",
+    "dataplane_server.unit_checkpoint",
+    "dataplane_server.unit_preview",
+    "dataplane_server.warm_reserve",
+    # the client's vocabulary and data model
+    "dataplane_client.arguments",
+    "dataplane_client.assembly",
+    "dataplane_client.atomic_dir",
+    "dataplane_client.batched_data_dict",
+    "dataplane_client.byte_format",
+    "dataplane_client.claim_batcher",
+    "dataplane_client.codec",
+    "dataplane_client.config",
+    "dataplane_client.enum_codes",
+    "dataplane_client.errors",
+    "dataplane_client.failpoints",
+    "dataplane_client.interface",
+    "dataplane_client.materialize",
+    "dataplane_client.messages",
+    "dataplane_client.meta",
+    "dataplane_client.object_columns",
+    "dataplane_client.packing",
+    "dataplane_client.parallel_copy",
+    "dataplane_client.placement",
+    "dataplane_client.prepare",
+    "dataplane_client.preshard",
+    "dataplane_client.quiet",
+    "dataplane_client.shm",
+    "dataplane_client.tensordict_io",
+    "dataplane_client.version",
+)
+
+# Imports each module in turn and names the first after whose import Ray is loaded
+# (it, or something it imports, brought Ray in). One interpreter for all: seconds, not
+# one each.
+_PROBE = """
+import importlib, json, sys
+for name in json.loads(sys.argv[1]):
+    importlib.import_module(name)
+    if "ray" in sys.modules:
+        print(json.dumps(name))
+        break
+else:
+    print(json.dumps(None))
+"""
+
+
+def _first_to_load_ray(modules: list[str]) -> str | None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(modules)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_core_modules_import_without_ray():
+    # The package alone first (every `import dataplane_client.<x>` runs its __init__),
+    # and the Ray client last, as the control: a probe that never notices Ray must fail.
+    control = "dataplane_client.client"
+    first = _first_to_load_ray(["dataplane_client", *CORE_MODULES, control])
+    assert first == control, f"{first} loads Ray"
+
+
+def test_the_packages_public_names_still_resolve():
+    import dataplane_client
+    from dataplane_client import (
+        DataPlaneClient,
+        DataPlaneConfig,
+        KVBatchMeta,
+        RayDataPlaneClient,
+        client,
+        config,
+        connect,
+        interface,
+        meta,
+    )
+
+    assert connect is client.connect
+    assert RayDataPlaneClient is client.RayDataPlaneClient
+    assert DataPlaneConfig is config.DataPlaneConfig
+    assert DataPlaneClient is interface.DataPlaneClient
+    assert KVBatchMeta is meta.KVBatchMeta
+    assert set(dataplane_client.__all__) <= set(dir(dataplane_client))
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        _ = dataplane_client.not_a_name
+
+
+def test_import_linter_forbids_ray_in_exactly_the_core():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    [contract] = [
+        c
+        for c in config["contracts"]
+        if c["type"] == "forbidden" and c["forbidden_modules"] == ["ray"]
+    ]
+    assert sorted(contract["source_modules"]) == sorted(CORE_MODULES)
