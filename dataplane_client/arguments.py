@@ -16,10 +16,12 @@ import msgpack
 
 from dataplane_client import enum_codes
 from dataplane_client.errors import InvalidBatch
-from dataplane_client.messages import FieldCodecs
+from dataplane_client.messages import ClaimRequest, FieldCodecs, PartitionSpec
 from dataplane_client.meta import KVBatchMeta, duplicated
 
 MAX_ID_BYTES = 1024
+# The dtypes a declared numeric tag is kept as (one typed column per tag).
+NUMERIC_TAG_TYPES = ("int64", "int32", "float64", "float32")
 
 
 def _shown(value: str) -> str:
@@ -283,3 +285,89 @@ def request_id(value: Any) -> str | None:
     if not isinstance(value, str) or not 0 < len(value) <= 128 or not value.isascii():
         raise InvalidBatch(f"request_id must be a short ASCII string, got {value!r}")
     return value
+
+
+def policy_name(value: Any) -> str | None:
+    """A claim policy's name, or None (the default); which names exist only the service knows."""
+    return None if value is None else name(value, "claim_policy")
+
+
+def policy_options(value: Any) -> dict[str, Any]:
+    """A claim policy's options: a mapping of option name -> msgpack-able value (None: none).
+    What each policy takes is checked by the policy, in the service."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidBatch(
+            f"policy_options must map option names to values, got {type(value).__name__}"
+        )
+    options = dict(value)
+    name_list(list(options), "policy_options' names", allow_empty=True)
+    try:
+        msgpack.packb(options)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InvalidBatch(f"policy_options must hold msgpack-able values: {e}") from None
+    return options
+
+
+def numeric_tag_types(value: Any) -> dict[str, str]:
+    """``numeric_tags``: tag name -> one of NUMERIC_TAG_TYPES (None: none)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidBatch(
+            f"numeric_tags must map tag names to a dtype name, got {type(value).__name__}"
+        )
+    types = dict(value)
+    name_list(list(types), "numeric_tags' names", allow_empty=True)
+    bad = {tag: t for tag, t in types.items() if t not in NUMERIC_TAG_TYPES}
+    if bad:
+        raise InvalidBatch(
+            f"numeric_tags {bad!r:.200}: each dtype must be one of {NUMERIC_TAG_TYPES}"
+        )
+    return types
+
+
+def partition_spec(spec: Any) -> PartitionSpec:
+    """A registration checked in full (each error names its argument), as plain lists and
+    dicts. The one check both clients run before anything is forgotten or sent, and the
+    key space runs again on what arrives; a claim policy's own checks follow there."""
+    if not isinstance(spec, PartitionSpec):
+        raise InvalidBatch(f"a registration is a PartitionSpec, got {type(spec).__name__}")
+    partition_name(spec.partition_id)
+    leases = lease_map(spec.task_leases)
+    codecs = field_codecs(spec.enums, spec.object_fields)
+    return PartitionSpec(
+        partition_id=spec.partition_id,
+        fields=name_list(spec.fields, "fields", allow_empty=True),
+        num_samples=optional_count(spec.num_samples, "num_samples", minimum=0),
+        consumer_tasks=list(
+            dict.fromkeys(name_list(spec.consumer_tasks, "consumer_tasks", allow_empty=True))
+        ),
+        grpo_group_size=optional_count(spec.grpo_group_size, "grpo_group_size", minimum=1),
+        task_leases=leases,
+        enums={name: list(words) for name, words in codecs.enums.items()},
+        object_fields=sorted(codecs.object_fields),
+        claim_policy=policy_name(spec.claim_policy),
+        policy_options=policy_options(spec.policy_options),
+        numeric_tags=numeric_tag_types(spec.numeric_tags),
+    )
+
+
+def claim_request(request: Any) -> ClaimRequest:
+    """A claim checked in full (each error names its argument): what both clients send and
+    the controller checks again on arrival."""
+    if not isinstance(request, ClaimRequest):
+        raise InvalidBatch(f"not a ClaimRequest: {type(request).__name__}")
+    return ClaimRequest(
+        partition_id=partition_name(request.partition_id),
+        task_name=name(request.task_name, "task_name"),
+        required_fields=name_list(request.required_fields, "required_fields", allow_empty=True),
+        batch_size=count(request.batch_size, "batch_size", minimum=1),
+        dp_rank=optional_count(request.dp_rank, "dp_rank", minimum=0),
+        blocking=flag(request.blocking, "blocking"),
+        request_id=request_id(request.request_id),
+        timeout_s=seconds(request.timeout_s, "timeout_s"),
+        claim_policy=policy_name(request.claim_policy),
+        policy_options=policy_options(request.policy_options),
+    )

@@ -30,6 +30,7 @@ tensor before changing it in place.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import time
@@ -64,6 +65,7 @@ from dataplane_client.messages import (
     CommitRequest,
     FieldCodecs,
     PartitionDescription,
+    PartitionSpec,
     ServiceInfo,
     TaskConsumption,
 )
@@ -364,6 +366,9 @@ class RayDataPlaneClient(DataPlaneClient):
         *,
         object_fields: Sequence[str] = (),
         task_leases: Mapping[str, float] | None = None,
+        claim_policy: str | None = None,
+        policy_options: Mapping[str, Any] | None = None,
+        numeric_tags: Mapping[str, str] | None = None,
     ) -> Flow:
         """Declare a partition; one of the same id is replaced (its samples deleted).
 
@@ -372,33 +377,31 @@ class RayDataPlaneClient(DataPlaneClient):
         may hold msgpack values (any other non-tensor value is refused);
         ``task_leases`` maps a consumer task to a lease in seconds: that task's
         claims must be acknowledged with ``ack``, and samples whose lease runs
-        out are handed out again.
+        out are handed out again. ``claim_policy`` names how claims choose
+        samples (default ``"sequential"``, or ``"grpo_groups"`` with a group
+        size; also ``"seqlen_balanced"``), ``policy_options`` its options (e.g.
+        ``{"dp_size": 4}``); ``numeric_tags`` declares tags kept as typed
+        columns (e.g. ``{"policy_version": "int64"}``).
         """
         # Every argument checked (in the controller's order) before anything is forgotten or sent.
-        arguments.partition_name(partition_id)
-        leases = arguments.lease_map(task_leases)
-        codecs = arguments.field_codecs(enums, object_fields)
-        fields = arguments.name_list(fields, "fields", allow_empty=True)
-        num_samples = arguments.optional_count(num_samples, "num_samples", minimum=0)
-        consumer_tasks = arguments.name_list(consumer_tasks, "consumer_tasks", allow_empty=True)
-        grpo_group_size = arguments.optional_count(grpo_group_size, "grpo_group_size", minimum=1)
-        self._forget(partition_id, None)
-        _one(
-            (
-                yield [
-                    self._controller.register_partition.remote(
-                        partition_id,
-                        fields,
-                        num_samples,
-                        consumer_tasks,
-                        grpo_group_size,
-                        leases,
-                        {name: list(words) for name, words in codecs.enums.items()},
-                        sorted(codecs.object_fields),
-                    )
-                ]
+        spec = arguments.partition_spec(
+            PartitionSpec(
+                partition_id,
+                fields=fields,
+                num_samples=num_samples,
+                consumer_tasks=consumer_tasks,
+                grpo_group_size=grpo_group_size,
+                task_leases=task_leases,
+                enums=enums,
+                object_fields=object_fields,
+                claim_policy=claim_policy,
+                policy_options=policy_options,
+                numeric_tags=numeric_tags,
             )
         )
+        codecs = arguments.field_codecs(spec.enums, spec.object_fields)
+        self._forget(partition_id, None)
+        _one((yield [self._controller.register_partition.remote(spec)]))
         self._codecs[partition_id] = codecs
 
     @_rpc_verb
@@ -628,37 +631,18 @@ class RayDataPlaneClient(DataPlaneClient):
             )
         return self._batcher
 
-    def _claim_request(
-        self, partition_id, task_name, required_fields, batch_size, dp_rank, blocking, timeout_s
-    ) -> tuple[ClaimRequest, float]:
+    def _claim_request(self, *args: Any, **kwargs: Any) -> ClaimRequest:
+        """A ``claim_meta`` call as a checked ``ClaimRequest`` (each error names its argument)
+        with a request id of its own, checked before anything is sent."""
         self._check_open()
-        request = ClaimRequest(
-            partition_id=arguments.partition_name(partition_id),
-            task_name=arguments.name(task_name, "task_name"),
-            required_fields=arguments.name_list(
-                required_fields, "required_fields", allow_empty=True
-            ),
-            batch_size=arguments.count(batch_size, "batch_size", minimum=1),
-            dp_rank=arguments.optional_count(dp_rank, "dp_rank", minimum=0),
-            blocking=arguments.flag(blocking, "blocking"),
-            request_id=uuid.uuid4().hex,
-        )
-        return request, arguments.seconds(timeout_s, "timeout_s")
+        request = ClaimRequest(*args, **kwargs)
+        return arguments.claim_request(dataclasses.replace(request, request_id=uuid.uuid4().hex))
 
-    def _wait_claim(self, request: ClaimRequest, timeout_s: float, started: float) -> Any:
+    def _wait_claim(self, request: ClaimRequest, started: float) -> Any:
         """A blocking claim with nothing due when its batch was served: now a claim of its
         own that waits at the controller for what is left of its timeout."""
-        left = max(timeout_s - (time.monotonic() - started), 0.0)
-        return self._controller.claim_meta.remote(
-            request.partition_id,
-            request.task_name,
-            request.required_fields,
-            request.batch_size,
-            request.dp_rank,
-            True,
-            left,
-            request_id=request.request_id,
-        )
+        left = max(request.timeout_s - (time.monotonic() - started), 0.0)
+        return self._controller.claim_meta.remote(dataclasses.replace(request, timeout_s=left))
 
     # None is a non-blocking claim with nothing due (our extra; the ABC says KVBatchMeta).
     def claim_meta(  # type: ignore[override]
@@ -670,20 +654,33 @@ class RayDataPlaneClient(DataPlaneClient):
         dp_rank: int | None = None,
         blocking: bool = True,
         timeout_s: float = 60.0,
+        *,
+        claim_policy: str | None = None,
+        policy_options: Mapping[str, Any] | None = None,
     ) -> KVBatchMeta | None:
         """Claim up to ``batch_size`` ready samples the task has not consumed yet.
 
+        ``claim_policy`` overrides the partition's for this claim (``policy_options``:
+        its options, over the partition's when it is the partition's own policy).
         Concurrent claims of this client (threads and coroutines alike) share one
         controller call (``ClaimBatcher``); each still gets its own answer, error and
         timeout.
         """
         started = time.monotonic()
-        request, timeout_s = self._claim_request(
-            partition_id, task_name, required_fields, batch_size, dp_rank, blocking, timeout_s
+        request = self._claim_request(
+            partition_id,
+            task_name,
+            required_fields,
+            batch_size,
+            dp_rank,
+            blocking,
+            timeout_s=timeout_s,
+            claim_policy=claim_policy,
+            policy_options=policy_options,
         )
         outcome = self._claims().submit(request).result()
         if outcome.must_wait:
-            return _get_sync(self._wait_claim(request, timeout_s, started))
+            return _get_sync(self._wait_claim(request, started))
         return _claim_answer(outcome)
 
     async def claim_meta_async(
@@ -695,15 +692,26 @@ class RayDataPlaneClient(DataPlaneClient):
         dp_rank: int | None = None,
         blocking: bool = True,
         timeout_s: float = 60.0,
+        *,
+        claim_policy: str | None = None,
+        policy_options: Mapping[str, Any] | None = None,
     ) -> KVBatchMeta | None:
         """``claim_meta``, awaitable: it never blocks the event loop."""
         started = time.monotonic()
-        request, timeout_s = self._claim_request(
-            partition_id, task_name, required_fields, batch_size, dp_rank, blocking, timeout_s
+        request = self._claim_request(
+            partition_id,
+            task_name,
+            required_fields,
+            batch_size,
+            dp_rank,
+            blocking,
+            timeout_s=timeout_s,
+            claim_policy=claim_policy,
+            policy_options=policy_options,
         )
         outcome = await asyncio.wrap_future(self._claims().submit(request))
         if outcome.must_wait:
-            return await _get_async(self._wait_claim(request, timeout_s, started))
+            return await _get_async(self._wait_claim(request, started))
         return _claim_answer(outcome)
 
     @_rpc_verb

@@ -134,8 +134,34 @@ class Location:
 
 
 @dataclass(frozen=True)
+class PartitionSpec:
+    """One ``register_partition`` call, whole: both clients build it, the Ray client sends
+    it, and the key space turns it into the declaration it keeps (checked again there:
+    ``arguments.partition_spec``, then the claim policy's own checks).
+
+    ``claim_policy`` names how claims choose rows (None: ``"grpo_groups"`` with a
+    ``grpo_group_size``, else ``"sequential"``), with ``policy_options`` for it;
+    ``numeric_tags`` maps a tag to the dtype it is kept as (a typed column claim
+    policies filter on, e.g. ``{"policy_version": "int64"}``).
+    """
+
+    partition_id: str
+    fields: Any = ()
+    num_samples: Any = None
+    consumer_tasks: Any = ()
+    grpo_group_size: Any = None
+    task_leases: Any = None
+    enums: Any = None
+    object_fields: Any = ()
+    claim_policy: Any = None
+    policy_options: Any = None
+    numeric_tags: Any = None
+
+
+@dataclass(frozen=True)
 class ClaimRequest:
-    """One ``claim_meta`` call, as a batch of them travels to the controller (``claim_many``).
+    """One ``claim_meta`` call, whole: what both clients check (``arguments.claim_request``),
+    what ``claim_many`` carries in batches and a blocking ``claim_meta`` alone.
 
     Arguments are checked by the controller per request, so a bad one fails alone.
     """
@@ -149,6 +175,9 @@ class ClaimRequest:
     # Names this claim across retries: a controller that answered it before (and died
     # before the answer arrived) gives the same batch again, never a second one.
     request_id: str | None = None
+    timeout_s: float = 60.0  # a blocking claim's wait (claim_many never waits)
+    claim_policy: str | None = None  # None: the partition's
+    policy_options: dict[str, Any] | None = None  # over the partition's, for its policy
 
 
 @dataclass(frozen=True)

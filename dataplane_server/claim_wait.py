@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable
 
 from dataplane_client.errors import ClaimTimeout, SamplesLost, UnknownPartition
+from dataplane_client.messages import ClaimRequest
 from dataplane_client.meta import KVBatchMeta
-from dataplane_server.keyspace import KeySpace, Partition
+from dataplane_server.keyspace import KeySpace, Partition, PolicyCall
 
 
 def raise_if_unsatisfiable(keys: KeySpace, part: Partition, task: str) -> None:
@@ -54,13 +55,13 @@ class ClaimWaits:
         self,
         keys: KeySpace,
         part: Partition,
-        task: str,
-        required: list[str],
-        batch_size: int,
-        timeout_s: float,
+        request: ClaimRequest,
+        policy: PolicyCall,
         try_claim: Callable[[], KVBatchMeta | None],
     ) -> KVBatchMeta:
-        """Call ``try_claim`` after each wake-up until it hands out a batch."""
+        """Call ``try_claim`` after each wake-up until it hands out a batch (``request``: the
+        checked claim, ``policy``: the claim policy it runs)."""
+        task, timeout_s = request.task_name, request.timeout_s
         deadline = time.monotonic() + timeout_s
         cond = self._changed.setdefault(part.partition_id, asyncio.Condition())
         part.waiting_claims += 1
@@ -85,7 +86,8 @@ class ClaimWaits:
                     raise_if_unsatisfiable(keys, part, task)
         finally:
             part.waiting_claims -= 1
-        have = keys.ready_count(part, task, required, batch_size)
+        required, batch_size = request.required_fields, request.batch_size
+        have = keys.ready_count(part, task, required, batch_size, policy)
         raise ClaimTimeout(
             f"only {have} of {batch_size} samples ready after {timeout_s}s (task {task!r})",
             fields=required,

@@ -38,6 +38,7 @@ from dataplane_client.messages import (
     CommitResult,
     FieldCodecs,
     Location,
+    PartitionSpec,
     Routing,
     TaskConsumption,
     UnitInfo,
@@ -54,7 +55,7 @@ from dataplane_server import (
 )
 from dataplane_server.inspection import Inspection
 from dataplane_server.journal import Journal
-from dataplane_server.keyspace import CommitPlan, KeySpace, Partition, declaration
+from dataplane_server.keyspace import CommitPlan, KeySpace, Partition, PolicyCall, declare
 from dataplane_server.retention import EmptiedPartitions
 from dataplane_server.stats import Stats
 from dataplane_server.verbs import served
@@ -223,32 +224,15 @@ class Controller(Inspection):
 
     # ---- partitions ---------------------------------------------------------------
     @served
-    async def register_partition(
-        self,
-        partition_id: str,
-        fields: list[str],
-        num_samples: int | None,
-        consumer_tasks: list[str],
-        grpo_group_size: int | None = None,
-        task_leases: dict[str, float] | None = None,
-        enums: dict[str, list[str]] | None = None,
-        object_fields: list[str] | None = None,
-    ) -> None:
+    async def register_partition(self, spec: PartitionSpec) -> None:
         """Declare a partition; an existing one of that id is deleted first (bytes freed).
 
-        Checked in full before the old partition is touched, so a refused
-        registration never reaches the partition it would replace.
+        Checked in full (its claim policy and options too) before the old
+        partition is touched, so a refused registration never reaches the
+        partition it would replace.
         """
-        declared = declaration(
-            partition_id,
-            fields,
-            num_samples,
-            consumer_tasks,
-            grpo_group_size,
-            task_leases,
-            enums,
-            object_fields,
-        )
+        declared = declare(spec)
+        partition_id = spec.partition_id
         record = self._pack("register", partition_id, declared.to_record())
         async with self._lifecycle:
             if partition_id in self.keys.partitions:
@@ -340,18 +324,9 @@ class Controller(Inspection):
 
     # ---- claims -------------------------------------------------------------------
     @served
-    async def claim_meta(
-        self,
-        partition_id: str,
-        task_name: str,
-        required_fields: list[str],
-        batch_size: int,
-        dp_rank: int | None = None,
-        blocking: bool = True,
-        timeout_s: float = 60.0,
-        request_id: str | None = None,
-    ) -> KVBatchMeta | None:
-        """Hand out up to ``batch_size`` ready samples the task has not consumed.
+    async def claim_meta(self, request: ClaimRequest) -> KVBatchMeta | None:
+        """Hand out up to ``batch_size`` ready samples the task has not consumed, as the
+        claim's policy (else the partition's) chooses them.
 
         Without a lease the samples are consumed for the task at once; a leased
         task holds them until ``ack`` (or until the lease runs out). A blocking
@@ -359,26 +334,12 @@ class Controller(Inspection):
         and raises ClaimTimeout otherwise. A claim whose ``request_id`` was
         answered before (a retry after a controller restart) gets that answer.
         """
-        timeout_s = arguments.seconds(timeout_s, "timeout_s")
-        request = ClaimRequest(
-            partition_id,
-            task_name,
-            required_fields,
-            batch_size,
-            dp_rank,
-            bool(blocking),
-            request_id=request_id,
-        )
-        part, required, batch_size, meta = self._claim_now(request)
-        if meta is None and blocking:
+        request, part, policy, meta = self._claim_now(request)
+        if meta is None and request.blocking:
             t0 = time.monotonic()
             try:
-                retry = functools.partial(
-                    self._claim, part, task_name, required, batch_size, dp_rank, False, request_id
-                )
-                meta = await self._waits.wait(
-                    self.keys, part, task_name, required, batch_size, timeout_s, retry
-                )
+                retry = functools.partial(self._claim, part, request, policy, False)
+                meta = await self._waits.wait(self.keys, part, request, policy, retry)
             finally:
                 self.stats.observe("claim_wait_seconds", time.monotonic() - t0)
         return meta
@@ -398,9 +359,7 @@ class Controller(Inspection):
         out = []
         for request in requests:
             try:
-                if not isinstance(request, ClaimRequest):
-                    raise InvalidBatch(f"not a ClaimRequest: {type(request).__name__}")
-                meta = self._claim_now(request)[3]
+                request, _, _, meta = self._claim_now(request)
                 out.append(ClaimOutcome(meta=meta, must_wait=meta is None and request.blocking))
             except DataPlaneError as e:
                 self.stats.error(e)
@@ -409,36 +368,36 @@ class Controller(Inspection):
 
     def _claim_now(
         self, request: ClaimRequest
-    ) -> tuple[Partition, list[str], int, KVBatchMeta | None]:
-        """Check a claim and try it once; SamplesLost when a blocking one can never be served."""
-        required = arguments.name_list(request.required_fields, "required_fields", allow_empty=True)
-        batch_size = arguments.count(request.batch_size, "batch_size", minimum=1)
-        request_id = arguments.request_id(request.request_id)
+    ) -> tuple[ClaimRequest, Partition, PolicyCall, KVBatchMeta | None]:
+        """Check a claim (its policy and options too) and try it once; SamplesLost when a
+        blocking one can never be served. Returns the request as checked."""
+        request = arguments.claim_request(request)
         part = self.keys.partition(request.partition_id)
         task = self.keys.task_of(part, request.task_name)
-        meta = self._claim(
-            part, task, required, batch_size, request.dp_rank, not request.blocking, request_id
-        )
+        policy = self.keys.claim_policy(part, request.claim_policy, request.policy_options)
+        meta = self._claim(part, request, policy, not request.blocking)
         if meta is None and request.blocking:
             claim_wait.raise_if_unsatisfiable(self.keys, part, task)
-        return part, required, batch_size, meta
+        return request, part, policy, meta
 
     def _claim(
-        self, part, task, required, batch_size, dp_rank, partial_ok, request_id
+        self, part: Partition, request: ClaimRequest, policy: PolicyCall, partial_ok: bool
     ) -> KVBatchMeta | None:
         """Choose a batch, journal it, then hand it out (one synchronous step: no await)."""
-        answered = self.keys.answered(part, request_id)
+        answered = self.keys.answered(part, request.request_id)
         if answered is not None:
             self.stats.inc("claims_replayed_total")
             return answered
+        task, request_id = request.task_name, request.request_id
         choice = self.keys.choose(
             part,
             task,
-            required,
-            batch_size,
+            request.required_fields,
+            request.batch_size,
             partial_ok=partial_ok,
-            dp_rank=dp_rank,
+            dp_rank=request.dp_rank,
             request_id=request_id,
+            policy=policy,
         )
         if choice is None:
             return None

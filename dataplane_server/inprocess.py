@@ -30,10 +30,17 @@ from dataplane_client.assembly import assemble
 from dataplane_client.codec import EncodedField, row_byte_offsets
 from dataplane_client.errors import ClaimTimeout, ServiceUnavailable, UnknownPartition
 from dataplane_client.interface import DataPlaneClient
-from dataplane_client.messages import ClearResult, CommitRequest, FieldCodecs, TaskConsumption
+from dataplane_client.messages import (
+    ClaimRequest,
+    ClearResult,
+    CommitRequest,
+    FieldCodecs,
+    PartitionSpec,
+    TaskConsumption,
+)
 from dataplane_client.meta import KVBatchMeta
 from dataplane_client.tensordict_io import to_tensordict
-from dataplane_server.keyspace import CommitPlan, KeySpace, declaration
+from dataplane_server.keyspace import CommitPlan, KeySpace, declare
 
 _UNIT = 0  # the one in-memory "storage unit" every sample lives on
 
@@ -89,17 +96,26 @@ class InProcessDataPlaneClient(DataPlaneClient):
         *,
         object_fields: Sequence[str] = (),
         task_leases: Mapping[str, float] | None = None,
+        claim_policy: str | None = None,
+        policy_options: Mapping[str, Any] | None = None,
+        numeric_tags: Mapping[str, str] | None = None,
     ) -> None:
-        """Declare a partition; one of the same id is replaced (its samples deleted)."""
-        decl = declaration(
-            partition_id,
-            fields,
-            num_samples,
-            consumer_tasks,
-            grpo_group_size,
-            task_leases,
-            enums,
-            object_fields,
+        """Declare a partition; one of the same id is replaced (its samples deleted). The
+        extras as the Ray client's: leases, claim policy and options, numeric tags."""
+        decl = declare(
+            PartitionSpec(
+                partition_id,
+                fields=fields,
+                num_samples=num_samples,
+                consumer_tasks=consumer_tasks,
+                grpo_group_size=grpo_group_size,
+                task_leases=task_leases,
+                enums=enums,
+                object_fields=object_fields,
+                claim_policy=claim_policy,
+                policy_options=policy_options,
+                numeric_tags=numeric_tags,
+            )
         )
         with self._changed:
             self._open().register(partition_id, decl)
@@ -212,29 +228,48 @@ class InProcessDataPlaneClient(DataPlaneClient):
         dp_rank: int | None = None,
         blocking: bool = True,
         timeout_s: float = 60.0,
+        *,
+        claim_policy: str | None = None,
+        policy_options: Mapping[str, Any] | None = None,
     ) -> KVBatchMeta | None:
-        """Claim up to ``batch_size`` ready samples the task has not consumed yet."""
-        arguments.partition_name(partition_id)
-        arguments.name(task_name, "task_name")
-        required = arguments.name_list(required_fields, "required_fields", allow_empty=True)
-        batch_size = arguments.count(batch_size, "batch_size", minimum=1)
-        dp_rank = arguments.optional_count(dp_rank, "dp_rank", minimum=0)
-        blocking = arguments.flag(blocking, "blocking")
-        timeout_s = arguments.seconds(timeout_s, "timeout_s")
-        deadline = time.monotonic() + timeout_s
+        """Claim up to ``batch_size`` ready samples the task has not consumed yet, as the
+        claim's policy (else the partition's) chooses them."""
+        request = arguments.claim_request(
+            ClaimRequest(
+                partition_id,
+                task_name,
+                required_fields,
+                batch_size,
+                dp_rank,
+                blocking,
+                timeout_s=timeout_s,
+                claim_policy=claim_policy,
+                policy_options=policy_options,
+            )
+        )
+        task_name, required = request.task_name, request.required_fields
+        batch_size, blocking = request.batch_size, request.blocking
+        deadline = time.monotonic() + request.timeout_s
         with self._changed:
             keys = self._open()
             part = keys.partition(partition_id)
             keys.task_of(part, task_name)
+            policy = keys.claim_policy(part, request.claim_policy, request.policy_options)
             meta = keys.claim(
-                part, task_name, required, batch_size, partial_ok=not blocking, dp_rank=dp_rank
+                part,
+                task_name,
+                required,
+                batch_size,
+                partial_ok=not blocking,
+                dp_rank=request.dp_rank,
+                policy=policy,
             )
             while meta is None and blocking:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    have = keys.ready_count(part, task_name, required, batch_size)
+                    have = keys.ready_count(part, task_name, required, batch_size, policy)
                     raise ClaimTimeout(
-                        f"only {have} of {batch_size} samples ready after {timeout_s}s "
+                        f"only {have} of {batch_size} samples ready after {request.timeout_s}s "
                         f"(task {task_name!r})",
                         fields=required,
                         partition_id=partition_id,
@@ -249,7 +284,15 @@ class InProcessDataPlaneClient(DataPlaneClient):
                     raise UnknownPartition(
                         "partition deleted while the claim waited", partition_id=partition_id
                     )
-                meta = keys.claim(part, task_name, required, batch_size, partial_ok=False)
+                meta = keys.claim(
+                    part,
+                    task_name,
+                    required,
+                    batch_size,
+                    partial_ok=False,
+                    dp_rank=request.dp_rank,
+                    policy=policy,
+                )
             return meta
 
     def ack(self, meta: KVBatchMeta) -> int:

@@ -1,10 +1,12 @@
 """The key space: partitions, rows, produced bits, consumption and leases. No Ray, no asyncio.
 
 Per partition the metadata is columnar (numpy arrays grown geometrically, one
-entry per row): live bit, sequence length, storage unit, one produced bit per
-field, and per consumer task a consumed bit (plus, for a leased task, the
-lease's deadline, its holder and how often the row was handed out). Rows are
-never reused; a cleared row is only marked not live.
+entry per row): live bit, sequence length, storage unit, group, one produced
+bit per field, one typed column per declared numeric tag, and per consumer
+task a consumed bit (plus, for a leased task, the lease's deadline, its holder
+and how often the row was handed out). Rows are never reused; a cleared row is
+only marked not live. Which ready rows a claim hands out is its claim policy's
+choice (``dataplane_server.claim_policies``), made over those columns.
 
 A write is checked (``check_commit``: a pure function of the state, returning
 a plan or raising a typed error), its bytes are published on the units by the
@@ -15,11 +17,12 @@ injected clock, so leases are tested without sleeping.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,10 +46,13 @@ from dataplane_client.messages import (
     CommitResult,
     FieldCodecs,
     Location,
+    PartitionSpec,
     TaskConsumption,
 )
 from dataplane_client.meta import KVBatchMeta
+from dataplane_server import claim_policies
 from dataplane_server.claim_answers import ClaimAnswer, ClaimAnswers, new_lease_id
+from dataplane_server.claim_policies import ClaimPolicy, PartitionTraits, ReadyRows, RowColumns
 from dataplane_server.columns import grown
 from dataplane_server.recovery_messages import StoredRows
 
@@ -69,15 +75,26 @@ class Declaration:
     task_leases: dict[str, float] = field(default_factory=dict)  # task -> lease seconds
     enums: dict[str, tuple[str, ...]] = field(default_factory=dict)  # field -> vocabulary
     object_fields: frozenset[str] = frozenset()
+    # How claims choose rows ("": the default, resolved below) and the policy's options.
+    claim_policy: str = ""
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    numeric_tags: dict[str, str] = field(default_factory=dict)  # tag -> dtype of its column
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.task_leases) - set(self.consumer_tasks))
         if unknown:
             raise UnknownTask(f"task_leases names tasks that are not consumer tasks: {unknown}")
+        if not self.claim_policy:  # groups are never split unless a policy says otherwise
+            default = "grpo_groups" if self.group_size is not None else "sequential"
+            object.__setattr__(self, "claim_policy", default)
 
     @functools.cached_property
     def codecs(self) -> FieldCodecs:
         return FieldCodecs(enums=dict(self.enums), object_fields=self.object_fields)
+
+    @property
+    def traits(self) -> PartitionTraits:
+        return PartitionTraits(group_size=self.group_size, numeric_tags=dict(self.numeric_tags))
 
     def to_record(self) -> dict[str, Any]:
         """Plain lists and dicts (msgpack has no tuples or sets): journal and checkpoint."""
@@ -89,11 +106,15 @@ class Declaration:
             "task_leases": dict(self.task_leases),
             "enums": {name: list(words) for name, words in self.enums.items()},
             "object_fields": sorted(self.object_fields),
+            "claim_policy": self.claim_policy,
+            "policy_options": dict(self.policy_options),
+            "numeric_tags": dict(self.numeric_tags),
         }
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Declaration:
-        """Inverse of ``to_record``; a record written before codecs were kept has none."""
+        """Inverse of ``to_record``. A record of an older version lacks what came later:
+        codecs (none), claim policy (the default), numeric tags (none)."""
         return cls(
             fields=list(record["fields"]),
             expected_samples=record["expected_samples"],
@@ -102,35 +123,46 @@ class Declaration:
             task_leases=dict(record.get("task_leases") or {}),
             enums={name: tuple(words) for name, words in (record.get("enums") or {}).items()},
             object_fields=frozenset(record.get("object_fields") or ()),
+            claim_policy=record.get("claim_policy") or "",
+            policy_options=dict(record.get("policy_options") or {}),
+            numeric_tags=dict(record.get("numeric_tags") or {}),
         )
 
 
-def declaration(
-    partition_id: str,
-    fields: Any,
-    num_samples: Any,
-    consumer_tasks: Any,
-    grpo_group_size: Any = None,
-    task_leases: Mapping[str, Any] | None = None,
-    enums: Any = None,
-    object_fields: Any = (),
-) -> Declaration:
-    """A registration's arguments checked (typed errors naming what is wrong), as the key
-    space keeps them. The one check both the Ray controller and the in-process twin use."""
-    arguments.partition_name(partition_id)
-    leases = arguments.lease_map(task_leases)
-    codecs = arguments.field_codecs(enums, object_fields)
-    return Declaration(
-        fields=arguments.name_list(fields, "fields", allow_empty=True),
-        expected_samples=arguments.optional_count(num_samples, "num_samples", minimum=0),
-        consumer_tasks=list(
-            dict.fromkeys(arguments.name_list(consumer_tasks, "consumer_tasks", allow_empty=True))
-        ),
-        group_size=arguments.optional_count(grpo_group_size, "grpo_group_size", minimum=1),
-        task_leases=leases,
-        enums=codecs.enums,
-        object_fields=codecs.object_fields,
+def declare(spec: Any) -> Declaration:
+    """A registration (``PartitionSpec``) checked in full, typed errors naming what is
+    wrong, as the key space keeps it: the one check of the Ray controller and the
+    in-process client. Nothing changes here; a refused spec touches no partition."""
+    spec = arguments.partition_spec(spec)
+    declared = Declaration(
+        fields=spec.fields,
+        expected_samples=spec.num_samples,
+        consumer_tasks=spec.consumer_tasks,
+        group_size=spec.grpo_group_size,
+        task_leases=spec.task_leases,
+        enums={name: tuple(words) for name, words in spec.enums.items()},
+        object_fields=frozenset(spec.object_fields),
+        claim_policy=spec.claim_policy or "",
+        policy_options=spec.policy_options,
+        numeric_tags=spec.numeric_tags,
     )
+    policy = claim_policies.get(declared.claim_policy)
+    options = policy.check_options(declared.policy_options, declared.traits)
+    return dataclasses.replace(declared, policy_options=options)
+
+
+def declaration(*args: Any, **kwargs: Any) -> Declaration:
+    """``declare`` of a ``PartitionSpec`` made of these arguments (its field order)."""
+    return declare(PartitionSpec(*args, **kwargs))
+
+
+@dataclass(frozen=True)
+class PolicyCall:
+    """The claim policy one claim runs, with its checked options."""
+
+    name: str
+    policy: ClaimPolicy
+    options: dict[str, Any]
 
 
 class Partition:
@@ -144,8 +176,18 @@ class Partition:
         self.row_of: dict[str, int] = {}
         self.ids: list[str | None] = []
         self.tags: list[dict | None] = []
-        self.group_of: list[Any] = []  # row -> group_id | None
-        self.group_rows: dict[Any, list[int]] = {}  # group_id -> live rows
+        # Groups as int codes (one per distinct group_id): row -> code (-1: none), and per
+        # code its live rows, so a policy finds complete groups with vector operations.
+        self.group_code = np.zeros(0, dtype=np.int64)
+        self.group_index: dict[Any, int] = {}  # group_id -> code
+        self.group_live = np.zeros(0, dtype=np.int64)
+        # Declared numeric tags: a typed column each, and which rows carry the tag.
+        self.tag_values: dict[str, np.ndarray] = {
+            name: np.zeros(0, dtype=dtype) for name, dtype in declaration.numeric_tags.items()
+        }
+        self.tag_present: dict[str, np.ndarray] = {
+            name: np.zeros(0, dtype=bool) for name in declaration.numeric_tags
+        }
         self.n_rows = 0
         self.live = np.zeros(0, dtype=bool)
         self.seq_len = np.zeros(0, dtype=np.int32)
@@ -207,39 +249,80 @@ class Partition:
         self.seq_len = grown(self.seq_len, end, -1)
         self.unit = grown(self.unit, end, -1)
         self.replica = grown(self.replica, end, -1)
+        self.group_code = grown(self.group_code, len(self.live), -1)
         # Every column keeps an entry per row, so no reader ever slices a short one.
-        for table in (self.produced, self.consumed, self.lease_until, self.holder, self.deliveries):
+        for table in self._row_tables():
             for name, arr in table.items():
                 table[name] = grown(arr, len(self.live), 0)
         self.row_of.update(zip(sample_ids, range(start, end)))
         self.ids.extend(sample_ids)
         self.tags.extend([None] * len(sample_ids))
-        self.group_of.extend([None] * len(sample_ids))
         self.live[start:end] = True
         self.unit[start:end] = units
         self.replica[start:end] = -1 if replicas is None else replicas
         self.n_rows = end
         return np.arange(start, end, dtype=np.int64)
 
+    def _row_tables(self) -> tuple[dict[str, np.ndarray], ...]:
+        """The per-row columns kept by name (per field, task or numeric tag)."""
+        return (
+            self.produced,
+            self.consumed,
+            self.lease_until,
+            self.holder,
+            self.deliveries,
+            self.tag_values,
+            self.tag_present,
+        )
+
     def forget(self, rows: list[int]) -> None:
         self.epoch += 1
+        was_live = np.asarray(rows, dtype=np.int64)
+        was_live = was_live[self.live[was_live]]
+        codes = self.group_code[was_live]
+        np.subtract.at(self.group_live, codes[codes >= 0], 1)
         for r in rows:
             sid = self.ids[r]
             if sid is not None:
                 self.row_of.pop(sid, None)
                 self.ids[r] = None
             self.live[r] = False
-            gid = self.group_of[r]
-            if gid is not None and r in self.group_rows.get(gid, ()):
-                self.group_rows[gid].remove(r)
+
+    def set_group(self, row: int, group_id: Any) -> None:
+        """Put a row in a group (a row's first group_id tag is its group for good)."""
+        if self.group_code[row] >= 0:
+            return
+        code = self.group_index.setdefault(group_id, len(self.group_index))
+        self.group_live = grown(self.group_live, code + 1, 0)
+        self.group_code[row] = code
+        self.group_live[code] += 1
+
+    def set_numeric_tags(self, row: int, tag: dict) -> None:
+        for name, column in self.tag_values.items():
+            if name in tag:
+                column[row] = tag[name]
+                self.tag_present[name][row] = True
+
+    def columns(self) -> RowColumns:
+        """Views of this partition's columns, as a claim policy reads them."""
+        n = self.n_rows
+        return RowColumns(
+            sequence_lengths=self.seq_len[:n],
+            group=self.group_code[:n],
+            group_live=self.group_live,
+            tags={name: col[:n] for name, col in self.tag_values.items()},
+            tag_present={name: col[:n] for name, col in self.tag_present.items()},
+            ids=self.ids,
+        )
 
     def metadata_bytes(self) -> int:
         """Rough bytes of this partition's metadata (benchmarks: bytes per sample)."""
-        tables = (self.produced, self.consumed, self.lease_until, self.holder, self.deliveries)
         arrays = self.live.nbytes + self.seq_len.nbytes + self.unit.nbytes + self.replica.nbytes
-        arrays += sum(a.nbytes for t in tables for a in t.values())
+        arrays += self.group_code.nbytes + self.group_live.nbytes
+        arrays += sum(a.nbytes for t in self._row_tables() for a in t.values())
         dict_bytes = sys.getsizeof(self.row_of) + sum(sys.getsizeof(s) for s in self.row_of)
-        lists = sys.getsizeof(self.ids) + sys.getsizeof(self.tags) + sys.getsizeof(self.group_of)
+        dict_bytes += sys.getsizeof(self.group_index)
+        lists = sys.getsizeof(self.ids) + sys.getsizeof(self.tags)
         return arrays + dict_bytes + lists
 
     def fields_of(self, row: int) -> list[str]:
@@ -297,6 +380,35 @@ def _check_shapes(req: CommitRequest, num_units: int) -> None:
         raise InvalidBatch("a sample's second copy must be on another unit than its first")
     if any(not 0 <= u < num_units for u in req.staged_units):
         raise InvalidBatch(f"staged_units {req.staged_units} name units the service lacks")
+
+
+def _fits(value: Any, dtype: np.dtype) -> bool:
+    """Whether a tag value is a number its declared column holds exactly (bool refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if dtype.kind == "i":
+        bounds = np.iinfo(dtype)
+        return isinstance(value, int) and bounds.min <= value <= bounds.max
+    return True  # an int or float: a float column holds it (rounded, as numpy would)
+
+
+def _check_numeric_tags(part: Partition, req: CommitRequest) -> None:
+    """Each declared numeric tag a commit gives must be a number of its column's type."""
+    if not req.tags or not part.tag_values:
+        return
+    for name, column in part.tag_values.items():
+        bad = [
+            s
+            for s, t in zip(req.sample_ids, req.tags)
+            if t and name in t and not _fits(t[name], column.dtype)
+        ]
+        if bad:
+            raise InvalidBatch(
+                f"tag {name!r} is declared a numeric tag of dtype {column.dtype}: "
+                "each value must be a number that fits it",
+                ids=bad,
+                partition_id=part.partition_id,
+            )
 
 
 def _produced_everywhere(part: Partition, names: list[str], rows: np.ndarray) -> list[str]:
@@ -367,6 +479,7 @@ class KeySpace:
                 partition_id=pid,
             )
         _check_shapes(req, len(self.unit_alive))
+        _check_numeric_tags(part, req)
         for name, schema in req.schemas.items():
             known = part.schema.get(name)
             if known is not None and tuple(known) != tuple(schema):
@@ -522,9 +635,10 @@ class KeySpace:
     def _merge_tags(part: Partition, row: int, tag: dict) -> None:
         merged = part.tags[row] = {**(part.tags[row] or {}), **tag}
         gid = merged.get("group_id")
-        if gid is not None and part.group_of[row] is None:
-            part.group_of[row] = gid
-            part.group_rows.setdefault(gid, []).append(row)
+        if gid is not None:
+            part.set_group(row, gid)
+        if part.tag_values:
+            part.set_numeric_tags(row, tag)
 
     # ---- reads --------------------------------------------------------------------
     def locate(self, partition_id: str, sample_ids: list[str], fields: list[str]) -> Location:
@@ -579,27 +693,56 @@ class KeySpace:
         ok &= np.asarray(self.unit_alive, dtype=bool)[part.unit[:n]]
         return np.nonzero(ok)[0]
 
-    def _pick(self, part: Partition, ready: np.ndarray, batch_size: int) -> np.ndarray:
-        """Up to ``batch_size`` ready rows in row order; whole complete groups only."""
-        if part.group_size is None:
-            return ready[:batch_size]
-        ready_set = set(ready.tolist())
-        chosen: list[int] = []
-        seen: set = set()
-        for r in ready.tolist():
-            gid = part.group_of[r]
-            if gid is None or gid in seen:
-                continue
-            seen.add(gid)
-            members = part.group_rows[gid]
-            if len(members) == part.group_size and ready_set.issuperset(members):
-                if len(chosen) + len(members) > batch_size:
-                    break
-                chosen.extend(sorted(members))
-        return np.asarray(chosen, dtype=np.int64)
+    @staticmethod
+    def claim_policy(
+        part: Partition, name: str | None = None, options: dict[str, Any] | None = None
+    ) -> PolicyCall:
+        """The policy a claim runs: ``name``, else the partition's. Options given for the
+        partition's own policy go over its declared ones. InvalidBatch, changing nothing,
+        for an unknown policy or options it refuses."""
+        decl = part.declaration
+        if name is None or name == decl.claim_policy:
+            name, options = decl.claim_policy, {**decl.policy_options, **(options or {})}
+        try:
+            policy = claim_policies.get(name)
+            return PolicyCall(name, policy, policy.check_options(options or {}, decl.traits))
+        except InvalidBatch as e:
+            raise InvalidBatch(e.message, partition_id=part.partition_id) from None
 
-    def ready_count(self, part: Partition, task: str, required: list[str], batch_size: int) -> int:
-        return len(self._pick(part, self._claimable(part, task, required), batch_size))
+    def _pick(
+        self, part: Partition, ready: np.ndarray, batch_size: int, policy: PolicyCall | None
+    ) -> np.ndarray:
+        """The ready rows the claim policy hands out, in its order."""
+        policy = policy or self.claim_policy(part)
+        view = ReadyRows(rows=ready, group_size=part.group_size, columns=part.columns())
+        try:
+            chosen = np.asarray(policy.policy.choose(view, batch_size, policy.options), np.int64)
+        except InvalidBatch as e:
+            raise InvalidBatch(e.message, partition_id=part.partition_id) from None
+        # Handing a row out twice, or one that is not ready, would break every guarantee.
+        if len(chosen) > batch_size or (
+            len(chosen)
+            and (
+                chosen.min() < 0
+                or chosen.max() >= len(ready)
+                or len(np.unique(chosen)) < len(chosen)
+            )
+        ):
+            raise RuntimeError(
+                f"claim policy {policy.name!r} chose {len(chosen)} positions of {len(ready)} "
+                f"ready rows for a batch of {batch_size}, not distinct positions among them"
+            )
+        return ready[chosen]
+
+    def ready_count(
+        self,
+        part: Partition,
+        task: str,
+        required: list[str],
+        batch_size: int,
+        policy: PolicyCall | None = None,
+    ) -> int:
+        return len(self._pick(part, self._claimable(part, task, required), batch_size, policy))
 
     def choose(
         self,
@@ -611,11 +754,13 @@ class KeySpace:
         partial_ok: bool,
         dp_rank: int | None = None,
         request_id: str | None = None,
+        policy: PolicyCall | None = None,
     ) -> ClaimChoice | None:
         """The batch a claim would hand out, changing nothing (``grant`` hands it out); None
         when none is due yet.
 
-        A full batch is always due; so is the tail of a partition of known size;
+        ``policy`` chooses the rows (None: the partition's, see ``claim_policy``). A
+        full batch is always due; so is the tail of a partition of known size;
         anything non-empty is due when ``partial_ok``.
         """
         self.task_of(part, task)
@@ -625,7 +770,7 @@ class KeySpace:
                 f"{part.group_size}; groups are never split",
                 partition_id=part.partition_id,
             )
-        rows = self._pick(part, self._claimable(part, task, required), batch_size)
+        rows = self._pick(part, self._claimable(part, task, required), batch_size, policy)
         expected = part.declaration.expected_samples
         left = None
         if expected is not None:  # samples of a lost unit will never come: not waited for
@@ -671,10 +816,11 @@ class KeySpace:
         *,
         partial_ok: bool,
         dp_rank: int | None = None,
+        policy: PolicyCall | None = None,
     ) -> KVBatchMeta | None:
         """``choose`` then ``grant``: for callers with no journal to write in between."""
         choice = self.choose(
-            part, task, required, batch_size, partial_ok=partial_ok, dp_rank=dp_rank
+            part, task, required, batch_size, partial_ok=partial_ok, dp_rank=dp_rank, policy=policy
         )
         return None if choice is None else self.grant(choice)
 

@@ -403,7 +403,7 @@ def _random_commits_claims_clears(done: Counter, ops, group):
                 # Only rows whose required field is produced, and never a split group.
                 assert part.produced["x"][rows].all()
                 if group:
-                    gids = [part.group_of[r] for r in rows]
+                    gids = part.group_code[rows].tolist()
                     assert all(gids.count(g) == group for g in set(gids))
                 if task == "a":
                     rows_to_a.extend(rows)

@@ -10,7 +10,6 @@ import importlib
 import pkgutil
 
 from dataplane_server.claim_policies.base import (
-    NUMERIC_TAG_TYPES,
     ClaimPolicy,
     PartitionTraits,
     ReadyRows,
@@ -24,7 +23,6 @@ for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
-    "NUMERIC_TAG_TYPES",
     "ClaimPolicy",
     "PartitionTraits",
     "ReadyRows",

@@ -22,9 +22,6 @@ import numpy as np
 
 from dataplane_client.errors import InvalidBatch
 
-# Declared numeric tags: the dtypes a partition may store a tag as (a typed column).
-NUMERIC_TAG_TYPES = ("int64", "int32", "float64", "float32")
-
 
 @dataclass(frozen=True)
 class PartitionTraits:
