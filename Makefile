@@ -60,8 +60,9 @@ format: setup
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# Regenerate dataplane_server/admin_pb with the pinned generator (gen_proto.GENERATOR), in a
-# venv of its own: its old output is what keeps grpcio/protobuf minimums low for users.
+# Regenerate dataplane_server/admin_pb from proto/ with the pinned generator
+# (gen_proto.GENERATOR), in a venv of its own: its old output is what keeps grpcio/protobuf
+# minimums low for users.
 PROTO_VENV ?= .venv-proto
 proto:
 	@test -x $(PROTO_VENV)/bin/python || $(PY) -m venv $(PROTO_VENV)

@@ -1,10 +1,12 @@
-"""The committed generated code in dataplane_server/admin_pb matches proto/ (no drift),
-and carries no runtime version gate (what keeps the grpcio/protobuf floors low).
+"""The committed generated code in dataplane_server/admin_pb matches the top-level proto/
+(no drift), and carries no runtime version gate (what keeps the grpcio/protobuf floors low).
 
 Fix a failure with: make proto
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -13,10 +15,20 @@ pytest.importorskip("grpc_tools")
 from dataplane_server.admin import gen_proto
 
 FIX = "regenerate with: make proto"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_generated_code_matches_the_proto():
     assert gen_proto.drifted() == [], FIX
+
+
+def test_the_generator_compiles_the_top_level_proto():
+    # The file developers edit, not the package's link to it: a drift check against a
+    # stale copy would pass while the source moved on.
+    assert gen_proto.PROTO_PATH == ROOT / "proto/dataplane/admin/v1/admin.proto"
+    assert gen_proto.PROTO_PATH.is_file()
+    assert not gen_proto.PROTO_PATH.is_symlink()
+    assert gen_proto.OUT_DIR == ROOT / "dataplane_server/admin_pb"
 
 
 def test_generated_grpc_module_imports_its_sibling_relatively():

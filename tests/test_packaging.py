@@ -20,7 +20,7 @@ NOT_CORE = {"transformers", "tqdm", "psutil"}
 # and the PEP 561 marker that makes type checkers read the client's annotations.
 PACKAGE_DATA = {
     "dataplane_server/admin/proto/dataplane/admin/v1/admin.proto": ROOT
-    / "dataplane_server/admin/proto/dataplane/admin/v1/admin.proto",
+    / "proto/dataplane/admin/v1/admin.proto",
     "dataplane_server/examples/dataplane.example.yaml": ROOT / "deploy/dataplane.example.yaml",
     "dataplane_client/py.typed": ROOT / "dataplane_client/py.typed",
 }
@@ -44,7 +44,9 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     for name in filter(None, listed.split("\0")):
         if (ROOT / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, src / name)
+            # Links stay links (relative ones resolve inside the copy), so the build meets
+            # the package's link to proto/ as a build from the checkout does.
+            shutil.copy2(ROOT / name, src / name, follow_symlinks=False)
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", out, "."],
         cwd=src,
@@ -107,6 +109,13 @@ def test_deploy_example_config_is_the_packaged_one():
     linked = ROOT / "deploy/dataplane.example.yaml"
     assert linked.is_symlink()
     assert linked.resolve() == (ROOT / "dataplane_server/examples/dataplane.example.yaml").resolve()
+
+
+def test_packaged_proto_is_the_top_level_one():
+    # One source of truth: the package links to proto/, the file `make proto` compiles.
+    linked = ROOT / "dataplane_server/admin/proto/dataplane/admin/v1/admin.proto"
+    assert linked.is_symlink()
+    assert linked.resolve() == (ROOT / "proto/dataplane/admin/v1/admin.proto").resolve()
 
 
 def test_packaged_files_are_found_through_importlib_resources():

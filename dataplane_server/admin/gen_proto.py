@@ -1,7 +1,9 @@
 """Regenerate ``dataplane_server/admin_pb`` from the AdminService proto.
 
-The proto ships inside the package (``dataplane_server/admin/proto/dataplane/admin/v1/
-admin.proto``), so an installed wheel holds the schema its generated code came from.
+The source is the repository's top-level ``proto/dataplane/admin/v1/admin.proto``;
+``dataplane_server/admin/proto/dataplane/admin/v1/admin.proto`` is a symbolic link to
+it, so the wheel ships the schema its generated code came from (setuptools copies
+the file the link names).
 
     python -m dataplane_server.admin.gen_proto           # rewrite the committed code
     python -m dataplane_server.admin.gen_proto --check   # exit 1 if it drifted
@@ -30,16 +32,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-# The include root: the file's path below it is the name compiled into the descriptor
-# ("dataplane/admin/v1/admin.proto"), which reflection serves and grpcurl shows.
-PROTO_ROOT = Path(__file__).resolve().parent / "proto"
+# The include root, the repository's top-level proto/: the file's path below it is the
+# name compiled into the descriptor ("dataplane/admin/v1/admin.proto"), which reflection
+# serves and grpcurl shows.
+PROTO_ROOT = Path(__file__).resolve().parents[2] / "proto"
 PROTO_FILE = "dataplane/admin/v1/admin.proto"
 PROTO_PATH = PROTO_ROOT / PROTO_FILE
 OUT_DIR = Path(__file__).resolve().parents[1] / "admin_pb"
 GENERATED = ("__init__.py", "admin_pb2.py", "admin_pb2_grpc.py")
 GENERATOR = "grpcio-tools==1.62.3"
 
-_INIT = '''"""Generated from dataplane_server/admin/proto/dataplane/admin/v1/admin.proto; do not edit.
+_INIT = '''"""Generated from proto/dataplane/admin/v1/admin.proto; do not edit.
 
 Regenerate with: python -m dataplane_server.admin.gen_proto
 """

@@ -1,4 +1,4 @@
-"""Generated from dataplane_server/admin/proto/dataplane/admin/v1/admin.proto; do not edit.
+"""Generated from proto/dataplane/admin/v1/admin.proto; do not edit.
 
 Regenerate with: python -m dataplane_server.admin.gen_proto
 """
