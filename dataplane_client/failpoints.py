@@ -39,6 +39,10 @@ JOURNAL_WRITE = "journal-write"  # the journal's disk is full while armed
 # metadata to the units and applying it to the key space: clears race into that window.
 COMMIT_AFTER_PUBLISH = "commit-after-publish"
 
+# A storage unit's constructor sleeps (the file holds the seconds): a unit process
+# still starting on a loaded node, slow to answer the controller's first ping.
+UNIT_START = "unit-start"
+
 # Armed with a callable (this process): called with a chunk's path just before a
 # same-node reader or writer opens it, the window in which its unit may free it.
 CHUNK_OPEN = "chunk-open"
@@ -125,20 +129,34 @@ def fail_if_armed(name: str, error: BaseException) -> None:
         raise error
 
 
-async def pause_if_armed(name: str) -> None:
-    """While ``name`` is armed, sleep as many seconds as its file says; other coroutines
-    of this event loop run meanwhile (that is the window a test widens)."""
+def _delay(name: str) -> float | None:
+    """The seconds ``name``'s file says (a firing is counted), or None when unarmed."""
     directory = os.environ.get(ENV)
     if not directory:
-        return
+        return None
     path = os.path.join(directory, name)
     try:
         with open(path) as f:
             seconds = float(f.read() or 0)
     except FileNotFoundError:
-        return
+        return None
     _record_firing(path)
-    await asyncio.sleep(min(seconds, _MAX_HOLD_S))
+    return min(seconds, _MAX_HOLD_S)
+
+
+async def pause_if_armed(name: str) -> None:
+    """While ``name`` is armed, sleep as many seconds as its file says; other coroutines
+    of this event loop run meanwhile (that is the window a test widens)."""
+    seconds = _delay(name)
+    if seconds is not None:
+        await asyncio.sleep(seconds)
+
+
+def sleep_if_armed(name: str) -> None:
+    """``pause_if_armed`` for code that may block its thread (a constructor)."""
+    seconds = _delay(name)
+    if seconds is not None:
+        time.sleep(seconds)
 
 
 # ---- armed with a callable ---------------------------------------------------------

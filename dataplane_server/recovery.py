@@ -36,13 +36,21 @@ class Rebuilt:
     published: list[str]  # write ids the units published: a retried commit is a no-op
 
 
+# How long a (re)starting controller waits for a unit's first answer. A unit whose
+# process is still starting on a loaded node is slow, not lost: with the 5 s of an
+# ordinary ping, a fresh service on a busy machine began with every unit lost, and a
+# restarted controller would have declared a slow unit's samples lost for good. A dead
+# unit is known at once (Ray fails the ping), so only a silent one costs this long.
+UNIT_FIRST_ANSWER_S = 60.0
+
+
 async def restart(units: list, journal: Journal | None) -> Rebuilt:
     """Everything a controller needs before serving its first call (fresh start: empty).
 
-    Units that do not answer a ping are lost from the start; their samples are
-    lost (terminal), the others are rebuilt.
+    Units that are dead, or silent for ``UNIT_FIRST_ANSWER_S``, are lost from the
+    start; their samples are lost (terminal), the others are rebuilt.
     """
-    infos = await asyncio.gather(*[unit_calls.ping(u) for u in units])
+    infos = await asyncio.gather(*[unit_calls.ping(u, UNIT_FIRST_ANSWER_S) for u in units])
     alive = [info is not None for info in infos]
     unit_info = [info or UnitInfo(i, "", "", 0, False) for i, info in enumerate(infos)]
     views = await settle_pending_writes(units, alive)

@@ -24,6 +24,7 @@ import os
 
 import ray
 
+from dataplane_client import failpoints
 from dataplane_client.codec import EncodedField
 from dataplane_client.messages import ShmAlloc, UnitInfo, UnitSnapshot
 from dataplane_server.recovery_messages import DumpedFile, SampleMeta, UnitRecovery
@@ -47,6 +48,7 @@ class StorageUnit:
         warm_reserve_bytes: int = 0,
         stage_ttl_s: float = 30.0,
     ):
+        failpoints.sleep_if_armed(failpoints.UNIT_START)
         self.store = UnitStore(
             index, capacity_bytes, put_wait_timeout_s, use_shm, warm_reserve_bytes, stage_ttl_s
         )
