@@ -674,7 +674,8 @@ def test_bad_arguments_are_typed_errors_that_change_nothing(client, call, needle
 
 
 def test_concurrent_commits_and_claims_never_raise_an_untyped_error(service):
-    """Many writers and claimers at once on one controller: only typed errors, no lost rows."""
+    """Many writers and claimers at once on one controller: only typed errors, no lost rows,
+    and most calls succeed (a controller refusing them all would pass the rest)."""
     pid = _pid()
 
     @ray.remote
@@ -689,10 +690,14 @@ def test_concurrent_commits_and_claims_never_raise_an_untyped_error(service):
 
             rng = random.Random(seed)
             untyped, claimed = [], []
+            tried = {"writes": 0, "claims": 0}
+            succeeded = {"writes": 0, "claims": 0}
 
             async def one(i):
+                kind = "writes" if rng.random() < 0.5 else "claims"
+                tried[kind] += 1
                 try:
-                    if rng.random() < 0.5:
+                    if kind == "writes":
                         ids = [f"{seed}-{i}-{j}" for j in range(rng.randint(1, 6))]
                         await self.c.put_samples_async(ids, pid, {"x": torch.zeros(len(ids), 2)})
                         await self.c.put_samples_async(ids, pid, {"y": torch.ones(len(ids))})
@@ -701,13 +706,14 @@ def test_concurrent_commits_and_claims_never_raise_an_untyped_error(service):
                             pid, "t", ["x", "y"], rng.randint(1, 5), blocking=False
                         )
                         claimed.extend(meta.sample_ids if meta else [])
+                    succeeded[kind] += 1
                 except DataPlaneError:
-                    pass
+                    pass  # typed refusals are allowed; the test bounds how many calls succeed
                 except Exception as e:  # noqa: BLE001 - exactly what this test looks for
                     untyped.append(repr(e))
 
             await asyncio.gather(*[one(i) for i in range(150)])
-            return untyped, claimed
+            return untyped, claimed, tried, succeeded
 
     c = service.client()
     c.register_partition(pid, ["x", "y"], None, ["t"])
@@ -717,8 +723,14 @@ def test_concurrent_commits_and_claims_never_raise_an_untyped_error(service):
     finally:
         for m in mixers:
             ray.kill(m)
-    assert [u for untyped, _ in outs for u in untyped] == []
-    claimed = [s for _, ids in outs for s in ids]
+    assert [u for untyped, *_ in outs for u in untyped] == []
+    for kind in ("writes", "claims"):
+        # Measured: every call succeeds (208 writes and 242 claims of the seeded 450, two
+        # runs beside other work at load 15-20); at least 3 in 4 must.
+        tried = sum(t[kind] for _, _, t, _ in outs)
+        succeeded = sum(s[kind] for *_, s in outs)
+        assert succeeded >= 0.75 * tried > 0, f"{succeeded} of {tried} {kind} succeeded"
+    claimed = [s for _, ids, *_ in outs for s in ids]
     assert len(claimed) == len(set(claimed))
     rest = c.claim_meta(pid, "t", ["x", "y"], 10_000, blocking=False)
     everything = claimed + (rest.sample_ids if rest else [])
