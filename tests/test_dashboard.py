@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from promtool import promtool_or_skip
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana-dashboard.json"
 _METRIC = re.compile(r"\bdataplane_[a-zA-Z0-9_]+")
@@ -84,8 +84,8 @@ def test_every_expression_uses_only_exported_metrics(service):
     assert used <= exported, f"not exported: {sorted(used - exported)}"
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Prometheus) not installed")
 def test_promtool_parses_every_expression(tmp_path):
+    promtool = promtool_or_skip()
     # promtool has no "check expression"; a rule file with one recording rule per
     # panel query makes it parse each one as PromQL.
     rules = []
@@ -96,6 +96,16 @@ def test_promtool_parses_every_expression(tmp_path):
     path = tmp_path / "dashboard-rules.yaml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     proc = subprocess.run(
-        ["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_missing_promtool_fails_under_ci_and_skips_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # a folder without promtool
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="apt-get install prometheus"):
+        promtool_or_skip()
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception):
+        promtool_or_skip()

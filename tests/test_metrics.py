@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-import shutil
 import subprocess
 import threading
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from promtool import promtool_or_skip
 
 from dataplane_client.errors import ClaimTimeout, SamplesNotFound
 from dataplane_client.version import __version__
@@ -206,12 +206,12 @@ def test_deleted_partitions_leave_no_series(service, client):
     assert series(end) == series(start)
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Prometheus) not installed")
 def test_promtool_accepts_the_exposition(traffic):
+    promtool = promtool_or_skip()
     with urllib.request.urlopen(f"http://{traffic['metrics_address']}/metrics", timeout=10) as resp:
         text = resp.read()
     proc = subprocess.run(
-        ["promtool", "check", "metrics"], input=text, capture_output=True, timeout=60
+        [promtool, "check", "metrics"], input=text, capture_output=True, timeout=60
     )
     assert proc.returncode == 0, proc.stdout.decode() + proc.stderr.decode()
 
