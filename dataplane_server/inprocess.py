@@ -212,10 +212,15 @@ class InProcessDataPlaneClient(DataPlaneClient):
         with self._changed:
             keys = self._open()
             keys.locate(partition_id, ids, names)
+            # The rows themselves, not the per-sample dicts: an overwrite replaces a dict's
+            # entries one field at a time, so only rows taken under the lock are all from
+            # one write. Stored rows are never changed in place, so decoding them after
+            # the lock is released is safe.
             samples = [self._store[partition_id][s] for s in ids]
+            rows = {name: [s[name] for s in samples] for name in names}
             codecs = self._codecs_of(keys, partition_id)
         order = np.arange(len(ids))
-        decoded = {name: assemble([s[name] for s in samples], order) for name in names}
+        decoded = {name: assemble(rows[name], order) for name in names}
         return to_tensordict(decoded, len(ids), enums=codecs.enums)
 
     # ---- claims and consumption ---------------------------------------------------

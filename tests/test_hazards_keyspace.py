@@ -179,11 +179,6 @@ def test_a_write_back_undone_after_a_failed_publish_keeps_the_samples_earlier_fi
             store.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hazard 4: InProcessDataPlaneClient._read decodes outside the lock; a concurrent "
-    "overwrite gives one row fields of two writes",
-)
 def test_an_in_process_read_racing_overwrites_never_mixes_two_writes_in_one_row():
     """Write k sets fields a and b of every sample to k; a reader must see a == b in each
     row. A writer thread overwrites in a loop while the reader reads; stops at the first
