@@ -144,7 +144,8 @@ class UnitStore:
             partition_id, write_id, sample_ids, encoded, owner, header_only=False
         )
         for name, enc in encoded.items():
-            self.arena.write(*regions[name], enc.values)
+            block, offset = regions[name]
+            self.arena.write(block, offset, enc.require_values())
         return sum(enc.nbytes for enc in encoded.values())
 
     async def alloc_shm(
@@ -508,16 +509,11 @@ class UnitStore:
             col = part.columns.get(name)
             if col is not None:
                 col.ensure(part.next_slot)  # slots added by writes of other fields read as absent
-            present = col.chunk[slots] if col is not None else None
-            if present is None or (present == -1).any():
-                bad = (
-                    sample_ids
-                    if present is None
-                    else [sample_ids[i] for i in np.nonzero(present == -1)[0]]
-                )
+            absent = np.ones(len(slots), bool) if col is None else col.chunk[slots] == -1
+            if col is None or absent.any():
                 raise FieldNotProduced(
                     "field has no bytes for these samples",
-                    ids=bad,
+                    ids=[sample_ids[i] for i in np.flatnonzero(absent)],
                     fields=[name],
                     partition_id=partition_id,
                 )
