@@ -67,10 +67,13 @@ def _send_or_recv_bytes(
 
 
 def _describe(data: BatchedDataDict) -> dict[str, Any]:
-    entries = []
+    # (key, "nested", (dtype, shape), (dtype, shape)) | (key, "tensor", dtype, shape)
+    # | (key, "plain", value)
+    entries: list[tuple[Any, ...]] = []
     for key, value in data.items():
         if isinstance(value, torch.Tensor) and value.is_nested:
-            values, offsets = value.values(), value.offsets()
+            # offsets(): jagged nested tensors only, absent from torch's Tensor stubs
+            values, offsets = value.values(), value.offsets()  # type: ignore[attr-defined]
             entries.append(
                 (
                     key,
@@ -108,35 +111,35 @@ def broadcast_batched_data_dict(
         raise InvalidBatch("the leader must pass the data to broadcast")
     if not is_leader and data is not None:
         raise InvalidBatch("non-leaders must pass data=None (they receive it)")
-    descriptor: dict[str, Any] | None = None
-    if is_leader:
+    # From here on ``data is not None`` exactly on the leader (checked above).
+    holder: list[Any] = [None]
+    if data is not None:
         try:
-            descriptor = _describe(data)
+            holder[0] = _describe(data)
         except NonTensorField as e:
             # Ship the error instead: the siblings are already waiting in the collective
             # below, and raising here alone would leave them hanging until its timeout.
-            descriptor = {"error": e}
-    holder = [descriptor]
+            holder[0] = {"error": e}
     dist.broadcast_object_list(holder, src=src, group=group)
-    descriptor = holder[0]
+    descriptor: dict[str, Any] = holder[0]
     if "error" in descriptor:
         raise descriptor["error"]
     device = comm_device(group)
 
-    out = BatchedDataDict()
+    out: BatchedDataDict[Any] = BatchedDataDict()
     for entry in descriptor["entries"]:
         key, kind = entry[0], entry[1]
         if kind == "plain":
-            out[key] = data[key] if is_leader else entry[2]
+            out[key] = data[key] if data is not None else entry[2]
         elif kind == "tensor":
-            mine = data[key] if is_leader else None
+            mine = data[key] if data is not None else None
             out[key] = _send_or_recv_bytes(
                 mine, entry[2], entry[3], src=src, group=group, device=device
             )
         else:  # nested
             (v_dtype, v_shape), (o_dtype, o_shape) = entry[2], entry[3]
-            mine_v = data[key].values() if is_leader else None
-            mine_o = data[key].offsets() if is_leader else None
+            mine_v = data[key].values() if data is not None else None
+            mine_o = data[key].offsets() if data is not None else None
             values = _send_or_recv_bytes(
                 mine_v, v_dtype, v_shape, src=src, group=group, device=device
             )

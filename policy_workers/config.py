@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import ConfigError
+from dataplane_client.preshard import DynamicBatchingArgs, SequencePackingArgs
 
 
 @dataclass
@@ -139,7 +140,9 @@ class PolicyConfig:
         return self.pp * self.dp * self.cp * self.tp
 
     # ---- batching arguments, shared by driver (planning) and workers (local re-derivation) ----
-    def dynamic_batching_args(self, kind: Literal["train", "logprob"]) -> dict[str, Any] | None:
+    def dynamic_batching_args(
+        self, kind: Literal["train", "logprob"]
+    ) -> DynamicBatchingArgs | None:
         """``DynamicBatchingArgs`` for a train or logprob pass; None when disabled."""
         db = self.dynamic_batching
         if not db.enabled:
@@ -153,7 +156,9 @@ class PolicyConfig:
             "input_lengths_key": "input_lengths",
         }
 
-    def sequence_packing_args(self, kind: Literal["train", "logprob"]) -> dict[str, Any] | None:
+    def sequence_packing_args(
+        self, kind: Literal["train", "logprob"]
+    ) -> SequencePackingArgs | None:
         """``SequencePackingArgs`` for a train or logprob pass; None when disabled.
 
         Pad multiple 1: the vocab-parallel head never splits the sequence dimension.

@@ -369,7 +369,10 @@ def start_rollouts(run: Run, partitions: list[str], model_cfg, dp_cfg) -> tuple[
         max_new_tokens=args.max_new_tokens,
     )
     actors = [
-        RolloutActor.remote(i, model_cfg, rollout_cfg, dp_cfg.name, dp_cfg.namespace)
+        # @ray.remote made RolloutActor an ActorClass; mypy ignores class decorators
+        RolloutActor.remote(  # type: ignore[attr-defined]
+            i, model_cfg, rollout_cfg, dp_cfg.name, dp_cfg.namespace
+        )
         for i in range(args.rollout_actors)
     ]
     # Every actor is handed all steps up front, so it keeps streaming into the next

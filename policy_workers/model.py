@@ -29,12 +29,17 @@ round-off.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from policy_workers.config import ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,7 +60,7 @@ def default_device() -> torch.device:
     )
 
 
-def build_hf_model(cfg: ModelConfig) -> nn.Module:
+def build_hf_model(cfg: ModelConfig) -> PreTrainedModel:
     """A transformers ``AutoModelForCausalLM``: from ``cfg.model_path`` or tiny from a config."""
     from transformers import AutoModelForCausalLM
 
@@ -64,13 +69,18 @@ def build_hf_model(cfg: ModelConfig) -> nn.Module:
         return AutoModelForCausalLM.from_pretrained(
             cfg.model_path, dtype=dtype, attn_implementation=cfg.attn_implementation
         )
+    config_cls: type[PretrainedConfig]
     if cfg.model_type == "llama":
-        from transformers import LlamaConfig as ConfigCls
+        from transformers import LlamaConfig
+
+        config_cls = LlamaConfig
     elif cfg.model_type == "qwen2":
-        from transformers import Qwen2Config as ConfigCls
+        from transformers import Qwen2Config
+
+        config_cls = Qwen2Config
     else:
         raise ValueError(f"unknown tiny model_type {cfg.model_type!r}; use 'llama' or 'qwen2'")
-    hf_cfg = ConfigCls(
+    hf_cfg = config_cls(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -173,12 +183,19 @@ def _mask_beyond_lengths(logprobs: torch.Tensor, lengths: torch.Tensor) -> torch
 class VocabParallelCausalLM(nn.Module):
     """Replicated transformer body + this TP rank's vocabulary rows of the output projection."""
 
-    def __init__(self, hf_model: nn.Module, *, tp_group=None, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self, hf_model: PreTrainedModel, *, tp_group=None, tp_rank: int = 0, tp_size: int = 1
+    ):
         super().__init__()
         out_emb = hf_model.get_output_embeddings()
         if out_emb is None or getattr(out_emb, "bias", None) is not None:
             raise ValueError("expected an output projection without bias (lm_head)")
-        self.body = hf_model.base_model
+        from transformers import PreTrainedModel
+
+        body = hf_model.base_model
+        if not isinstance(body, PreTrainedModel):
+            raise ValueError(f"expected a transformers model body, got {type(body).__name__}")
+        self.body: PreTrainedModel = body
         self.vocab_size = int(out_emb.weight.shape[0])
         self.vocab_start, self.vocab_end = vocab_shard_range(self.vocab_size, tp_size, tp_rank)
         self.tp_group = tp_group if tp_size > 1 else None
@@ -193,9 +210,10 @@ class VocabParallelCausalLM(nn.Module):
             )
 
     def _head_weight(self) -> torch.Tensor:
-        if not self.tied:
+        if self.head_weight is not None:  # untied: this rank's own rows
             return self.head_weight
         weight = self.body.get_input_embeddings().weight
+        assert isinstance(weight, torch.Tensor)  # an embedding's weight is a Parameter
         if self.tp_group is not None:
             # Each rank's head touches only its rows; summing the gradient over TP gives
             # the full tied gradient (input path, identical on all ranks, + every head slice).

@@ -27,7 +27,12 @@ def batch_digest(data: Mapping[str, Any]) -> str:
         value = data[key]
         h.update(key.encode())
         if isinstance(value, torch.Tensor):
-            parts = [value.values(), value.offsets()] if value.is_nested else [value]
+            parts = (
+                # offsets(): jagged nested tensors only, absent from torch's Tensor stubs
+                [value.values(), value.offsets()]  # type: ignore[attr-defined]
+                if value.is_nested
+                else [value]
+            )
             for t in parts:
                 t = t.detach().cpu().contiguous()
                 h.update(f"{t.dtype}{tuple(t.shape)}".encode())
@@ -44,7 +49,12 @@ def tensor_nbytes(data: Mapping[str, Any]) -> int:
     total = 0
     for value in data.values():
         if isinstance(value, torch.Tensor):
-            parts = [value.values(), value.offsets()] if value.is_nested else [value]
+            parts = (
+                # offsets(): jagged nested tensors only, absent from torch's Tensor stubs
+                [value.values(), value.offsets()]  # type: ignore[attr-defined]
+                if value.is_nested
+                else [value]
+            )
             total += sum(t.numel() * t.element_size() for t in parts)
     return total
 

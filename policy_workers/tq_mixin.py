@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -34,10 +34,15 @@ from dataplane_client.preshard import (
     GLOBAL_FORWARD_PAD_SEQLEN,
     MICRO_BATCH_INDICES,
     MICRO_BATCH_LENGTHS,
+    DynamicBatchingArgs,
+    SequencePackingArgs,
 )
 from policy_workers.broadcast import broadcast_batched_data_dict
 from policy_workers.recording import IORecorder
 from policy_workers.sharding import REPLICA_AXES, NamedSharding
+
+if TYPE_CHECKING:
+    from policy_workers.config import PolicyConfig
 
 FetchPolicy = Literal["auto", "independent", "leader_broadcast"]
 FETCH_POLICIES = ("auto", "independent", "leader_broadcast")
@@ -62,6 +67,19 @@ class TQWorkerMixin:
     _dp_cfg: DataPlaneConfig | None = None
     # Opt-in bookkeeping (tests, the demo): None keeps the data path free of it.
     _io_recorder: IORecorder | None = None
+
+    if TYPE_CHECKING:
+        # Provided by the host class (see the module docstring).
+        cfg: PolicyConfig
+
+        def train(
+            self,
+            data: BatchedDataDict,
+            loss_fn: Any = None,
+            eval_mode: bool = False,
+            gbs: int | None = None,
+            mbs: int | None = None,
+        ) -> dict[str, Any]: ...
 
     # ---- connection -------------------------------------------------------------
     def setup_data_plane(self, cfg: DataPlaneConfig) -> None:
@@ -184,7 +202,9 @@ class TQWorkerMixin:
         return data
 
     # ---- packing metadata --------------------------------------------------------------
-    def _pass_args(self, kind: Literal["train", "logprob"]) -> tuple[dict | None, dict | None]:
+    def _pass_args(
+        self, kind: Literal["train", "logprob"]
+    ) -> tuple[DynamicBatchingArgs | None, SequencePackingArgs | None]:
         return self.cfg.dynamic_batching_args(kind), self.cfg.sequence_packing_args(kind)
 
     def _apply_packing_prep(
@@ -202,11 +222,14 @@ class TQWorkerMixin:
         dyn, pack = self._pass_args(kind)
         if dyn is None and pack is None:
             return data, None
-        shards, order = data.shard_by_batch_size(
+        planned = data.shard_by_batch_size(
             1, batch_size=batch_size, dynamic_batching_args=dyn, sequence_packing_args=pack
         )
-        if order is not None and list(order) == list(range(len(order))):
-            order = None
+        # With dynamic batching or packing the result is (shards, unsorted_indices).
+        assert isinstance(planned, tuple)
+        shards, order = planned
+        if order == list(range(len(order))):
+            return shards[0], None
         return shards[0], order
 
     def _attach_or_repack_pack_metadata(
@@ -255,11 +278,19 @@ class TQWorkerMixin:
                 f"rank with coords {self._local_coords()} is not its replica leader; only leaders "
                 f"write back (fields {sorted(fields)}, partition {meta.partition_id!r})"
             )
-        lengths = list(meta.sequence_lengths) if lengths is None else [int(x) for x in lengths]
+        if lengths is None:
+            lengths = None if meta.sequence_lengths is None else list(meta.sequence_lengths)
+        else:
+            lengths = [int(x) for x in lengths]
         out: dict[str, Any] = {}
         for name, value in fields.items():
             value = _to_cpu(value)
             if isinstance(value, torch.Tensor) and not value.is_nested and value.dim() >= 2:
+                if lengths is None:
+                    raise ValueError(
+                        f"per-token field {name!r} needs row lengths: pass lengths= or a meta "
+                        "with sequence_lengths"
+                    )
                 if len(lengths) != value.shape[0]:
                     raise ValueError(
                         f"{len(lengths)} lengths for {value.shape[0]} rows of {name!r}"

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import ray
 import torch
@@ -43,6 +43,9 @@ from policy_workers.sharding import DATA_PARALLEL, REPLICA_AXES, NamedSharding
 from policy_workers.tq_mixin import PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS
 from policy_workers.worker import PolicyWorker
 from policy_workers.worker_group import RayWorkerGroup, WorkerFutures
+
+if TYPE_CHECKING:
+    from dataplane_client.client import RayDataPlaneClient
 
 
 def contains_tensor(obj: Any) -> bool:
@@ -92,14 +95,14 @@ class TQPolicy:
         except Exception:
             self.worker_group.shutdown()
             raise
-        self._client = None
+        self._client: RayDataPlaneClient | None = None
 
     @property
     def dp_size(self) -> int:
         return self.sharding.get_axis_size(DATA_PARALLEL)
 
     # ---- data-plane path --------------------------------------------------------------
-    def _client_or_connect(self) -> Any:
+    def _client_or_connect(self) -> RayDataPlaneClient:
         if self._client is None:
             if self.cfg.data_plane is None:
                 raise RuntimeError(
@@ -111,7 +114,7 @@ class TQPolicy:
         return self._client
 
     def _shard_meta(
-        self, meta: KVBatchMeta, *, kind: str, batch_size: int | None
+        self, meta: KVBatchMeta, *, kind: Literal["train", "logprob"], batch_size: int | None
     ) -> list[KVBatchMeta]:
         metas, _ = shard_meta_for_dp(
             meta,
@@ -217,18 +220,24 @@ class TQPolicy:
 
     # ---- classic path (tensors through the driver) -------------------------------------------
     def _shard_data(
-        self, data: BatchedDataDict, *, kind: str, batch_size: int | None
+        self, data: BatchedDataDict, *, kind: Literal["train", "logprob"], batch_size: int | None
     ) -> tuple[list[BatchedDataDict], list[int] | None]:
         dyn = self.cfg.dynamic_batching_args(kind)
         pack = self.cfg.sequence_packing_args(kind)
         if dyn is None and pack is None:
-            return data.shard_by_batch_size(self.dp_size, batch_size=batch_size), None
-        return data.shard_by_batch_size(
+            shards = data.shard_by_batch_size(self.dp_size, batch_size=batch_size)
+            # Without dynamic batching or packing the result is the list of shards alone.
+            assert isinstance(shards, list)
+            return list(shards), None
+        planned = data.shard_by_batch_size(
             self.dp_size,
             batch_size=batch_size,
             dynamic_batching_args=dyn,
             sequence_packing_args=pack,
         )
+        # With dynamic batching or packing it is (shards, unsorted_indices).
+        assert isinstance(planned, tuple)
+        return list(planned[0]), planned[1]
 
     def _dispatch_data(
         self, method: str, shards: list[BatchedDataDict], **common_kwargs: Any

@@ -80,10 +80,11 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
         opt = self.cfg.optimizer
         params = [p for p in self.model.parameters() if p.requires_grad]
         if opt.name == "adamw":
+            beta1, beta2 = opt.betas  # a list when the config came from YAML / JSON
             self.optimizer = torch.optim.AdamW(
                 params,
                 lr=opt.lr,
-                betas=tuple(opt.betas),
+                betas=(beta1, beta2),
                 eps=opt.eps,
                 weight_decay=opt.weight_decay,
             )
@@ -93,6 +94,25 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
             )
         else:
             raise ValueError(f"unknown optimizer {opt.name!r}; use 'adamw' or 'sgd'")
+
+    # ---- built state (setup() must have run) -------------------------------------------
+    @property
+    def _policy(self) -> VocabParallelCausalLM:
+        if self.model is None:
+            raise RuntimeError("PolicyWorker.setup() has not run: no model yet")
+        return self.model
+
+    @property
+    def _reference(self) -> VocabParallelCausalLM:
+        if self.reference_model is None:
+            raise RuntimeError("PolicyWorker.setup() has not run: no reference model yet")
+        return self.reference_model
+
+    @property
+    def _optim(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise RuntimeError("PolicyWorker.setup() has not run: no optimizer yet")
+        return self.optimizer
 
     # ---- TQWorkerMixin topology ---------------------------------------------------------
     def _local_coords(self) -> dict[str, int]:
@@ -170,13 +190,13 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
         self, data: BatchedDataDict, micro_batch_size: int | None = None
     ) -> BatchedDataDict:
         """``{"logprobs": [B, S]}``: logprob of token i at position i, 0 at 0 and past the length."""
-        return self._logprobs(self.model, data, micro_batch_size)
+        return self._logprobs(self._policy, data, micro_batch_size)
 
     def get_reference_policy_logprobs(
         self, data: BatchedDataDict, micro_batch_size: int | None = None
     ) -> BatchedDataDict:
         """Same as :meth:`get_logprobs` under the frozen initial weights (key ``"logprobs"``)."""
-        return self._logprobs(self.reference_model, data, micro_batch_size)
+        return self._logprobs(self._reference, data, micro_batch_size)
 
     # ---- training -------------------------------------------------------------------------------
     def _all_reduce(self, value: torch.Tensor, group: Any, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -187,7 +207,7 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
     def _average_grads_over_dp(self) -> None:
         if self.dp_group is None:
             return
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [p for p in self._policy.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
@@ -200,10 +220,10 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
 
     def _grad_norm(self) -> torch.Tensor:
         """L2 norm of the full model's gradient: replicated params once, head shards summed over TP."""
-        head = self.model.head_weight
+        head = self._policy.head_weight
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self.model.parameters():
+        for p in self._policy.parameters():
             if p.grad is None:
                 continue
             sq = p.grad.detach().double().pow(2).sum()
@@ -211,7 +231,7 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
                 sharded += sq
             else:
                 replicated += sq
-        self._all_reduce(sharded, self.model.tp_group)
+        self._all_reduce(sharded, self._policy.tp_group)
         return (replicated + sharded).sqrt()
 
     def train(
@@ -228,7 +248,7 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
         mbs = mbs or self.cfg.train_micro_batch_size
         dp = self._dp_world_size()
         local_gbs = max(1, gbs // dp)
-        self.model.train(not eval_mode)
+        self._policy.train(not eval_mode)
         losses: list[float] = []
         grad_norms: list[float] = []
         mb_metrics: dict[str, list[float]] = defaultdict(list)
@@ -238,11 +258,11 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
             counts = self._all_reduce(counts.to(self.device), self.dp_group).clamp(min=1.0)
             global_tokens, global_seqs = counts[0], counts[1]
             if not eval_mode:
-                self.optimizer.zero_grad(set_to_none=True)
+                self._optim.zero_grad(set_to_none=True)
             gb_loss = torch.zeros((), dtype=torch.float32, device=self.device)
             with torch.set_grad_enabled(not eval_mode):
                 for mb, packed in self._microbatches(gb, mbs):
-                    logprobs = self._forward(self.model, mb, packed)
+                    logprobs = self._forward(self._policy, mb, packed)
                     loss, metrics = loss_fn(logprobs, mb, global_seqs, global_tokens)
                     if not eval_mode:
                         # x dp: the DP all-reduce below averages, the global loss is a sum
@@ -258,10 +278,10 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
             max_norm = self.cfg.optimizer.max_grad_norm
             if max_norm is not None:
                 coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-                for p in self.model.parameters():
+                for p in self._policy.parameters():
                     if p.grad is not None:
                         p.grad.mul_(coef.to(p.grad.dtype))
-            self.optimizer.step()
+            self._optim.step()
             grad_norms.append(float(norm))
         return {
             "loss": sum(losses) / max(1, len(losses)),
@@ -284,23 +304,23 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
     def save_training_state(self) -> None:
         """Keep an in-process copy of the weights and optimizer state (see restore_training_state)."""
         self._saved_state = (
-            {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            copy.deepcopy(self.optimizer.state_dict()),
+            {k: v.detach().clone() for k, v in self._policy.state_dict().items()},
+            copy.deepcopy(self._optim.state_dict()),
         )
 
     def restore_training_state(self) -> None:
         """Return to the state of the last save_training_state (e.g. to replay a step)."""
         weights, opt_state = self._saved_state
-        self.model.load_state_dict(weights)
-        self.optimizer.load_state_dict(copy.deepcopy(opt_state))
+        self._policy.load_state_dict(weights)
+        self._optim.load_state_dict(copy.deepcopy(opt_state))
 
     # ---- checkpoints (driven by TQPolicy.save_checkpoint / load_checkpoint) -------------------------
     def save_checkpoint_shard(self, tmp: str, part: str) -> dict[str, Any]:
         """Write this rank's weights, or its optimizer and RNG states, into ``tmp``."""
         if part == ckpt.WEIGHTS:
-            state: Any = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            state: Any = {k: v.detach().cpu() for k, v in self._policy.state_dict().items()}
         else:
-            state = {"optimizer": self.optimizer.state_dict(), "rng": ckpt.rng_state()}
+            state = {"optimizer": self._optim.state_dict(), "rng": ckpt.rng_state()}
         return ckpt.write_shard(tmp, self.rank, state)
 
     def stage_checkpoint_shard(
@@ -325,7 +345,7 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
         self._staged_checkpoint[part] = state
 
     def _check_weights_fit(self, state: Any, where: str) -> None:
-        mine = self.model.state_dict()
+        mine = self._policy.state_dict()
         if not isinstance(state, dict) or set(state) != set(mine):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise CheckpointMismatch(f"{where}: tensors {got}, this rank has {sorted(mine)}")
@@ -342,12 +362,12 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
     def _check_optimizer_fits(self, state: Any, where: str) -> None:
         saved = state.get("optimizer", {}) if isinstance(state, dict) else {}
         groups = [len(g["params"]) for g in saved.get("param_groups", [])]
-        mine = [len(g["params"]) for g in self.optimizer.param_groups]
+        mine = [len(g["params"]) for g in self._optim.param_groups]
         if groups != mine or "rng" not in state:
             raise CheckpointMismatch(
                 f"{where}: optimizer param groups of sizes {groups}, this rank has {mine}"
             )
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        params = [p for g in self._optim.param_groups for p in g["params"]]
         for index, per_param in saved.get("state", {}).items():
             for name, value in per_param.items():
                 shaped = isinstance(value, torch.Tensor) and value.dim() > 0
@@ -362,9 +382,9 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
         staged, self._staged_checkpoint = self._staged_checkpoint, {}
         if ckpt.WEIGHTS in staged:
             with torch.no_grad():
-                self.model.load_state_dict(staged[ckpt.WEIGHTS])
+                self._policy.load_state_dict(staged[ckpt.WEIGHTS])
         if ckpt.OPTIMIZER in staged:
-            self.optimizer.load_state_dict(staged[ckpt.OPTIMIZER]["optimizer"])
+            self._optim.load_state_dict(staged[ckpt.OPTIMIZER]["optimizer"])
             ckpt.set_rng_state(staged[ckpt.OPTIMIZER]["rng"])
 
     def drop_staged_checkpoint(self) -> None:
@@ -377,17 +397,19 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
         ``full_head=True`` returns the whole ``[V, H]`` head as ``head_weight``; it is
         a TP collective, so every rank of the group must call it.
         """
-        out = {f"body.{k}": v.detach().cpu().clone() for k, v in self.model.body.named_parameters()}
+        out = {
+            f"body.{k}": v.detach().cpu().clone() for k, v in self._policy.body.named_parameters()
+        }
         if full_head:
-            out["head_weight"] = self.model.full_head_weight().cpu()
-        elif self.model.head_weight is not None:
-            out["head_weight"] = self.model.head_weight.detach().cpu().clone()
+            out["head_weight"] = self._policy.full_head_weight().cpu()
+        elif self._policy.head_weight is not None:
+            out["head_weight"] = self._policy.head_weight.detach().cpu().clone()
         return out
 
     def parameters_digest(self) -> str:
         """sha256 of this rank's parameters (names, dtypes, bytes)."""
         h = hashlib.sha256()
-        for name, p in sorted(self.model.named_parameters()):
+        for name, p in sorted(self._policy.named_parameters()):
             t = p.detach().cpu().contiguous()
             h.update(f"{name}{t.dtype}{tuple(t.shape)}".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -162,7 +162,9 @@ class RayWorkerGroup:
         self.backend = backend
         self.lost: str | None = None  # why the group is unusable, once a worker died
         actor_cls = ray.remote(worker_cls)
-        self.workers = []
+        # Ray actor handles, called as ``w.method.remote(...)``: Ray's stubs type neither
+        # that nor ``.remote()``'s result precisely, so the handles are kept untyped.
+        self.workers: list[Any] = []
         for rank in range(sharding.size):
             options: dict[str, Any] = {
                 "num_cpus": num_cpus_per_worker,
