@@ -33,6 +33,7 @@ import asyncio
 import dataclasses
 import functools
 import itertools
+import threading
 import time
 import uuid
 import zlib
@@ -275,8 +276,66 @@ def _one(results: list) -> Any:
     return r
 
 
+class _RouteCache:
+    """(partition, sample) -> unit, learnt from puts and gets: only a hint, which the
+    controller checks (a commit of samples that live elsewhere is re-routed), so a stale or
+    missing entry costs a round trip, never data.
+
+    Shared by every thread of a client. One dict of samples per partition, so forgetting
+    a partition is one pop, not a scan of every route. Writers hold ``_lock``; readers take
+    no lock: they look a partition's dict up once, then single samples in it, and a single
+    dict lookup never sees a dict half-changed. Nothing iterates a dict another thread may
+    change (that is what raised ``dictionary changed size during iteration`` here).
+    """
+
+    def __init__(self, limit: int):
+        self._lock = threading.Lock()
+        self._parts: dict[str, dict[str, int]] = {}
+        self._size = 0  # routes held, over all partitions (changed only under _lock)
+        self._limit = limit
+
+    def units(self, partition_id: str, sample_ids: Sequence[str]) -> np.ndarray:
+        """Each sample's unit, -1 where unknown."""
+        part = self._parts.get(partition_id, {})
+        routes = map(part.get, sample_ids, itertools.repeat(-1))
+        return np.fromiter(routes, dtype=np.int64, count=len(sample_ids))
+
+    def knows(self, partition_id: str, sample_id: str) -> bool:
+        return sample_id in self._parts.get(partition_id, {})
+
+    def remember(self, partition_id: str, sample_ids: Sequence[str], units: Iterable[int]) -> None:
+        routes = zip(sample_ids, np.asarray(units, dtype=np.int64).tolist())
+        with self._lock:
+            if self._size > self._limit:  # bounded: start over rather than grow forever
+                self._parts, self._size = {}, 0
+            part = self._parts.setdefault(partition_id, {})
+            before = len(part)
+            part.update(routes)
+            self._size += len(part) - before
+
+    def forget(self, partition_id: str, sample_ids: Sequence[str] | None) -> None:
+        """The samples' routes; ``None``: the whole partition's."""
+        with self._lock:
+            if sample_ids is None:
+                self._size -= len(self._parts.pop(partition_id, {}))
+                return
+            part = self._parts.get(partition_id, {})
+            before = len(part)
+            for s in sample_ids:
+                part.pop(s, None)
+            self._size -= before - len(part)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._parts, self._size = {}, 0
+
+
 class RayDataPlaneClient(DataPlaneClient):
-    """Client of one data-plane service (controller + storage units) on Ray."""
+    """Client of one data-plane service (controller + storage units) on Ray.
+
+    One client may be shared by threads: its caches are safe to use concurrently (see
+    "Shared mutable state" in docs/architecture.md).
+    """
 
     def __init__(self, controller: Any, name: str = "dataplane", namespace: str = "dataplane"):
         self.name, self.namespace = name, namespace
@@ -285,13 +344,15 @@ class RayDataPlaneClient(DataPlaneClient):
         self._transport: Transport | None = Transport(
             routing.units, routing.nodes, routing.shm, ray.get_runtime_context().get_node_id()
         )
+        # Rebound to a fresh list, never changed in place: a reader sees one whole view.
         self._alive = list(routing.alive)
         self._nodes, self._replicas = list(routing.nodes), routing.replicas
-        # (partition, sample) -> unit, learnt from puts and gets: a hint the controller checks.
-        self._routes: dict[tuple[str, str], int] = {}
+        self._routes = _RouteCache(_ROUTE_CACHE_LIMIT)
         # partition -> its enums and object fields, as declared to the controller (asked once).
+        # Only single-key operations (atomic); a stale entry is caught by its key.
         self._codecs: dict[str, FieldCodecs] = {}
         self._batcher: ClaimBatcher | None = None
+        self._batcher_lock = threading.Lock()  # one batcher per client; none after close
 
     # ---- helpers ------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -319,19 +380,13 @@ class RayDataPlaneClient(DataPlaneClient):
         return codecs
 
     def _remember(self, partition_id: str, sample_ids: Sequence[str], units: Iterable[int]) -> None:
-        if len(self._routes) > _ROUTE_CACHE_LIMIT:
-            self._routes.clear()
-        keys = zip(itertools.repeat(partition_id), sample_ids)
-        self._routes.update(zip(keys, np.asarray(units, dtype=np.int64).tolist()))
+        self._routes.remember(partition_id, sample_ids, units)
 
     def _forget(self, partition_id: str, sample_ids: Sequence[str] | None) -> None:
         arguments.partition_name(partition_id)  # a typed error before any dict lookup
         if sample_ids is None:
             self._codecs.pop(partition_id, None)
-            self._routes = {k: v for k, v in self._routes.items() if k[0] != partition_id}
-        else:
-            for s in sample_ids:
-                self._routes.pop((partition_id, s), None)
+        self._routes.forget(partition_id, sample_ids)
 
     def _assign_new(self, sample_ids: Sequence[str], idx: np.ndarray) -> np.ndarray:
         """Units for samples never written: contiguous chunks over the live units.
@@ -440,10 +495,7 @@ class RayDataPlaneClient(DataPlaneClient):
         """The put of checked and encoded rows: staged on the units, then committed."""
         sample_ids, encoded = w.sample_ids, w.encoded
 
-        keys = zip(itertools.repeat(partition_id), sample_ids)
-        units = np.fromiter(
-            map(self._routes.get, keys, itertools.repeat(-1)), dtype=np.int64, count=len(sample_ids)
-        )
+        units = self._routes.units(partition_id, sample_ids)
         # Second copies (replicas: 2): -2 = derive from the unit; else as the controller said.
         replicas = np.full(len(sample_ids), -2, dtype=np.int64)
         via_ray: set[int] = set()  # units this put reaches through Ray after a failed copy
@@ -489,7 +541,7 @@ class RayDataPlaneClient(DataPlaneClient):
                     yield from self._unit_died(u)
                 # Samples that were new go elsewhere; ones already living there are lost
                 # (unless replicated: the controller then re-routes them to their survivor).
-                known = {s for s in sample_ids if (partition_id, s) in self._routes}
+                known = {s for s in sample_ids if self._routes.knows(partition_id, s)}
                 lost = [s for s, u in zip(sample_ids, units) if u in died and s in known]
                 if lost and self._replicas == 1:
                     raise SamplesLost(
@@ -519,8 +571,9 @@ class RayDataPlaneClient(DataPlaneClient):
                     raise
                 # A unit died while publishing; nothing is visible. Copies go to live units
                 # (a sample with no copy left is SamplesLost from the controller's check).
-                self._alive = list(_one((yield [self._controller.routing.remote()])).alive)
-                gone = [u for u, ok in enumerate(self._alive) if not ok]
+                alive = list(_one((yield [self._controller.routing.remote()])).alive)
+                self._alive = alive
+                gone = [u for u, ok in enumerate(alive) if not ok]
                 if not (np.isin(units, gone).any() or np.isin(replicas, gone).any()):
                     raise
                 units[np.isin(units, gone)] = -1
@@ -577,7 +630,9 @@ class RayDataPlaneClient(DataPlaneClient):
         where = _one((yield [self._controller.locate.remote(partition_id, sample_ids, fields)]))
         cached = self._codecs.get(partition_id)
         if cached is not None and cached.key != where.codecs_key:
-            self._codecs.pop(partition_id)  # registered again since: decode with its codecs
+            # Registered again since: decode with its codecs. Another thread may have
+            # dropped it already (no KeyError), or cached the new ones (asked again).
+            self._codecs.pop(partition_id, None)
         units = np.asarray(where.units, dtype=np.int64)
         self._remember(partition_id, sample_ids, units)
         plan = {int(u): np.nonzero(units == u)[0] for u in np.unique(units)}
@@ -623,13 +678,19 @@ class RayDataPlaneClient(DataPlaneClient):
     # ---- claims and consumption ---------------------------------------------------
     def _claims(self) -> ClaimBatcher:
         """This client's claim batcher (made on first use, so a client that never claims
-        starts no thread)."""
-        if self._batcher is None:
-            controller = self._controller
-            self._batcher = ClaimBatcher(
-                lambda requests: _get_sync(controller.claim_many.remote(requests))
-            )
-        return self._batcher
+        starts no thread). Made under ``_batcher_lock``, so concurrent first claims share
+        one (each batcher starts a sender thread, and only the kept one is closed); once
+        closed, the closed batcher stays and refuses claims with ServiceUnavailable."""
+        batcher = self._batcher
+        if batcher is not None:
+            return batcher
+        with self._batcher_lock:
+            if self._batcher is None:
+                controller = self._controller
+                self._batcher = ClaimBatcher(
+                    lambda requests: _get_sync(controller.claim_many.remote(requests))
+                )
+            return self._batcher
 
     def _claim_request(self, *args: Any, **kwargs: Any) -> ClaimRequest:
         """A ``claim_meta`` call as a checked ``ClaimRequest`` (each error names its argument)
@@ -766,13 +827,15 @@ class RayDataPlaneClient(DataPlaneClient):
         return self._controller.clear.remote(partition_id, ids)
 
     def close(self) -> None:
-        """Release the handles; idempotent."""
+        """Release the handles; idempotent. Claims already queued are still sent."""
+        with self._batcher_lock:  # no batcher is made after this
+            self._controller = None
+            self._transport = None
+            batcher = self._batcher
+        if batcher is not None:
+            batcher.close()
         self._routes.clear()
         self._codecs.clear()
-        if self._batcher is not None:
-            self._batcher.close()
-        self._controller = None
-        self._transport = None
 
     @_rpc_verb
     def checkpoint(self, directory: str) -> str:

@@ -107,11 +107,6 @@ def fast_switching():
     sys.setswitchinterval(before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hazard 5: RayDataPlaneClient._forget(pid, None) iterates the route cache while "
-    "other threads' puts and gets add routes: RuntimeError",
-)
 def test_deleting_a_partition_while_other_threads_use_another_raises_only_typed_errors(
     service, fast_switching
 ):
@@ -164,11 +159,6 @@ def test_deleting_a_partition_while_other_threads_use_another_raises_only_typed_
     assert untyped == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hazard 5: RayDataPlaneClient._claims() makes the batcher without a lock; "
-    "concurrent first claims make several batchers, each starting a sender thread",
-)
 def test_concurrent_first_claims_of_a_client_share_one_batcher(service, fast_switching):
     """8 threads make a client's first claims at once: they must share one ClaimBatcher
     (each batcher a claim is queued on starts a sender thread; only the one the client
