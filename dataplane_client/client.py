@@ -334,7 +334,8 @@ class RayDataPlaneClient(DataPlaneClient):
     """Client of one data-plane service (controller + storage units) on Ray.
 
     One client may be shared by threads: its caches are safe to use concurrently (see
-    "Shared mutable state" in docs/architecture.md).
+    "Shared mutable state" in docs/architecture.md), and a verb racing ``close()``
+    either completes or raises ``ServiceUnavailable``.
     """
 
     def __init__(self, controller: Any, name: str = "dataplane", namespace: str = "dataplane"):
@@ -355,9 +356,16 @@ class RayDataPlaneClient(DataPlaneClient):
         self._batcher_lock = threading.Lock()  # one batcher per client; none after close
 
     # ---- helpers ------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._controller is None:
+    def _open_controller(self) -> Any:
+        """The controller's handle; ServiceUnavailable once the client is closed. Every use
+        goes through here (read once per call), so a verb racing ``close()`` fails typed."""
+        controller = self._controller
+        if controller is None:
             raise ServiceUnavailable(f"this client of {self.name!r} was closed")
+        return controller
+
+    def _check_open(self) -> None:
+        self._open_controller()
 
     def _open_transport(self) -> Transport:
         """The transport to the units; ServiceUnavailable once the client is closed."""
@@ -373,7 +381,7 @@ class RayDataPlaneClient(DataPlaneClient):
         codecs = self._codecs.get(partition_id)
         if codecs is None:
             try:
-                codecs = _one((yield [self._controller.field_codecs.remote(partition_id)]))
+                codecs = _one((yield [self._open_controller().field_codecs.remote(partition_id)]))
             except UnknownPartition:
                 return FieldCodecs()
             self._codecs[partition_id] = codecs
@@ -404,8 +412,8 @@ class RayDataPlaneClient(DataPlaneClient):
 
     def _unit_died(self, unit: int) -> Flow:
         """Tell the controller a unit failed; refresh our view of who is alive."""
-        yield [self._controller.mark_unit_lost.remote(unit)]
-        routing = _one((yield [self._controller.routing.remote()]))
+        yield [self._open_controller().mark_unit_lost.remote(unit)]
+        routing = _one((yield [self._open_controller().routing.remote()]))
         self._alive = list(routing.alive)
 
     # ---- partitions ---------------------------------------------------------------
@@ -456,14 +464,14 @@ class RayDataPlaneClient(DataPlaneClient):
         )
         codecs = arguments.field_codecs(spec.enums, spec.object_fields)
         self._forget(partition_id, None)
-        _one((yield [self._controller.register_partition.remote(spec)]))
+        _one((yield [self._open_controller().register_partition.remote(spec)]))
         self._codecs[partition_id] = codecs
 
     @_rpc_verb
     def delete_partition(self, partition_id: str) -> ClearResult:
         """Delete the partition: its samples, bytes and declaration."""
         self._forget(partition_id, None)
-        return self._controller.delete_partition.remote(partition_id)
+        return self._open_controller().delete_partition.remote(partition_id)
 
     # ---- put ----------------------------------------------------------------------
     @_flow_verb
@@ -563,15 +571,18 @@ class RayDataPlaneClient(DataPlaneClient):
                 replicas=replicas.tolist() if self._replicas > 1 else None,
                 codecs_key=codecs_key,
             )
+            # Closed meanwhile: ServiceUnavailable here, before anything is committed (the
+            # units drop the staged bytes when their stage expires).
+            controller = self._open_controller()
             try:
-                result = _one((yield [self._controller.commit.remote(request)]))
+                result = _one((yield [controller.commit.remote(request)]))
             except BaseException as e:
                 yield [self._open_transport().discard(u, write_id) for u in staged]
                 if not (isinstance(e, SamplesLost) and self._replicas > 1):
                     raise
                 # A unit died while publishing; nothing is visible. Copies go to live units
                 # (a sample with no copy left is SamplesLost from the controller's check).
-                alive = list(_one((yield [self._controller.routing.remote()])).alive)
+                alive = list(_one((yield [controller.routing.remote()])).alive)
                 self._alive = alive
                 gone = [u for u, ok in enumerate(alive) if not ok]
                 if not (np.isin(units, gone).any() or np.isin(replicas, gone).any()):
@@ -627,7 +638,8 @@ class RayDataPlaneClient(DataPlaneClient):
     def _get_flow(
         self, sample_ids: list[str], partition_id: str, fields: list[str], failover: bool = True
     ) -> Flow:
-        where = _one((yield [self._controller.locate.remote(partition_id, sample_ids, fields)]))
+        locate = self._open_controller().locate
+        where = _one((yield [locate.remote(partition_id, sample_ids, fields)]))
         cached = self._codecs.get(partition_id)
         if cached is not None and cached.key != where.codecs_key:
             # Registered again since: decode with its codecs. Another thread may have
@@ -686,7 +698,7 @@ class RayDataPlaneClient(DataPlaneClient):
             return batcher
         with self._batcher_lock:
             if self._batcher is None:
-                controller = self._controller
+                controller = self._open_controller()
                 self._batcher = ClaimBatcher(
                     lambda requests: _get_sync(controller.claim_many.remote(requests))
                 )
@@ -703,7 +715,9 @@ class RayDataPlaneClient(DataPlaneClient):
         """A blocking claim with nothing due when its batch was served: now a claim of its
         own that waits at the controller for what is left of its timeout."""
         left = max(request.timeout_s - (time.monotonic() - started), 0.0)
-        return self._controller.claim_meta.remote(dataclasses.replace(request, timeout_s=left))
+        return self._open_controller().claim_meta.remote(
+            dataclasses.replace(request, timeout_s=left)
+        )
 
     # None is a non-blocking claim with nothing due (our extra; the ABC says KVBatchMeta).
     def claim_meta(  # type: ignore[override]
@@ -782,19 +796,19 @@ class RayDataPlaneClient(DataPlaneClient):
         Late acks are harmless while nobody re-claimed the samples; once another
         claim holds them, the ack raises LeaseExpired and changes nothing.
         """
-        return self._controller.ack.remote(*arguments.lease_ack(meta))
+        return self._open_controller().ack.remote(*arguments.lease_ack(meta))
 
     @_rpc_verb
     def reset_consumption(self, partition_id: str, task_name: str) -> None:
         """Make every sample of the partition claimable again by the task."""
-        return self._controller.reset_consumption.remote(
+        return self._open_controller().reset_consumption.remote(
             arguments.partition_name(partition_id), arguments.name(task_name, "task_name")
         )
 
     @_rpc_verb
     def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool:
         """True iff every named task has consumed every sample of the partition."""
-        return self._controller.check_consumption_status.remote(
+        return self._open_controller().check_consumption_status.remote(
             arguments.partition_name(partition_id), arguments.name_list(task_names, "task_names")
         )
 
@@ -803,18 +817,20 @@ class RayDataPlaneClient(DataPlaneClient):
         self, partition_id: str, task_names: Sequence[str]
     ) -> list[TaskConsumption]:
         """Per task: consumed / total / expected, held leases and redeliveries."""
-        return self._controller.consumption_detail.remote(
+        return self._open_controller().consumption_detail.remote(
             arguments.partition_name(partition_id), arguments.name_list(task_names, "task_names")
         )
 
     @_rpc_verb
     def describe_partition(self, partition_id: str) -> PartitionDescription:
-        return self._controller.describe_partition.remote(arguments.partition_name(partition_id))
+        return self._open_controller().describe_partition.remote(
+            arguments.partition_name(partition_id)
+        )
 
     @_rpc_verb
     def service_info(self) -> ServiceInfo:
         """Units, bytes held and capacity (rollout actors back off on this)."""
-        return self._controller.service_info.remote()
+        return self._open_controller().service_info.remote()
 
     # ---- clear --------------------------------------------------------------------
     @_rpc_verb
@@ -824,10 +840,11 @@ class RayDataPlaneClient(DataPlaneClient):
             None if sample_ids is None else arguments.id_list(sample_ids, partition_id=partition_id)
         )
         self._forget(partition_id, ids)
-        return self._controller.clear.remote(partition_id, ids)
+        return self._open_controller().clear.remote(partition_id, ids)
 
     def close(self) -> None:
-        """Release the handles; idempotent. Claims already queued are still sent."""
+        """Release the handles; idempotent. A verb still running then completes or raises
+        ServiceUnavailable; claims already queued are still sent."""
         with self._batcher_lock:  # no batcher is made after this
             self._controller = None
             self._transport = None
@@ -841,12 +858,12 @@ class RayDataPlaneClient(DataPlaneClient):
     def checkpoint(self, directory: str) -> str:
         """Save the whole store (declarations, samples, cursors, leases) to a new directory,
         reachable from every storage unit's node; returns its absolute path."""
-        return self._controller.checkpoint.remote(arguments.directory(directory))
+        return self._open_controller().checkpoint.remote(arguments.directory(directory))
 
     @_rpc_verb
     def restore(self, directory: str) -> int:
         """Load a checkpoint into this (empty) service; returns the number of samples."""
-        return self._controller.restore.remote(arguments.directory(directory))
+        return self._open_controller().restore.remote(arguments.directory(directory))
 
 
 def connect(

@@ -28,7 +28,7 @@ import torch
 
 from dataplane_client import failpoints
 from dataplane_client.client import connect
-from dataplane_client.errors import DataPlaneError
+from dataplane_client.errors import DataPlaneError, SamplesNotFound, ServiceUnavailable
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -196,18 +196,11 @@ def test_concurrent_first_claims_of_a_client_share_one_batcher(service, fast_swi
 # ---- hazard 6: close() racing a put or a get ------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hazard 6: close() during a get of the Ray client makes the get fail with "
-    "AttributeError on the dropped controller handle",
-)
 def test_close_during_a_get_raises_a_typed_error_or_returns_the_rows(service):
     """The client is closed while its get maps the unit's shared memory (the CHUNK_OPEN
     failpoint, in this process: after the unit answered, before the rows are decoded), as
     another thread's close() would. The get must return the rows or raise a
-    DataPlaneError (ServiceUnavailable: closed). (A put closed mid-way raises
-    ServiceUnavailable: its commit's AttributeError is caught, and the discard that
-    follows checks for a closed transport.)"""
+    DataPlaneError (ServiceUnavailable: closed)."""
     writer = connect(service.config.name, service.config.namespace)
     writer.register_partition("hz6", ["x"], None, [])
     rows = torch.ones(4, 1 << 16)  # 1 MiB: mapped from shared memory, not inlined
@@ -231,3 +224,31 @@ def test_close_during_a_get_raises_a_typed_error_or_returns_the_rows(service):
         writer.delete_partition("hz6")
         writer.close()
     assert closes, "the get never opened a chunk: the failpoint did not fire"
+
+
+def test_close_during_a_put_raises_service_unavailable_and_commits_nothing(service):
+    """The client is closed while its put maps the unit's chunk to copy its rows in (the
+    CHUNK_OPEN failpoint, in this process: staged, not yet committed), as another thread's
+    close() would. The put must raise ServiceUnavailable (closed) and commit nothing."""
+    c = connect(service.config.name, service.config.namespace)
+    c.register_partition("hz6-put", ["x"], None, [])
+    rows = torch.ones(3, (5 << 18) + 1024)  # an odd size: a chunk no earlier write mapped
+    reader = connect(service.config.name, service.config.namespace)
+    closes: list[str] = []
+
+    def close_now(path: str) -> None:
+        closes.append(path)
+        c.close()
+
+    try:
+        with (
+            failpoints.run_at(failpoints.CHUNK_OPEN, close_now),
+            pytest.raises(ServiceUnavailable, match="closed"),
+        ):
+            c.put_samples(["a", "b", "c"], "hz6-put", {"x": rows})
+        assert closes, "the put never opened a chunk: the failpoint did not fire"
+        with pytest.raises(SamplesNotFound):
+            reader.get_samples(["a", "b", "c"], "hz6-put", ["x"])
+    finally:
+        reader.delete_partition("hz6-put")
+        reader.close()
