@@ -13,17 +13,23 @@ It finds the controller by name, like any client, so it can be restarted on its 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import ray
 
 from dataplane_client.config import DataPlaneConfig
+
+if TYPE_CHECKING:
+    from dataplane_server.admin.metrics import MetricsServer
+    from dataplane_server.admin.server import AdminServer
 
 
 @ray.remote(num_cpus=0)
 class AdminActor:
     def __init__(self, config_dict: dict):
         self.config = DataPlaneConfig.from_dict(config_dict)
-        self._admin = None
-        self._metrics = None
+        self._admin: AdminServer | None = None
+        self._metrics: MetricsServer | None = None
 
     def start(self) -> dict:
         from dataplane_server.admin.metrics import MetricsServer

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import (
@@ -27,6 +28,10 @@ from prometheus_client.utils import floatToGoString
 from dataplane_client.version import __version__
 from dataplane_server.admin.server import advertised_host, join_host_port
 from dataplane_server.admin.sources import ActorSources, StatsPull, counter
+
+if TYPE_CHECKING:
+    import threading
+    from wsgiref.simple_server import WSGIServer
 
 logger = logging.getLogger(__name__)
 
@@ -277,21 +282,21 @@ class MetricsServer:
         self.port = port
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(DataPlaneCollector(sources))
-        self._httpd = None
-        self._thread = None
+        self._httpd: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
         self.address: str | None = None
 
     def start(self) -> str:
-        self._httpd, self._thread = start_http_server(
-            self.port, addr=self.host, registry=self.registry
-        )
-        self.address = join_host_port(advertised_host(self.host), self._httpd.server_port)
+        httpd, self._thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+        self._httpd = httpd
+        self.address = join_host_port(advertised_host(self.host), httpd.server_port)
         return self.address
 
     def stop(self) -> None:
-        if self._httpd is None:
+        httpd, thread = self._httpd, self._thread
+        if httpd is None or thread is None:  # not started (start sets both)
             return
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)
         self._httpd = None

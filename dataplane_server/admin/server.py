@@ -135,7 +135,9 @@ class BearerTokenAuth(grpc.ServerInterceptor):
     def _authorized(self, metadata) -> bool:
         got = presented_token(metadata)
         # compare_digest: the time taken does not reveal how much of the token matched.
-        return got is not None and hmac.compare_digest(got, self._expected)
+        # (Only asked with a token configured: intercept_service answers the no-token case.)
+        expected = self._expected
+        return got is not None and expected is not None and hmac.compare_digest(got, expected)
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -215,6 +217,8 @@ class AdminServer:
         bind = join_host_port(cfg.admin_host, cfg.admin_port)
         try:
             if cfg.admin_tls_cert:
+                # The config sets admin_tls_cert and admin_tls_key together or not at all.
+                assert cfg.admin_tls_key is not None
                 with open(cfg.admin_tls_key, "rb") as f:
                     key = f.read()
                 with open(cfg.admin_tls_cert, "rb") as f:

@@ -49,11 +49,12 @@ class AdminEndpoint:
     """A channel + stub to one admin endpoint, with the token and a short deadline."""
 
     def __init__(self, args: argparse.Namespace):
-        self.address = args.address or os.environ.get(ADDRESS_ENV)
-        if not self.address:
+        address = args.address or os.environ.get(ADDRESS_ENV)
+        if not address:
             raise CliError(
                 f"no admin address: pass --address HOST:PORT or set {ADDRESS_ENV}", EXIT_USAGE
             )
+        self.address: str = address
         # A command that moves a lot sets default_timeout (set_defaults on its own parser:
         # changing --timeout's default there would change it for every command sharing it).
         self.timeout = (
