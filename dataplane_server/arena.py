@@ -122,12 +122,14 @@ class Arena:
         return block, 0
 
     def _slab_for(self, nbytes: int) -> int:
-        if nbytes > self._slab_room():
+        slab = self._slab
+        if slab is None or nbytes > self._slab_room():
             # The full slab lives on while rows point into it; it is freed with its last row.
-            self._slab = self._new_block(self.slab_bytes)
-        return self._slab
+            slab = self._slab = self._new_block(self.slab_bytes)
+        return slab
 
     def _new_block(self, nbytes: int) -> int:
+        store: shm.MemFd | np.ndarray
         if self.use_shm:
             store = self.reserve.take(nbytes) or shm.create(nbytes)
         else:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import io
 import os
 from typing import Any
 
@@ -47,7 +48,7 @@ class Journal:
         os.makedirs(directory, exist_ok=True)
         self.generation = 0
         self.records = 0
-        self._log = None
+        self._log: io.BufferedWriter | None = None  # the open log, from the first write
 
     # ---- reading ------------------------------------------------------------------
     def load(self) -> dict[str, dict]:
@@ -83,17 +84,18 @@ class Journal:
     def write(self, packed: bytes) -> None:
         """Append a packed record, or raise OSError with the log as it was: a record half
         written (a full disk) is cut off again, so the records after it still replay."""
-        if self._log is None:
-            self._log = open(self._log_path(self.generation), "ab")  # noqa: SIM115 - held open
-        end = self._log.tell()
+        log = self._log
+        if log is None:
+            log = self._log = open(self._log_path(self.generation), "ab")  # noqa: SIM115 - held open
+        end = log.tell()
         try:
             failpoints.fail_if_armed(
                 failpoints.JOURNAL_WRITE, OSError(errno.ENOSPC, "No space left on device")
             )
-            self._log.write(packed)
-            self._log.flush()
+            log.write(packed)
+            log.flush()
             if self.fsync:
-                os.fsync(self._log.fileno())
+                os.fsync(log.fileno())
         except OSError:
             self._cut_back(end)
             raise

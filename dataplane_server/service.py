@@ -106,7 +106,8 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
     for i, node in enumerate(nodes):
         strategy = NodeAffinitySchedulingStrategy(node, soft=False) if node else "DEFAULT"
         units.append(
-            StorageUnit.options(
+            # @ray.remote made it an ActorClass; mypy ignores class decorators
+            StorageUnit.options(  # type: ignore[attr-defined]
                 name=unit_name(config, i),
                 namespace=config.namespace,
                 num_cpus=config.unit_num_cpus,
@@ -129,7 +130,8 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
     raw = config.to_dict()
     named_dir = raw.get("controller_state_dir")
     state_dir = named_dir or tempfile.mkdtemp(prefix=f"dataplane-{config.name}-journal-")
-    controller = Controller.options(
+    # @ray.remote made it an ActorClass; mypy ignores class decorators
+    controller = Controller.options(  # type: ignore[attr-defined]
         name=config.name,
         namespace=config.namespace,
         num_cpus=config.controller_num_cpus,
@@ -155,7 +157,8 @@ def _start_admin(handle: ServiceHandle) -> None:
         from dataplane_server.admin.actor import AdminActor
     except ImportError:  # the admin package is optional at import time only while it is being built
         return
-    admin = AdminActor.options(
+    # @ray.remote made it an ActorClass; mypy ignores class decorators
+    admin = AdminActor.options(  # type: ignore[attr-defined]
         num_cpus=0, namespace=handle.config.namespace, name=f"{handle.config.name}-admin"
     ).remote(handle.config.to_dict())
     addresses = ray.get(admin.start.remote())

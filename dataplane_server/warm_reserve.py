@@ -83,11 +83,11 @@ class WarmReserve:
             # come back (put/clear) and the limit has no room for both: the one made would
             # be evicted by the next recycled chunk, its zeroing (a core busy for 0.2 s per
             # GiB) wasted beside the writer's copy.
-            comes_back = got is not None and got.size in self._recycled_sizes
-            no_room = comes_back and self._held() + got.size + nbytes > self.limit
             if got is None:
                 want = 2
             else:
+                comes_back = got.size in self._recycled_sizes
+                no_room = comes_back and self._held() + got.size + nbytes > self.limit
                 want = 0 if len(fit) > 1 or no_room else 1
             self._wanted.extend([nbytes] * want)
             self.requested += want
