@@ -37,8 +37,8 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Generator, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -337,6 +337,24 @@ class RayDataPlaneClient(DataPlaneClient):
     "Shared mutable state" in docs/architecture.md), and a verb racing ``close()``
     either completes or raises ``ServiceUnavailable``.
     """
+
+    if TYPE_CHECKING:
+        # The awaitable twins each verb's _Verb adds to the class (``_Verb.__set_name__``),
+        # declared for the type checker; like the verbs (their decorator is untyped), Any.
+        register_partition_async: Callable[..., Awaitable[Any]]
+        delete_partition_async: Callable[..., Awaitable[Any]]
+        put_samples_async: Callable[..., Awaitable[Any]]
+        get_samples_async: Callable[..., Awaitable[Any]]
+        get_data_async: Callable[..., Awaitable[Any]]
+        ack_async: Callable[..., Awaitable[Any]]
+        reset_consumption_async: Callable[..., Awaitable[Any]]
+        check_consumption_status_async: Callable[..., Awaitable[Any]]
+        consumption_detail_async: Callable[..., Awaitable[Any]]
+        describe_partition_async: Callable[..., Awaitable[Any]]
+        service_info_async: Callable[..., Awaitable[Any]]
+        clear_samples_async: Callable[..., Awaitable[Any]]
+        checkpoint_async: Callable[..., Awaitable[Any]]
+        restore_async: Callable[..., Awaitable[Any]]
 
     def __init__(self, controller: Any, name: str = "dataplane", namespace: str = "dataplane"):
         self.name, self.namespace = name, namespace
