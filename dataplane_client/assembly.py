@@ -9,6 +9,7 @@ for. Shared by the Ray client's transport and the in-process client.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,7 @@ def _sources(
     return [part.values], [None], np.zeros(part.num_rows, dtype=np.int64), offs[:-1], offs[1:]
 
 
-def assemble(parts: list[EncodedField | SharedRows], order: np.ndarray) -> Any:
+def assemble(parts: Sequence[EncodedField | SharedRows], order: np.ndarray) -> Any:
     """Decode one field from the units' parts; output row j is concatenated row ``order[j]``.
 
     Same-node rows that are contiguous in one chunk come back as a copy-on-write
