@@ -11,9 +11,6 @@ can tell that a process died (``owners_died`` is what it calls then).
 
 import asyncio
 import dataclasses
-import subprocess
-import sys
-import textwrap
 import time
 
 import numpy as np
@@ -451,29 +448,3 @@ def test_a_preview_shows_each_field_of_one_sample(stores):
     assert list(store.preview("p", "a", ["dense"], 1)) == ["dense"]
     with pytest.raises(SamplesNotFound):
         store.preview("p", "zz", None, 4)
-
-
-# ---- no Ray -------------------------------------------------------------------------------
-
-
-def test_the_store_imports_and_runs_without_ray():
-    """The store's own import chain is Ray-free. ``dataplane_client/__init__`` re-exports
-    the Ray client, so the package is entered here without running it: only the modules
-    the store itself imports are loaded."""
-    script = textwrap.dedent(
-        """
-        import importlib.util, sys, types
-        spec = importlib.util.find_spec("dataplane_client")
-        package = types.ModuleType("dataplane_client")
-        package.__path__ = list(spec.submodule_search_locations)
-        sys.modules["dataplane_client"] = package
-        from dataplane_server.unit_store import UnitStore
-        store = UnitStore(0, 1 << 20, use_shm=False)
-        store.close()
-        print(sorted(m for m in sys.modules if m == "ray" or m.startswith("ray.")))
-        """
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert out.stdout.strip() == "[]", out.stdout
