@@ -480,14 +480,7 @@ class KeySpace:
             )
         _check_shapes(req, len(self.unit_alive))
         _check_numeric_tags(part, req)
-        for name, schema in req.schemas.items():
-            known = part.schema.get(name)
-            if known is not None and tuple(known) != tuple(schema):
-                raise SchemaConflict(
-                    f"field is {tuple(known)}, this write has {tuple(schema)}",
-                    fields=[name],
-                    partition_id=pid,
-                )
+        self._check_schemas(part, req)
         rows = part.rows_of(ids)
         units = np.asarray(req.units, dtype=np.int64)
         # Where each sample lives: its row, else a commit creating it right now.
@@ -567,6 +560,30 @@ class KeySpace:
                 )
         self._in_flight.setdefault(pid, []).append(plan)
         return plan
+
+    def _check_schemas(self, part: Partition, req: CommitRequest) -> None:
+        """SchemaConflict unless each field's schema is the one the partition recorded or,
+        for a field not recorded yet, the one a commit in flight is writing it with: a
+        first write in flight claims the field's schema until it is applied or released,
+        so two concurrent first writes with different dtypes cannot both apply."""
+        # Plans of a partition since replaced under the same id claim nothing here.
+        in_flight = [p for p in self._in_flight.get(part.partition_id, ()) if p.partition is part]
+        for name, schema in req.schemas.items():
+            known = part.schema.get(name)
+            if known is not None:
+                whose = "field is"
+            else:
+                whose = "another write of the field, in flight, has"
+                known = next(
+                    (p.request.schemas[name] for p in in_flight if name in p.request.schemas),
+                    None,
+                )
+            if known is not None and tuple(known) != tuple(schema):
+                raise SchemaConflict(
+                    f"{whose} {tuple(known)}, this write has {tuple(schema)}",
+                    fields=[name],
+                    partition_id=part.partition_id,
+                )
 
     def release(self, plan: CommitPlan) -> None:
         """Drop the plan's reservation (after apply, or when publishing failed)."""

@@ -83,6 +83,9 @@ class Staged:
     def blocks(self) -> np.ndarray:
         return np.array([block for (_, block, *_rest) in self.fields.values()], dtype=np.int64)
 
+    def schemas(self) -> dict[str, tuple]:
+        return {name: schema for name, (schema, *_rest) in self.fields.items()}
+
 
 @dataclass(frozen=True)
 class UnitHoldings:
@@ -263,7 +266,7 @@ class UnitStore:
                 raise SchemaConflict(
                     f"{enc.num_rows} rows for {len(sample_ids)} ids", fields=[name]
                 )
-        self._check_schema(partition_id, encoded)
+        self._check_schema(partition_id, {name: enc.schema for name, enc in encoded.items()})
         names = list(encoded)
         sizes = [encoded[name].nbytes for name in names]
         offsets, total = shm.layout(sizes)
@@ -306,15 +309,20 @@ class UnitStore:
         self.stats.observe("put_latency_seconds", time.perf_counter() - t0)
         return dict(zip(names, placed))
 
-    def _check_schema(self, partition_id: str, encoded: dict[str, EncodedField]) -> None:
+    def _check_schema(self, partition_id: str, schemas: dict[str, tuple]) -> None:
+        """SchemaConflict when a field's column holds another schema. At stage time only
+        published columns are compared, not other stages: a stage that is never committed
+        must not refuse the writes after it (the key space decides between concurrent
+        first writes). Prepare and publish check again, as a column may have been made
+        by a publish since the stage."""
         part = self.partitions.get(partition_id)
         if part is None:
             return
-        for name, enc in encoded.items():
+        for name, schema in schemas.items():
             col = part.columns.get(name)
-            if col is not None and col.schema != enc.schema:
+            if col is not None and col.schema != schema:
                 raise SchemaConflict(
-                    f"field stored as {col.schema}, this write has {enc.schema}",
+                    f"field stored as {col.schema}, this write has {schema}",
                     fields=[name],
                     partition_id=partition_id,
                 )
@@ -387,6 +395,7 @@ class UnitStore:
         if write_id in self.published:
             return
         st = self._staged_or_raise(write_id)
+        self._check_schema(st.partition_id, st.schemas())
         st.meta = meta
         st.staged_units = list(staged_units)
         # A controller that dies now is rebuilt and rolls the write forward or back; if none
@@ -402,6 +411,8 @@ class UnitStore:
         if write_id in self.published:
             return False
         st = self._staged_or_raise(write_id)
+        # Refused here, nothing published: a column must never hold bytes of two schemas.
+        self._check_schema(st.partition_id, st.schemas())
         del self.staged[write_id]
         part = self.partitions.setdefault(st.partition_id, Partition())
         slots = part.slots_for(st.sample_ids)

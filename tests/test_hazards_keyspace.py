@@ -67,11 +67,6 @@ def test_a_field_written_once_with_one_dtype_refuses_another_afterwards():
         ks.check_commit(_first_write(["b"], "int64"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hazard 1: check_commit ignores in-flight commits' schemas; two first writes "
-    "of a field with different dtypes both pass",
-)
 def test_two_first_writes_of_a_field_in_flight_with_different_dtypes_cannot_both_apply():
     """Two writers' first commits of field x, on different samples, checked before either
     is applied (the controller awaits the units' publish in between). Either the second

@@ -42,11 +42,6 @@ def fresh(service_factory):
 # ---- hazard 1: concurrent first writes of one field with different dtypes --------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hazard 1: concurrent first writes of a field with different dtypes both commit; "
-    "the second write's rows are read back with the first write's dtype",
-)
 def test_concurrent_first_writes_of_a_field_with_other_dtypes_read_back_as_written(fresh):
     """Two awaited puts of field x on a fresh partition, float32 on samples a*, int32 or
     int64 on samples b*, gathered. One may be refused with a typed error; a put that

@@ -118,6 +118,30 @@ def test_schema_conflict_and_dead_units_are_rejected_without_changes():
     assert part.num_samples == 1
 
 
+def test_a_first_write_in_flight_claims_its_schema_until_applied_or_released():
+    """A commit checked while another first write of the field is in flight is compared
+    with that write's schema; a released (failed) write's claim goes with it, and so does
+    one of a partition since registered again."""
+    ks = _space()
+    part = _register(ks)
+    int64 = {"x": ("dense", "int64", ())}
+    first = ks.check_commit(_request(["a"]))
+    with pytest.raises(SchemaConflict, match="in flight") as refused:
+        ks.check_commit(CommitRequest("p", "w2", ["b"], [1], int64, None, None, False, [1]))
+    assert refused.value.fields == ["x"]
+    ks.release(first)  # its publish failed: the field is unclaimed again
+    second = ks.check_commit(CommitRequest("p", "w2", ["b"], [1], int64, None, None, False, [1]))
+    ks.apply_commit(second)
+    assert part.schema["x"] == ("dense", "int64", ())
+    stale = ks.check_commit(_request(["c"], fields=("y",)))
+    assert isinstance(stale, CommitPlan)
+    _register(ks)  # registered again while ``stale`` publishes: its schema claims nothing
+    y_int = CommitRequest(
+        "p", "w3", ["d"], [0], {"y": ("dense", "int64", ())}, None, None, False, [0]
+    )
+    assert isinstance(ks.check_commit(y_int), CommitPlan)
+
+
 def test_apply_after_delete_raises_typed_and_adds_nothing():
     ks = _space()
     _register(ks)

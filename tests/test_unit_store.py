@@ -397,6 +397,23 @@ def test_a_stage_past_its_deadline_is_reclaimed_and_a_late_publish_says_why(stor
         store.publish("w")
 
 
+def test_a_publish_refuses_a_schema_another_write_published_since_its_stage(stores):
+    """Two first writes of x staged before either is published (stage compares published
+    columns only): the later publish or prepare is refused, publishing nothing."""
+    store = stores()
+    _stage(store, "p", "f32", ["a"], {"x": torch.zeros(1, 4)})
+    _stage(store, "p", "i64", ["b"], {"x": torch.zeros(1, 4, dtype=torch.int64)})
+    _stage(store, "p", "i64-multi", ["c"], {"x": torch.zeros(1, 4, dtype=torch.int64)})
+    assert store.publish("f32")
+    with pytest.raises(SchemaConflict) as refused:
+        store.publish("i64")
+    assert refused.value.fields == ["x"]
+    with pytest.raises(SchemaConflict):
+        store.prepare("i64-multi", SampleMeta(seq=2), staged_units=[0, 1])
+    assert sorted(store.partitions["p"].slot_of) == ["a"]
+    assert store.partitions["p"].columns["x"].schema == encode_field("x", torch.zeros(1, 4)).schema
+
+
 # ---- checkpoints, recovery, previews ------------------------------------------------------
 
 
