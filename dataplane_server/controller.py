@@ -305,7 +305,8 @@ class Controller(Inspection):
             raise
         self._applied.add(request.write_id)
         self._emptied.forget(request.partition_id)
-        await unit_calls.free(self.units, request.partition_id, cleared_meanwhile)
+        # By write id: a newer write of a cleared id (made since the clear) keeps its bytes.
+        await publish.unpublish_samples(self.units, request, cleared_meanwhile)
         self.stats.inc("commits_total")
         self.stats.inc("committed_samples_total", len(request.sample_ids))
         await self._waits.wake(request.partition_id)

@@ -114,12 +114,29 @@ async def _on_units(
 
 
 async def unpublish(units: list, request: CommitRequest, on: list[int]) -> None:
-    """Free bytes published on units ``on`` for a commit that will not become visible."""
-    by_unit: dict[int, list[str]] = {}
-    for _, (s, u) in _copies(request):
-        if u in on:
-            by_unit.setdefault(u, []).append(s)
-    await unit_calls.free(units, request.partition_id, by_unit)
+    """Undo the commit's publish on units ``on``: it will not become visible. By write id,
+    not by sample id: a unit drops only the cells this write filled, so samples that
+    existed before (a write-back's) keep their earlier fields. A unit that fails to
+    answer undoes nothing (its bytes are lost with it)."""
+    await asyncio.gather(
+        *[units[u].unpublish.remote(request.partition_id, request.write_id) for u in on],
+        return_exceptions=True,
+    )
+
+
+async def unpublish_samples(
+    units: list, request: CommitRequest, by_unit: dict[int, list[str]]
+) -> None:
+    """Undo the applied commit's publish for some samples only (per unit: the samples a
+    clear took while it was publishing), by write id as ``unpublish``: a newer write of
+    the same ids keeps its bytes."""
+    await asyncio.gather(
+        *[
+            units[u].unpublish.remote(request.partition_id, request.write_id, ids)
+            for u, ids in by_unit.items()
+        ],
+        return_exceptions=True,
+    )
 
 
 class AppliedWrites:

@@ -5,7 +5,8 @@ arguments) and when a checkpoint is restored. Order matters:
 
 1. commits a dead controller had prepared on several units are settled: rolled
    forward where every unit still holds (or already published) the write, rolled
-   back otherwise, so no sample is ever half-visible;
+   back otherwise (stages discarded, and what a unit already published of it undone
+   by write id: only the cells the write filled), so no sample is ever half-visible;
 2. each partition the journal declares is rebuilt from what the units hold,
    then its consumption and leases are put back by sample id; a sample two
    units hold (``replicas: 2``) is one row again, its second copy's unit recorded;
@@ -22,7 +23,7 @@ from dataplane_client.messages import UnitInfo
 from dataplane_server import unit_calls
 from dataplane_server.journal import Journal
 from dataplane_server.keyspace import Declaration, KeySpace
-from dataplane_server.recovery_messages import UnitRecovery
+from dataplane_server.recovery_messages import PinnedWrite, UnitRecovery
 
 
 @dataclass(frozen=True)
@@ -75,22 +76,26 @@ async def rebuild_from_units(
 async def settle_pending_writes(units: list, alive: list[bool]) -> list[UnitRecovery | None]:
     """Roll prepared multi-unit commits forward or back; the units' views afterwards."""
     views = await _views(units, alive)
-    pinned: dict[str, tuple[list[int], set[int]]] = {}
+    pinned: dict[str, tuple[PinnedWrite, set[int]]] = {}
     published: dict[int, set[str]] = {}
     for v in views:
         if v is None:
             continue
         published[v.index] = set(v.published)
         for wid, p in v.pinned.items():
-            pinned.setdefault(wid, (p.staged_units, set()))[1].add(v.index)
+            pinned.setdefault(wid, (p, set()))[1].add(v.index)
     if not pinned:
         return views
     calls = []
-    for wid, (staged, holders) in pinned.items():
-        complete = all(u in holders or wid in published.get(u, ()) for u in staged)
-        for u in holders:
-            method = units[u].publish if complete else units[u].discard
-            calls.append(method.remote(wid))
+    for wid, (write, holders) in pinned.items():
+        done = [u for u in write.staged_units if wid in published.get(u, ())]
+        if all(u in holders or u in done for u in write.staged_units):
+            calls += [units[u].publish.remote(wid) for u in holders]
+            continue
+        # Back: stages go, and so does what units already published of it, by write id,
+        # so samples that existed before (a write-back's) keep their earlier fields.
+        calls += [units[u].discard.remote(wid) for u in holders]
+        calls += [units[u].unpublish.remote(write.partition_id, wid) for u in done]
     await asyncio.gather(*calls, return_exceptions=True)  # a unit dying now is seen as lost
     return await _views(units, alive)
 

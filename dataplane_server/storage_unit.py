@@ -118,6 +118,12 @@ class StorageUnit:
     def publish(self, write_id: str, meta: SampleMeta | None = None) -> bool:
         return self.store.publish(write_id, meta)
 
+    def unpublish(
+        self, partition_id: str, write_id: str, sample_ids: list[str] | None = None
+    ) -> int:
+        """Undo only what publishing ``write_id`` filled (fields the samples had stay)."""
+        return self.store.unpublish(partition_id, write_id, sample_ids)
+
     def discard(self, write_id: str) -> None:
         self.store.discard(write_id)
 

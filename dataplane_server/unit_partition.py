@@ -139,6 +139,49 @@ class Partition:
             col.chunk[slots] = -1
         return dropped, held
 
+    def empty_cells(
+        self, name: str, sample_ids: list[str], block: int, offsets: np.ndarray
+    ) -> tuple[int, np.ndarray]:
+        """Empty the cells of field ``name`` of these samples that still point at the
+        bytes at ``(block, offsets[i])`` (a region is handed out once, so only the write
+        that placed them there matches). Returns the bytes dropped and the block id per
+        emptied cell (one reference each)."""
+        col = self.columns.get(name)
+        if col is None:
+            return 0, _empty()
+        col.ensure(self.next_slot)
+        slots = np.fromiter(
+            map(self.slot_of.get, sample_ids, itertools.repeat(-1)),
+            dtype=np.int64,
+            count=len(sample_ids),
+        )
+        known = slots >= 0
+        hit = slots[known][
+            (col.chunk[slots[known]] == block) & (col.offset[slots[known]] == offsets[known])
+        ]
+        dropped = int(col.nbytes[hit].sum())
+        col.chunk[hit] = -1
+        return dropped, np.full(len(hit), block, dtype=np.int64)
+
+    def forget_if_empty(self, sample_ids: list[str], names: list[str]) -> None:
+        """Forget those of these samples that hold no bytes in any field, and those of the
+        named columns that hold none for any sample (a column's schema goes with it)."""
+        ids = [s for s in dict.fromkeys(sample_ids) if s in self.slot_of]
+        slots = np.fromiter(map(self.slot_of.__getitem__, ids), dtype=np.int64, count=len(ids))
+        held = np.zeros(len(slots), dtype=bool)
+        for col in self.columns.values():
+            col.ensure(self.next_slot)
+            held |= col.chunk[slots] >= 0
+        for sid in itertools.compress(ids, (~held).tolist()):
+            del self.slot_of[sid]
+        empty = slots[~held]
+        self.free_slots.extend(empty.tolist())
+        self.forget_slots(empty)
+        for name in names:
+            col = self.columns.get(name)
+            if col is not None and not (col.chunk[: self.next_slot] >= 0).any():
+                del self.columns[name]
+
     def live_bytes(self) -> int:
         """The rows' own bytes of data (not the blocks around them)."""
         total = 0

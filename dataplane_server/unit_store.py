@@ -61,6 +61,7 @@ from dataplane_server.recovery_messages import DumpedFile, PinnedWrite, SampleMe
 from dataplane_server.stats import Stats
 from dataplane_server.unit_leases import LeasedRegion, Leases
 from dataplane_server.unit_partition import Partition
+from dataplane_server.unit_undo import Cells, PublishedWrite, PublishedWrites
 from dataplane_server.warm_reserve import WarmReserve
 
 _EXPIRED_REMEMBERED = 4096  # write ids of reclaimed stages kept to explain a late publish
@@ -120,6 +121,7 @@ class UnitStore:
         self.staged: dict[str, Staged] = {}
         self.expired: OrderedDict[str, str] = OrderedDict()  # write id -> why it was reclaimed
         self.published: OrderedDict[str, None] = OrderedDict()
+        self.undo = PublishedWrites()  # what recent publishes filled, to undo one by write id
         self.stats = Stats()
         self.leases = Leases(self.arena, self._release, self.stats)
         self._room_waiters: list[asyncio.Future] = []  # writes waiting for memory to be freed
@@ -417,10 +419,11 @@ class UnitStore:
         part = self.partitions.setdefault(st.partition_id, Partition())
         slots = part.slots_for(st.sample_ids)
         part.remember(slots, st.sample_ids, meta or st.meta or SampleMeta(seq=0))
-        replaced = []
+        replaced, cells = [], {}
         for name, (schema, block, offs, nbytes, lengths) in st.fields.items():
             col = part.column(name, schema)
             replaced.append(col.chunk[slots].copy())
+            cells[name] = Cells(block, offs, replaced[-1] < 0)
             col.chunk[slots] = block
             col.offset[slots] = offs
             col.nbytes[slots] = nbytes
@@ -428,10 +431,54 @@ class UnitStore:
                 col.length[slots] = lengths
             self.arena.hold(block, len(slots))
         self._release([*replaced, st.blocks()])
+        self.undo.add(write_id, PublishedWrite(st.partition_id, st.sample_ids, cells))
         self.published[write_id] = None
         while len(self.published) > _PUBLISHED_REMEMBERED:
             self.published.popitem(last=False)
         return True
+
+    def unpublish(
+        self, partition_id: str, write_id: str, sample_ids: list[str] | None = None
+    ) -> int:
+        """Undo what publishing ``write_id`` made visible; returns the bytes dropped.
+
+        None: the whole write, whose commit will not be applied (a multi-unit publish
+        that failed on another unit, a partition deleted meanwhile); the write id is
+        no longer published, so a retry of the commit publishes anew. ``sample_ids``:
+        only those samples' cells (the commit was applied, but a clear took these
+        samples meanwhile).
+
+        Only the cells this write filled are emptied, and only while they still hold
+        its bytes; a sample then holding no field at all (this write created it) is
+        forgotten. Fields the samples had before stay. Not undone: cells the write
+        replaced (``overwrite=True``) keep the new bytes, as the old ones were freed at
+        publish; such a cell stays readable, with the refused write's value. A write
+        too old to be remembered (``unit_undo``) is left as it is.
+        """
+        if sample_ids is None:
+            self.published.pop(write_id, None)
+        write = self.undo.pop(write_id)
+        part = self.partitions.get(partition_id)
+        if write is None or part is None or write.partition_id != partition_id:
+            return 0
+        ids = write.sample_ids
+        only = np.ones(len(ids), dtype=bool)
+        if sample_ids is not None:
+            wanted = set(sample_ids)
+            only = np.fromiter(map(wanted.__contains__, ids), dtype=bool, count=len(ids))
+        dropped, held = 0, []
+        for name, cells in write.fields.items():
+            rows = np.flatnonzero(cells.added & only)
+            nbytes, blocks = part.empty_cells(
+                name, [ids[i] for i in rows.tolist()], cells.block, cells.offsets[rows]
+            )
+            dropped += nbytes
+            held.append(blocks)
+        part.forget_if_empty([s for s, keep in zip(ids, only.tolist()) if keep], list(write.fields))
+        if not part.slot_of:
+            del self.partitions[partition_id]
+        self._release(held)
+        return dropped
 
     def discard(self, write_id: str) -> None:
         st = self.staged.pop(write_id, None)

@@ -113,11 +113,6 @@ def _dead_unit_error() -> BaseException:
     return ray.exceptions.RayActorError()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hazard 2: undoing a failed multi-unit publish clears the samples by id on the "
-    "other unit, dropping their earlier fields too",
-)
 @pytest.mark.parametrize("fault", ["stage-reclaimed", "unit-died"])
 def test_a_write_back_undone_after_a_failed_publish_keeps_the_samples_earlier_fields(fault):
     """Samples a (unit 0) and b (unit 1) hold field x. A write-back of y over both is

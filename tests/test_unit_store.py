@@ -414,6 +414,50 @@ def test_a_publish_refuses_a_schema_another_write_published_since_its_stage(stor
     assert store.partitions["p"].columns["x"].schema == encode_field("x", torch.zeros(1, 4)).schema
 
 
+def test_unpublish_drops_only_the_cells_its_write_filled(stores):
+    """A write-back of y onto a (which holds x), also creating b, undone by write id: a
+    keeps x, b is forgotten, y's column and its schema go, the memory comes back, and
+    the write id is no longer published (a retried commit publishes anew)."""
+    store = stores()
+    _put(store, "p", "x", ["a"], {"x": _rows(1, 64)})
+    used = store.used_bytes
+    _put(store, "p", "wb", ["a", "b"], {"y": _rows(2, 1024)}, SampleMeta(seq=2))
+    assert store.unpublish("p", "wb") == 2 * 1024
+    assert torch.equal(_read(store, "p", ["a"], "x"), _rows(1, 64))
+    assert sorted(store.partitions["p"].slot_of) == ["a"]
+    assert "y" not in store.partitions["p"].columns
+    assert store.used_bytes == used
+    assert "wb" not in store.recovery_view().published
+    _put(store, "p", "y64", ["a"], {"y": torch.zeros(1, 2, dtype=torch.float64)})
+    assert store.unpublish("p", "wb") == 0  # once only: the write is no longer remembered
+
+
+def test_unpublish_leaves_a_newer_writes_bytes_and_replaced_cells(stores):
+    """Cells another write filled since (here: after a clear) are not this write's; cells
+    this write replaced (overwrite) keep its bytes (the old ones were freed at publish)."""
+    store = stores()
+    _put(store, "p", "old", ["a", "b"], {"x": _rows(2, 8)})
+    _put(store, "p", "w", ["a", "b", "c"], {"x": _rows(3, 8, start=10)})  # overwrites a, b
+    store.clear("p", ["c"])
+    _put(store, "p", "newer", ["c"], {"x": _rows(1, 8, start=20)})
+    assert store.unpublish("p", "w") == 0
+    assert torch.equal(_read(store, "p", ["a", "b", "c"], "x")[:, 0], torch.tensor([10, 11, 20]))
+
+
+def test_unpublish_of_some_samples_keeps_the_rest_and_the_write_published(stores):
+    """A commit applied while a clear took some of its samples: only theirs are undone."""
+    store = stores()
+    _put(store, "p", "w", ["a", "b"], {"x": _rows(2, 8)})
+    assert store.unpublish("p", "w", ["b"]) == 8
+    assert torch.equal(_read(store, "p", ["a"], "x"), _rows(1, 8))
+    assert sorted(store.partitions["p"].slot_of) == ["a"]
+    assert "w" in store.recovery_view().published
+    store.clear("p", ["a"])
+    _put(store, "p", "w2", ["c"], {"x": _rows(1, 8)})
+    assert store.unpublish("p", "w2") == 8
+    assert "p" not in store.partitions  # nothing left of it: the partition goes
+
+
 # ---- checkpoints, recovery, previews ------------------------------------------------------
 
 
