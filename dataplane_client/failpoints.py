@@ -43,6 +43,10 @@ COMMIT_AFTER_PUBLISH = "commit-after-publish"
 # still starting on a loaded node, slow to answer the controller's first ping.
 UNIT_START = "unit-start"
 
+# A storage unit's ping answers only after the seconds its file holds: a unit slow to
+# answer on a loaded node, which is alive, not lost.
+UNIT_PING = "unit-ping"
+
 # Armed with a callable (this process): called with a chunk's path just before a
 # same-node reader or writer opens it, the window in which its unit may free it.
 CHUNK_OPEN = "chunk-open"

@@ -186,10 +186,18 @@ class Controller(Inspection):
 
     @served
     async def mark_unit_lost(self, index: int) -> bool:
-        """Called when a client saw a unit die; verify before believing it."""
+        """Called when a client (or a publish) saw a unit die; verify before believing it.
+
+        Lost is for good (its samples with it), so only proof counts, as for the
+        liveness watch: Ray saying the actor died, or its node dead. A unit that is
+        merely slow to answer (a loaded machine) is alive: False, nothing changes.
+        """
         if not self.keys.unit_alive[index]:
             return False
-        if await unit_calls.ping(self.units[index]) is not None:
+        dead = await liveness.dead_units(
+            self.units, self.unit_info, [index], unit_calls.UNIT_PING_TIMEOUT_S
+        )
+        if not dead:
             return False
         await self._lose_unit(index)
         return True

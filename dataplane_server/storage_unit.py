@@ -62,7 +62,8 @@ class StorageUnit:
         )
 
     # ---- identity / health ------------------------------------------------------
-    def ping(self) -> UnitInfo:
+    async def ping(self) -> UnitInfo:
+        await failpoints.pause_if_armed(failpoints.UNIT_PING)  # tests: a unit slow to answer
         return UnitInfo(
             self.store.index, self.node_id, self.node_ip, os.getpid(), self.store.use_shm
         )

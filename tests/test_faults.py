@@ -210,6 +210,28 @@ def test_a_unit_killed_during_writes_loses_exactly_its_samples(fresh):
     assert sorted(e.value.ids) == sorted(on_dead)
 
 
+SLOW_PING_S = 8.0  # past the 5 s the controller once gave a unit before declaring it lost
+
+
+def test_a_unit_slow_to_answer_is_not_declared_lost_on_a_clients_say_so(fresh):
+    """A client that saw a unit fail asks the controller to mark it lost. Lost is for good
+    (its samples with it), so only a dead actor is proof: a unit whose pings answer after
+    the controller's 5 s (the ``UNIT_PING`` failpoint, a loaded node) stays alive."""
+    h = fresh(num_storage_units=2)
+    c = h.client()
+    ids = [f"s{i}" for i in range(8)]
+    c.register_partition("p", ["x"], None, ["t"])
+    c.put_samples(ids, "p", {"x": _values(ids)})
+    failpoints.arm(failpoints.UNIT_PING, str(SLOW_PING_S))
+    try:
+        assert ray.get(h.controller.mark_unit_lost.remote(0)) is False
+        assert failpoints.fired(failpoints.UNIT_PING) >= 1  # it was slow when asked
+    finally:
+        failpoints.disarm(failpoints.UNIT_PING)
+    assert [u.alive for u in c.service_info().units] == [True, True]
+    assert torch.equal(c.get_samples(ids, "p", ["x"])["x"], _values(ids))
+
+
 def test_a_controller_restarted_after_a_unit_died_finds_the_rest_by_name(fresh):
     """The controller is given its units' names (no actor handles in its constructor
     arguments, which Ray would keep in the starter's object store). A unit dead when it
