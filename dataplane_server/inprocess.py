@@ -224,7 +224,8 @@ class InProcessDataPlaneClient(DataPlaneClient):
         return to_tensordict(decoded, len(ids), enums=codecs.enums)
 
     # ---- claims and consumption ---------------------------------------------------
-    def claim_meta(
+    # None is a non-blocking claim with nothing due (our extra; the ABC says KVBatchMeta).
+    def claim_meta(  # type: ignore[override]
         self,
         partition_id: str,
         task_name: str,
@@ -239,8 +240,11 @@ class InProcessDataPlaneClient(DataPlaneClient):
     ) -> KVBatchMeta | None:
         """Claim up to ``batch_size`` ready samples the task has not consumed yet, as the
         claim's policy (else the partition's) chooses them."""
+        # The caller's raw arguments; arguments.claim_request checks them and gives the
+        # typed form the rest relies on.
+        raw: Any = ClaimRequest
         request = arguments.claim_request(
-            ClaimRequest(
+            raw(
                 partition_id,
                 task_name,
                 required_fields,
@@ -332,7 +336,10 @@ class InProcessDataPlaneClient(DataPlaneClient):
         return all(t.done for t in self.consumption_detail(partition_id, names))
 
     # ---- clear --------------------------------------------------------------------
-    def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> ClearResult:
+    # Returns what was freed (our extra, as the Ray client's; the ABC says None).
+    def clear_samples(  # type: ignore[override]
+        self, sample_ids: Sequence[str] | None, partition_id: str
+    ) -> ClearResult:
         """Forget samples and free their bytes; ``None`` deletes the whole partition."""
         if sample_ids is None:
             return self.delete_partition(partition_id)

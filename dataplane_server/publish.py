@@ -30,7 +30,8 @@ def sample_metas(request: CommitRequest, seq: int) -> dict[int, SampleMeta]:
     """
     staged = request.staged_units
     lengths = request.sequence_lengths
-    tagged = [i for i, t in enumerate(request.tags) if t] if request.tags else []
+    tags = request.tags or []
+    tagged = [i for i, t in enumerate(tags) if t]
     if lengths is None and not tagged:  # nothing per sample to keep beyond commit order
         return {u: SampleMeta(seq) for u in staged}
     ids = np.asarray(request.sample_ids, dtype=object)
@@ -44,7 +45,7 @@ def sample_metas(request: CommitRequest, seq: int) -> dict[int, SampleMeta]:
         unit_lengths = {}
         if length_of is not None:
             unit_lengths = dict(zip(ids[on_u].tolist(), length_of[on_u].tolist()))
-        unit_tags = {request.sample_ids[i]: request.tags[i] for i in tagged if on_u[i]}
+        unit_tags = {request.sample_ids[i]: tags[i] for i in tagged if on_u[i]}
         out[u] = SampleMeta(seq, unit_lengths, unit_tags)
     return out
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Mapping
 
 from dataplane_client.errors import DataPlaneError
 from dataplane_client.messages import UnitInfo, UnitSnapshot
@@ -46,7 +47,7 @@ async def is_dead(unit, timeout_s: float) -> bool:
     return False
 
 
-async def free(units: list, partition_id: str, targets: dict[int, list[str] | None]) -> int:
+async def free(units: list, partition_id: str, targets: Mapping[int, list[str] | None]) -> int:
     """Free samples (None: the whole partition) on each target unit; bytes freed in all.
     A unit that fails to answer frees nothing and is not an error here (its bytes are lost
     with it, or freed by its own deadline)."""

@@ -43,6 +43,7 @@ CORE_MODULES = (
     "dataplane_server.unit_store",
     "dataplane_server.unit_partition",
     "dataplane_server.unit_leases",
+    "dataplane_server.unit_undo",
     "dataplane_server.unit_checkpoint",
     "dataplane_server.unit_preview",
     "dataplane_server.warm_reserve",
