@@ -1,7 +1,7 @@
 """Reproductions of suspected data-plane races that need no Ray (a code review's hazards).
 
-Each ``xfail(strict=True)`` test fails on the code as it is and names the bug; a fix
-makes it pass, and strict then fails the run until the mark is removed.
+Each test reproduced its bug on the code before its fix (as an ``xfail(strict=True)``
+test, then unmarked when the fix landed); they stay as regression tests.
 
 - Hazard 1: ``KeySpace.check_commit`` compares a field's schema only with the
   schema recorded for the partition, not with commits of the field in flight: two

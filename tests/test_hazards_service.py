@@ -1,8 +1,8 @@
 """Reproductions of suspected races on the real Ray service (a code review's hazards;
 the Ray-free ones, including hazards 2 and 4, are in ``test_hazards_keyspace.py``).
 
-Each ``xfail(strict=True)`` test fails on the code as it is and names the bug; a fix
-makes it pass, and strict then fails the run until the mark is removed. Nothing is
+Each test reproduced its bug on the code before its fix (as an ``xfail(strict=True)``
+test, then unmarked when the fix landed); they stay as regression tests. Nothing is
 injected into the service: races are hit by concurrency alone, or at this process's
 ``CHUNK_OPEN`` failpoint.
 
