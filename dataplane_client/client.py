@@ -2,8 +2,9 @@
 
 It implements NeMo-RL's abstract :class:`~dataplane_client.interface.DataPlaneClient`
 (fields in as a TensorDict, dict or BatchedDataDict; out as a TensorDict) and
-adds opt-in extras: async twins, leases and ``ack``, ``delete_partition``,
-object fields, inspection.
+our typed extras of :class:`~dataplane_client.interface.DataPlaneService` (async
+twins, leases and ``ack``, ``delete_partition``, inspection), plus Ray-only ones
+(``checkpoint``, ``restore``) and object fields.
 
 Every verb is written once and gets its ``*_async`` twin from ``_Verb``. A
 verb of several steps (put, get) is a *flow*: a generator that yields lists of
@@ -58,7 +59,8 @@ from dataplane_client.errors import (
     ServiceUnavailable,
     UnknownPartition,
 )
-from dataplane_client.interface import DataPlaneClient
+from dataplane_client.interface import DataPlaneClient as DataPlaneClient  # re-exported
+from dataplane_client.interface import DataPlaneService
 from dataplane_client.messages import (
     ClaimOutcome,
     ClaimRequest,
@@ -330,7 +332,7 @@ class _RouteCache:
             self._parts, self._size = {}, 0
 
 
-class RayDataPlaneClient(DataPlaneClient):
+class RayDataPlaneClient(DataPlaneService):
     """Client of one data-plane service (controller + storage units) on Ray.
 
     One client may be shared by threads: its caches are safe to use concurrently (see
@@ -339,20 +341,11 @@ class RayDataPlaneClient(DataPlaneClient):
     """
 
     if TYPE_CHECKING:
-        # The awaitable twins each verb's _Verb adds to the class (``_Verb.__set_name__``),
-        # declared for the type checker; like the verbs (their decorator is untyped), Any.
-        register_partition_async: Callable[..., Awaitable[Any]]
-        delete_partition_async: Callable[..., Awaitable[Any]]
-        put_samples_async: Callable[..., Awaitable[Any]]
-        get_samples_async: Callable[..., Awaitable[Any]]
-        get_data_async: Callable[..., Awaitable[Any]]
-        ack_async: Callable[..., Awaitable[Any]]
-        reset_consumption_async: Callable[..., Awaitable[Any]]
-        check_consumption_status_async: Callable[..., Awaitable[Any]]
-        consumption_detail_async: Callable[..., Awaitable[Any]]
-        describe_partition_async: Callable[..., Awaitable[Any]]
-        service_info_async: Callable[..., Awaitable[Any]]
-        clear_samples_async: Callable[..., Awaitable[Any]]
+        # Each verb's _Verb adds its awaitable twin to the class (``_Verb.__set_name__``),
+        # replacing DataPlaneService's thread-running default with one that awaits the
+        # ObjectRefs. The twins DataPlaneService declares are typed there; the Ray-only
+        # verbs' twins are declared here, Any like the verbs (their decorator is untyped).
+        # claim_meta_async is written by hand below: it goes through the claim batcher.
         checkpoint_async: Callable[..., Awaitable[Any]]
         restore_async: Callable[..., Awaitable[Any]]
 

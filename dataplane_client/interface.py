@@ -10,10 +10,17 @@ fields), but never change what these do. Errors are the typed classes of
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from dataplane_client.messages import (
+    ClearResult,
+    PartitionDescription,
+    ServiceInfo,
+    TaskConsumption,
+)
 from dataplane_client.meta import KVBatchMeta
 
 if TYPE_CHECKING:
@@ -109,3 +116,105 @@ class DataPlaneClient(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release handles. Idempotent."""
+
+
+class DataPlaneService(DataPlaneClient):
+    """``DataPlaneClient`` plus the extras both of our clients offer, typed.
+
+    ``RayDataPlaneClient`` and ``InProcessDataPlaneClient`` implement this, so code may
+    rely on these verbs without naming an implementation. It changes nothing of the
+    eight contract methods above (NeMo-RL's). The extras:
+
+    - ``delete_partition``: the partition's samples, bytes and declaration gone.
+    - ``ack``: a leased claim (or a slice of it) done for its task.
+    - ``reset_consumption``: every sample claimable again by a task.
+    - ``consumption_detail``: per task, consumed / total / expected, leases, redeliveries.
+    - ``describe_partition``: fields, produced counts, consumption, bytes per unit.
+    - ``service_info``: units, samples, bytes held and capacity (what rollout actors
+      back off on).
+
+    Ray-only extras, not declared here: ``checkpoint`` / ``restore`` (the in-process
+    store has no files to save), ``list_partitions`` and the admin endpoint's views.
+
+    Awaitable twins: every verb ``v`` has ``v_async``. The defaults here run the
+    verb in a worker thread (``asyncio.to_thread``), so a blocking claim never stalls
+    the event loop; the in-process client uses them as they are, the Ray client
+    overrides them with non-blocking twins that await Ray ObjectRefs. The contract
+    verbs' twins pass their arguments on as given (implementations take keyword
+    extras after the contract's, e.g. ``task_leases``, ``overwrite``, ``claim_policy``).
+    """
+
+    # ---- extras --------------------------------------------------------------------
+    @abstractmethod
+    def delete_partition(self, partition_id: str) -> ClearResult:
+        """Delete the partition (samples, bytes, declaration); what was freed.
+        An unknown partition raises ``UnknownPartition`` (a ``KeyError``)."""
+
+    @abstractmethod
+    def ack(self, meta: KVBatchMeta) -> int:
+        """Acknowledge a leased claim (or a slice of it); returns how many samples the
+        ack completed. Once another claim holds them, raises ``LeaseExpired``."""
+
+    @abstractmethod
+    def reset_consumption(self, partition_id: str, task_name: str) -> None:
+        """Make every sample of the partition claimable again by the task."""
+
+    @abstractmethod
+    def consumption_detail(
+        self, partition_id: str, task_names: Sequence[str]
+    ) -> list[TaskConsumption]:
+        """Per named task, in order: consumed / total / expected, leases, redeliveries."""
+
+    @abstractmethod
+    def describe_partition(self, partition_id: str) -> PartitionDescription:
+        """The partition's fields (and how many samples produced each), consumption per
+        task, claims waiting and bytes per storage unit."""
+
+    @abstractmethod
+    def service_info(self) -> ServiceInfo:
+        """The service's storage units (alive, bytes, samples, capacity) and totals."""
+
+    # ---- awaitable twins of the extras ---------------------------------------------
+    async def delete_partition_async(self, partition_id: str) -> ClearResult:
+        return await asyncio.to_thread(self.delete_partition, partition_id)
+
+    async def ack_async(self, meta: KVBatchMeta) -> int:
+        return await asyncio.to_thread(self.ack, meta)
+
+    async def reset_consumption_async(self, partition_id: str, task_name: str) -> None:
+        await asyncio.to_thread(self.reset_consumption, partition_id, task_name)
+
+    async def consumption_detail_async(
+        self, partition_id: str, task_names: Sequence[str]
+    ) -> list[TaskConsumption]:
+        return await asyncio.to_thread(self.consumption_detail, partition_id, task_names)
+
+    async def describe_partition_async(self, partition_id: str) -> PartitionDescription:
+        return await asyncio.to_thread(self.describe_partition, partition_id)
+
+    async def service_info_async(self) -> ServiceInfo:
+        return await asyncio.to_thread(self.service_info)
+
+    # ---- awaitable twins of the contract verbs (arguments passed on as given) -------
+    async def register_partition_async(self, *args: Any, **kwargs: Any) -> None:
+        await asyncio.to_thread(self.register_partition, *args, **kwargs)
+
+    async def claim_meta_async(self, *args: Any, **kwargs: Any) -> KVBatchMeta | None:
+        """``claim_meta``, awaitable; ``None``: a non-blocking claim with nothing due."""
+        return await asyncio.to_thread(self.claim_meta, *args, **kwargs)
+
+    async def get_data_async(self, *args: Any, **kwargs: Any) -> TensorDict:
+        return await asyncio.to_thread(self.get_data, *args, **kwargs)
+
+    async def check_consumption_status_async(self, *args: Any, **kwargs: Any) -> bool:
+        return await asyncio.to_thread(self.check_consumption_status, *args, **kwargs)
+
+    async def put_samples_async(self, *args: Any, **kwargs: Any) -> KVBatchMeta:
+        return await asyncio.to_thread(self.put_samples, *args, **kwargs)
+
+    async def get_samples_async(self, *args: Any, **kwargs: Any) -> TensorDict:
+        return await asyncio.to_thread(self.get_samples, *args, **kwargs)
+
+    # Ours return a ClearResult (what was freed); the contract's clear_samples says None.
+    async def clear_samples_async(self, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(self.clear_samples, *args, **kwargs)

@@ -25,7 +25,7 @@ from typing import Any
 from dataplane_client.client import connect
 from dataplane_client.config import DataPlaneConfig, parse_byte_size
 from dataplane_client.errors import ConfigError, ServiceUnavailable
-from dataplane_client.interface import DataPlaneClient
+from dataplane_client.interface import DataPlaneService
 from dataplane_server.inprocess import InProcessDataPlaneClient
 
 RAY_IMPLS = ("transfer_queue", "ray")
@@ -95,7 +95,7 @@ def _alive_nodes() -> int:
     return max(1, sum(1 for n in ray.nodes() if n.get("Alive")))
 
 
-def build_data_plane_client(cfg: Mapping[str, Any], bootstrap: bool = True) -> DataPlaneClient:
+def build_data_plane_client(cfg: Mapping[str, Any], bootstrap: bool = True) -> DataPlaneService:
     """Our client for a NeMo-RL ``data_plane`` config (see the module docstring for the keys).
 
     ``enabled`` not true, an unknown ``impl`` or an unknown key -> ValueError
@@ -123,7 +123,9 @@ def build_data_plane_client(cfg: Mapping[str, Any], bootstrap: bool = True) -> D
     # Held here: Ray ends an actor once no handle to it is left, so the service lives
     # while this process does (or until shutdown_started).
     handle = _started[config.name] = start(config)
-    return handle.client()
+    client = handle.client()
+    assert isinstance(client, DataPlaneService)  # a RayDataPlaneClient (typed as the base)
+    return client
 
 
 def shutdown_started(name: str) -> bool:

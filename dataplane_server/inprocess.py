@@ -3,11 +3,15 @@
 The same key space as the Ray service (:mod:`dataplane_server.keyspace`:
 partitions, commit check and apply, claims, leases, consumption) over an
 in-memory byte store, behind the same abstract
-:class:`~dataplane_client.interface.DataPlaneClient`. For users' unit tests
-and ours: code written against the ABC runs unchanged on either, with the same
-semantics and the same typed errors. Opt-in extras kept where cheap: ``*_async``
-twins, ``ack``, ``reset_consumption``, ``delete_partition``,
-``consumption_detail``, object fields and ``overwrite``.
+:class:`~dataplane_client.interface.DataPlaneService` (NeMo-RL's
+``DataPlaneClient`` and our typed extras). For users' unit tests and ours: code
+written against either ABC runs unchanged on either client, with the same
+semantics and the same typed errors. The extras: ``*_async`` twins (the ABC's
+defaults, which run the verb in a worker thread), ``ack``,
+``reset_consumption``, ``delete_partition``, ``consumption_detail``,
+``describe_partition``, ``service_info`` (one "unit": this process's memory),
+object fields and ``overwrite``. Not here (Ray only):
+``checkpoint`` and ``restore``.
 
 Thread-safe: one lock around the key space and the store; a blocking claim
 waits on a condition that every commit, clear and registration notifies, so a
@@ -16,7 +20,7 @@ claim in one thread is served by a put in another.
 
 from __future__ import annotations
 
-import asyncio
+import os
 import threading
 import time
 import uuid
@@ -29,20 +33,35 @@ from dataplane_client import arguments, prepare
 from dataplane_client.assembly import assemble
 from dataplane_client.codec import EncodedField, row_byte_offsets
 from dataplane_client.errors import ClaimTimeout, ServiceUnavailable, UnknownPartition
-from dataplane_client.interface import DataPlaneClient
+from dataplane_client.interface import DataPlaneService
 from dataplane_client.messages import (
     ClaimRequest,
     ClearResult,
     CommitRequest,
     FieldCodecs,
+    PartitionDescription,
     PartitionSpec,
+    ServiceInfo,
     TaskConsumption,
+    UnitInfo,
+    UnitSnapshot,
 )
 from dataplane_client.meta import KVBatchMeta
 from dataplane_client.tensordict_io import to_tensordict
+from dataplane_client.version import __version__
+from dataplane_server.admin import views
 from dataplane_server.keyspace import CommitPlan, KeySpace, declare
 
 _UNIT = 0  # the one in-memory "storage unit" every sample lives on
+
+
+def _memory_bytes() -> int:
+    """This machine's physical memory: the in-process unit's capacity (it refuses no put
+    for room; the figure is what ``service_info`` readers, e.g. back-off, compare with)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError):
+        return 1 << 40
 
 
 def _rows_of(enc: EncodedField) -> list[EncodedField]:
@@ -62,7 +81,7 @@ def _rows_of(enc: EncodedField) -> list[EncodedField]:
     ]
 
 
-class InProcessDataPlaneClient(DataPlaneClient):
+class InProcessDataPlaneClient(DataPlaneService):
     """A data plane held in this process's memory (one client = one store)."""
 
     def __init__(self) -> None:
@@ -71,6 +90,7 @@ class InProcessDataPlaneClient(DataPlaneClient):
         # partition -> sample -> field -> that row's bytes
         self._store: dict[str, dict[str, dict[str, EncodedField]]] = {}
         self._changed = threading.Condition()
+        self._started_at = time.time()
 
     @property
     def closed(self) -> bool:
@@ -329,6 +349,48 @@ class InProcessDataPlaneClient(DataPlaneClient):
             part = keys.partition(partition_id)
             return [keys.consumption(part, t) for t in names]
 
+    # ---- inspection ---------------------------------------------------------------
+    def _snapshot(self) -> UnitSnapshot:
+        """The one in-memory unit's figures (call under the lock)."""
+        per_partition = {pid: self._nbytes(s.values()) for pid, s in self._store.items()}
+        return UnitSnapshot(
+            index=_UNIT,
+            node_id="",
+            node_ip="",
+            bytes=sum(per_partition.values()),
+            samples=sum(len(s) for s in self._store.values()),
+            capacity_bytes=_memory_bytes(),
+            warm_reserve_bytes=0,
+            partition_bytes=per_partition,
+        )
+
+    def describe_partition(self, partition_id: str) -> PartitionDescription:
+        """Fields and how many samples produced each, consumption per task, bytes held."""
+        arguments.partition_name(partition_id)
+        with self._changed:
+            keys = self._open()
+            keys.partition(partition_id)  # unknown -> UnknownPartition
+            return views.describe_partition(keys, partition_id, [self._snapshot()])
+
+    def service_info(self) -> ServiceInfo:
+        """One unit, this process's memory: alive, the bytes and samples it holds, and as
+        ``capacity_bytes`` the machine's physical memory (nothing here refuses a put for
+        room; the figure is for readers such as the rollout actors' back-off)."""
+        with self._changed:
+            keys = self._open()
+            info = UnitInfo(index=_UNIT, node_id="", node_ip="", pid=os.getpid(), shm=False)
+            return views.service_info(
+                keys,
+                [info],
+                [self._snapshot()],
+                name="in-process",
+                namespace="",
+                version=__version__,
+                started_at=self._started_at,
+                draining=False,
+                default_capacity=_memory_bytes(),
+            )
+
     def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool:
         """True iff every named task has consumed every sample of the partition."""
         arguments.partition_name(partition_id)
@@ -357,29 +419,3 @@ class InProcessDataPlaneClient(DataPlaneClient):
             self._keys = None
             self._store.clear()
             self._notify()  # waiting claims see the client closed
-
-
-def _async_twin(name: str):
-    async def twin(self, *args, **kwargs):
-        # A thread, so a blocking claim never stalls the caller's event loop.
-        return await asyncio.to_thread(getattr(self, name), *args, **kwargs)
-
-    twin.__name__ = twin.__qualname__ = f"{name}_async"
-    twin.__doc__ = f"Awaitable ``{name}`` (runs in a worker thread)."
-    return twin
-
-
-for _verb in (
-    "register_partition",
-    "delete_partition",
-    "put_samples",
-    "get_samples",
-    "get_data",
-    "claim_meta",
-    "ack",
-    "reset_consumption",
-    "consumption_detail",
-    "check_consumption_status",
-    "clear_samples",
-):
-    setattr(InProcessDataPlaneClient, f"{_verb}_async", _async_twin(_verb))

@@ -25,6 +25,8 @@ from dataplane_client.errors import (
     UnknownPartition,
     UnknownTask,
 )
+from dataplane_client.interface import DataPlaneService
+from dataplane_client.messages import ClearResult, PartitionDescription, ServiceInfo
 from dataplane_client.preshard import shard_meta_for_dp
 from dataplane_server.inprocess import InProcessDataPlaneClient
 
@@ -390,6 +392,70 @@ def test_async_twins_and_leases_with_ack(dp):
     dp.delete_partition(pid)
     with pytest.raises(KeyError):
         dp.claim_meta(pid, "t", ["x"], 1, blocking=False)
+
+
+def test_every_typed_extra_and_its_async_twin(dp):
+    """Ours, typed by DataPlaneService: delete_partition, ack, reset_consumption,
+    consumption_detail, describe_partition, service_info, each sync and awaited."""
+    assert isinstance(dp, DataPlaneService)
+    pid, other = _pid(), _pid()
+    before = dp.service_info()
+    dp.register_partition(pid, ["x"], 3, ["t", "u"], task_leases={"t": 60.0})
+    dp.put_samples(["a", "b", "c"], pid, {"x": torch.arange(3.0)})
+
+    info = dp.service_info()
+    assert isinstance(info, ServiceInfo)
+    assert info.num_samples - before.num_samples == 3
+    assert info.num_partitions - before.num_partitions == 1
+    assert sum(u.samples for u in info.units) - sum(u.samples for u in before.units) >= 3
+    assert all(u.alive for u in info.units)
+    assert info.capacity_bytes > 0
+    if isinstance(dp, InProcessDataPlaneClient):  # one unit, this process: exact figures
+        assert len(info.units) == 1
+        assert (info.units[0].samples, info.bytes) == (3, 3 * 4)  # three float32 rows
+
+    desc = dp.describe_partition(pid)
+    assert isinstance(desc, PartitionDescription)
+    assert (desc.partition_id, desc.num_samples, desc.expected_samples) == (pid, 3, 3)
+    assert [(f.name, f.produced) for f in desc.fields] == [("x", 3)]
+    assert [c.task for c in desc.consumption] == ["t", "u"]
+
+    first = dp.claim_meta(pid, "t", ["x"], 2)
+    assert dp.ack(first) == 2
+    detail = dp.consumption_detail(pid, ["t", "u"])
+    assert [(c.task, c.consumed, c.leased) for c in detail] == [("t", 2, 0), ("u", 0, 0)]
+    dp.reset_consumption(pid, "t")
+    assert dp.consumption_detail(pid, ["t"])[0].consumed == 0
+
+    dp.register_partition(other, ["x"], 1, ["t"])
+    dp.put_samples(["z"], other, {"x": torch.zeros(1)})
+    gone = dp.delete_partition(other)
+    assert isinstance(gone, ClearResult)
+    assert gone.cleared == 1
+    with pytest.raises(KeyError):
+        dp.describe_partition(other)
+
+    async def run():
+        meta = await dp.claim_meta_async(pid, "t", ["x"], 3)
+        acked = await dp.ack_async(meta)
+        detail = await dp.consumption_detail_async(pid, ["t", "u"])
+        await dp.reset_consumption_async(pid, "t")
+        after_reset = await dp.consumption_detail_async(pid, ["t"])
+        desc = await dp.describe_partition_async(pid)
+        info = await dp.service_info_async()
+        gone = await dp.delete_partition_async(pid)
+        return acked, detail, after_reset, desc, info, gone
+
+    acked, detail, after_reset, desc, info, gone = asyncio.run(run())
+    assert acked == 3
+    assert [(c.task, c.consumed, c.done) for c in detail] == [("t", 3, True), ("u", 0, False)]
+    assert after_reset[0].consumed == 0
+    assert (desc.num_samples, [c.task for c in desc.consumption]) == (3, ["t", "u"])
+    assert info.num_samples - before.num_samples == 3
+    assert isinstance(gone, ClearResult)
+    assert gone.cleared == 3
+    with pytest.raises(KeyError):
+        dp.consumption_detail(pid, ["t"])
 
 
 # ---- a trainer loop written only against the ABC -----------------------------------------
