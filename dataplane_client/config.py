@@ -3,11 +3,14 @@
 Where values come from, highest precedence first:
 
 1. keyword arguments in code, or the keys of ``from_dict`` (a complete dict, as
-   ``to_dict`` produces to send the config to an actor, never consults the
-   environment again, so every process sees the same values);
+   ``to_dict`` produces, never consults the environment again); the actors get
+   the config object itself (pickled, not rebuilt), so every process of one
+   service sees the same values;
 2. environment variables ``DATAPLANE_<FIELD>`` (``DATAPLANE_ADMIN_TOKEN``,
    ``DATAPLANE_METRICS_PORT=9464``, ...) for fields not given explicitly; an
-   empty variable counts as unset;
+   empty variable counts as unset; any other ``DATAPLANE_*`` variable (not in
+   ``NOT_CONFIG_ENV``) is a ConfigError naming the closest key, as an unknown
+   YAML key is;
 3. a config file (``from_file``): the deployment's own defaults, which the
    environment overrides so a secret can be injected next to a ConfigMap;
 4. the defaults below.
@@ -46,6 +49,13 @@ from pydantic import (
 from dataplane_client.errors import ConfigError
 
 ENV_PREFIX = "DATAPLANE_"
+# ``DATAPLANE_*`` variables that are not config keys, each with who reads it; any other
+# ``DATAPLANE_*`` variable that is not ``DATAPLANE_<FIELD>`` is a ConfigError (a typo).
+NOT_CONFIG_ENV = frozenset(
+    {
+        "DATAPLANE_ADMIN_ADDRESS",  # the CLI's default --address (dataplane_server/cli/endpoint.py)
+    }
+)
 
 # SI prefixes are powers of 1000 and IEC ("Ki", "Mi", ...) powers of 1024, as in
 # Kubernetes quantities; a trailing "B" is optional ("4G" == "4GB" == 4 * 10**9).
@@ -132,6 +142,12 @@ class DataPlaneConfig(BaseModel):
     )
     unit_num_cpus: float = Field(
         0.0, ge=0, description="Logical CPUs reserved per storage unit (0 = none)."
+    )
+    copy_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Threads a large copy (16 MiB or more) is split over, in units and "
+        "clients; 1 = off; None = the CPUs the process may run on, at most 4.",
     )
 
     # --- reliability ---------------------------------------------------------------
@@ -294,7 +310,27 @@ def _reject_unknown(values: dict[str, Any]) -> None:
             raise ConfigError(f"unknown config key {key!r}{hint}", fields=[str(key)])
 
 
+def _reject_unknown_env() -> None:
+    known = {env_var(name): name for name in DataPlaneConfig.model_fields}
+    for var, value in os.environ.items():
+        if not var.startswith(ENV_PREFIX) or var in known or var in NOT_CONFIG_ENV:
+            continue
+        if value == "":  # as for a known key: an empty variable counts as unset
+            continue
+        close = difflib.get_close_matches(var, list(known), n=1)
+        hint = (
+            f"; did you mean {close[0]} (config key {known[close[0]]!r})?"
+            if close
+            else f"; known keys: {sorted(known.values())}"
+        )
+        raise ConfigError(
+            f"unknown config environment variable {var}{hint}",
+            fields=[known[close[0]]] if close else [],
+        )
+
+
 def _environment_values(exclude: dict[str, Any]) -> dict[str, str]:
+    _reject_unknown_env()
     out = {}
     for name in DataPlaneConfig.model_fields:
         value = os.environ.get(env_var(name), "")

@@ -6,8 +6,11 @@ parallel. Measured on this project's 2-core machine: 128 MiB took 15.5 ms on one
 thread and 10.0 ms on two (`python -m benchmarks.run --only store` reports the
 same-run memcpy baseline, which stays one thread).
 
-``DATAPLANE_COPY_THREADS`` sets the number of threads (1 turns this off); the
-default is the CPUs this process may run on, at most 4.
+The config's ``copy_threads`` sets the number of threads (1 turns this off; the
+environment variable ``DATAPLANE_COPY_THREADS`` sets it like any other key); the
+default is the CPUs this process may run on, at most 4. A storage unit uses its
+service's config (``configure``); any other process, the config its environment
+gives, read at each large copy.
 """
 
 from __future__ import annotations
@@ -18,23 +21,28 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from dataplane_client.config import DataPlaneConfig
+
 MIN_PARALLEL_BYTES = 16 << 20  # below this a thread handoff costs more than it saves
 _MAX_DEFAULT_THREADS = 4
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+_config: DataPlaneConfig | None = None  # set by configure(); None = the environment's config
+
+
+def configure(config: DataPlaneConfig | None) -> None:
+    """This process's copies follow ``config`` (a storage unit: its service's config)."""
+    global _config
+    _config = config
 
 
 def threads() -> int:
-    """How many threads a large copy uses (``DATAPLANE_COPY_THREADS``, else the CPUs, at most 4)."""
-    configured = os.environ.get("DATAPLANE_COPY_THREADS", "").strip()
-    if configured:
-        try:
-            return max(1, int(configured))
-        except ValueError:
-            raise ValueError(
-                f"DATAPLANE_COPY_THREADS must be a whole number, got {configured!r}"
-            ) from None
+    """How many threads a large copy uses (the config's ``copy_threads``, else the CPUs,
+    at most 4)."""
+    config = _config if _config is not None else DataPlaneConfig()
+    if config.copy_threads is not None:
+        return config.copy_threads
     return max(1, min(_MAX_DEFAULT_THREADS, len(os.sched_getaffinity(0))))
 
 
@@ -73,7 +81,7 @@ def copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
     """``dst[...] = src`` for each pair of equally long 1-D byte arrays, large totals split
     evenly over ``threads()`` threads (the caller's one of them)."""
     total = sum(len(dst) for dst, _ in pairs)
-    workers = threads() if total >= MIN_PARALLEL_BYTES else 1  # small copies: no env lookup
+    workers = threads() if total >= MIN_PARALLEL_BYTES else 1  # small copies: no config read
     if workers < 2:
         _copy_group(pairs)
         return

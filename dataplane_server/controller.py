@@ -23,6 +23,7 @@ import time
 import ray
 
 from dataplane_client import arguments, failpoints
+from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import (
     DataPlaneError,
     InvalidBatch,
@@ -63,23 +64,21 @@ from dataplane_server.verbs import served
 
 @ray.remote
 class Controller(Inspection):
-    def __init__(self, config: dict, units: list | None = None, state_dir: str | None = None):
+    def __init__(
+        self, config: DataPlaneConfig, units: list | None = None, state_dir: str | None = None
+    ):
         self.config = config
         self.keys = KeySpace()
         # Names (what start() passes; see unit_lookup) or handles (tests building one by hand).
-        self.units: list = unit_lookup.resolve(list(units or []), config.get("namespace"))
+        self.units: list = unit_lookup.resolve(list(units or []), config.namespace)
         self.unit_info: list[UnitInfo] = []
-        self.journal = (
-            Journal(state_dir, fsync=bool(config.get("journal_fsync", False)))
-            if state_dir
-            else None
-        )
+        self.journal = Journal(state_dir, fsync=config.journal_fsync) if state_dir else None
         self._recovery: asyncio.Future | None = None
         self._watcher: asyncio.Task | None = None
         self._next_seq = 1  # commit sequence number: row order when rebuilt from the units
         self._applied = publish.AppliedWrites()
         self._emptied = EmptiedPartitions(
-            config.get("retain_emptied_partitions"), config.get("retain_emptied_partitions_s")
+            config.retain_emptied_partitions, config.retain_emptied_partitions_s
         )
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if self.restarted:  # tests hold a restart here to outlast the clients' retry budget
@@ -123,7 +122,7 @@ class Controller(Inspection):
         if self.restarted:
             self.stats.inc("controller_restarts_total")
         if self._watcher is None:
-            every_s = float(self.config.get("liveness_interval_s", 1.0))
+            every_s = self.config.liveness_interval_s
             self._watcher = asyncio.ensure_future(
                 liveness.every(
                     every_s,
@@ -181,7 +180,7 @@ class Controller(Inspection):
             alive=list(self.keys.unit_alive),
             nodes=[info.node_id for info in self.unit_info],
             shm=[bool(info.shm) for info in self.unit_info],
-            replicas=int(self.config.get("replicas", 1)),
+            replicas=self.config.replicas,
         )
 
     @served

@@ -7,6 +7,7 @@ controller file keeps only the verbs that decide something.
 
 from __future__ import annotations
 
+from dataplane_client.config import DataPlaneConfig
 from dataplane_client.messages import (
     ControllerSnapshot,
     PartitionDescription,
@@ -28,7 +29,7 @@ from dataplane_server.verbs import served
 
 class Inspection:
     # Kept by the controller; named here for readers and type checkers.
-    config: dict
+    config: DataPlaneConfig
     keys: KeySpace
     units: list
     unit_info: list[UnitInfo]
@@ -45,12 +46,12 @@ class Inspection:
             self.keys,
             self.unit_info,
             await self._unit_snapshots(),
-            name=self.config.get("name", ""),
-            namespace=self.config.get("namespace", ""),
+            name=self.config.name,
+            namespace=self.config.namespace,
             version=__version__,
             started_at=self.started_at,
             draining=self.draining,
-            default_capacity=int(self.config.get("unit_capacity_bytes", 0)),
+            default_capacity=self.config.unit_capacity_bytes,
         )
 
     @served

@@ -114,21 +114,14 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
                 scheduling_strategy=strategy,
                 runtime_env={"env_vars": _UNIT_ENV},
                 max_concurrency=1000,
-            ).remote(
-                i,
-                config.unit_capacity_bytes,
-                config.put_wait_timeout_s,
-                warm_reserve_bytes=config.unit_warm_reserve_bytes,
-                stage_ttl_s=config.stage_ttl_s,
-            )
+            ).remote(i, config)
         )
     # The controller sits beside whoever started the service, so losing a worker node
     # never takes the key space with it. Ray restarts it after a crash with the same
     # arguments; it rebuilds from the units and its journal on this node's disk, and
     # calls in flight are retried (each verb is safe to retry: see RELIABILITY.md).
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    raw = config.to_dict()
-    named_dir = raw.get("controller_state_dir")
+    named_dir = config.controller_state_dir
     state_dir = named_dir or tempfile.mkdtemp(prefix=f"dataplane-{config.name}-journal-")
     # @ray.remote made it an ActorClass; mypy ignores class decorators
     controller = Controller.options(  # type: ignore[attr-defined]
@@ -137,9 +130,9 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
         num_cpus=config.controller_num_cpus,
         max_concurrency=10_000,
         scheduling_strategy=here,
-        max_restarts=int(raw.get("controller_max_restarts", -1)),
+        max_restarts=config.controller_max_restarts,
         max_task_retries=-1,
-    ).remote(raw, [unit_name(config, i) for i in range(len(units))], state_dir)
+    ).remote(config, [unit_name(config, i) for i in range(len(units))], state_dir)
     ray.get(controller.attach_units.remote())
     handle = ServiceHandle(
         config=config,
@@ -160,7 +153,7 @@ def _start_admin(handle: ServiceHandle) -> None:
     # @ray.remote made it an ActorClass; mypy ignores class decorators
     admin = AdminActor.options(  # type: ignore[attr-defined]
         num_cpus=0, namespace=handle.config.namespace, name=f"{handle.config.name}-admin"
-    ).remote(handle.config.to_dict())
+    ).remote(handle.config)
     addresses = ray.get(admin.start.remote())
     handle.admin = admin
     handle.admin_address = addresses.get("admin_address")

@@ -24,8 +24,9 @@ import os
 
 import ray
 
-from dataplane_client import failpoints
+from dataplane_client import failpoints, parallel_copy
 from dataplane_client.codec import EncodedField
+from dataplane_client.config import DataPlaneConfig
 from dataplane_client.messages import ShmAlloc, UnitInfo, UnitSnapshot
 from dataplane_server.recovery_messages import DumpedFile, SampleMeta, UnitRecovery
 from dataplane_server.unit_store import UnitHoldings, UnitStore
@@ -39,18 +40,16 @@ def _owner(owner: list | None) -> ray.ObjectRef | None:
 
 @ray.remote
 class StorageUnit:
-    def __init__(
-        self,
-        index: int,
-        capacity_bytes: int,
-        put_wait_timeout_s: float = 0.0,
-        use_shm: bool = True,
-        warm_reserve_bytes: int = 0,
-        stage_ttl_s: float = 30.0,
-    ):
+    def __init__(self, index: int, config: DataPlaneConfig):
         failpoints.sleep_if_armed(failpoints.UNIT_START)
+        parallel_copy.configure(config)  # this process's large copies follow the service
         self.store = UnitStore(
-            index, capacity_bytes, put_wait_timeout_s, use_shm, warm_reserve_bytes, stage_ttl_s
+            index,
+            config.unit_capacity_bytes,
+            put_wait_timeout_s=config.put_wait_timeout_s,
+            use_shm=True,
+            warm_reserve_bytes=config.unit_warm_reserve_bytes,
+            stage_ttl_s=config.stage_ttl_s,
         )
         self._sweeper: asyncio.Task | None = None
         self.node_id = ray.get_runtime_context().get_node_id()

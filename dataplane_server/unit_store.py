@@ -105,11 +105,14 @@ class UnitStore:
         self,
         index: int,
         capacity_bytes: int,
-        put_wait_timeout_s: float = 0.0,
-        use_shm: bool = True,
-        warm_reserve_bytes: int = 0,
-        stage_ttl_s: float = 30.0,
+        *,
+        put_wait_timeout_s: float,
+        use_shm: bool,
+        warm_reserve_bytes: int,
+        stage_ttl_s: float,
     ):
+        # No defaults: the settings come from the service's DataPlaneConfig (the actor,
+        # StorageUnit, passes them), so each has one default, the config's.
         self.index = index
         self.use_shm = bool(use_shm) and shm.supported()
         self.reserve = WarmReserve(warm_reserve_bytes if self.use_shm else 0)

@@ -599,7 +599,7 @@ def test_admin_actor_drain_then_stop(service, ray_session):
     cfg = DataPlaneConfig(
         name=service.config.name, namespace=service.config.namespace, metrics_enabled=False
     )
-    actor = AdminActor.remote(cfg.to_dict())
+    actor = AdminActor.remote(cfg)
     try:
         addresses = ray_session.get(actor.start.remote(), timeout=60)
         assert addresses["metrics_address"] is None

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dataplane_client import parallel_copy
 from dataplane_client.config import DataPlaneConfig, env_var, parse_byte_size
 from dataplane_client.errors import ConfigError
 
@@ -114,14 +115,54 @@ def test_bad_environment_value_names_the_variable(monkeypatch):
 
 
 def test_round_trip_to_an_actor_ignores_the_receivers_environment(monkeypatch):
-    # to_dict is what service.start() sends to actors: every key explicit, so an actor
-    # on a node with other DATAPLANE_* variables still runs with the driver's values.
+    # A complete dict (to_dict) names every key, so rebuilding it on a node with other
+    # DATAPLANE_* variables keeps the sender's values; start() sends the object itself.
     sent = DataPlaneConfig(name="dp-x", unit_capacity_bytes="2GiB", admin_token="t").to_dict()
     monkeypatch.setenv("DATAPLANE_NAME", "other")
     received = DataPlaneConfig.from_dict(sent)
     assert received.name == "dp-x"
     assert received == pickle.loads(pickle.dumps(received))
     assert received.admin_token == "t"
+
+
+def test_unknown_environment_variable_names_the_closest_key(monkeypatch):
+    monkeypatch.setenv("DATAPLANE_UNIT_CAPACTIY_BYTES", "1GiB")
+    with pytest.raises(ConfigError, match=r"DATAPLANE_UNIT_CAPACTIY_BYTES.*'unit_capacity_bytes'"):
+        DataPlaneConfig()
+    with pytest.raises(ConfigError) as info:  # every way of loading checks it, as for YAML
+        DataPlaneConfig.from_dict({"name": "x"})
+    assert info.value.fields == ["unit_capacity_bytes"]
+    monkeypatch.setenv("DATAPLANE_UNIT_CAPACTIY_BYTES", "")  # empty = unset, as for a key
+    DataPlaneConfig()
+
+
+def test_the_clis_address_variable_is_not_a_config_key(monkeypatch):
+    monkeypatch.setenv("DATAPLANE_ADMIN_ADDRESS", "127.0.0.1:50051")  # read by the CLI
+    assert DataPlaneConfig().admin_port == 0
+
+
+def test_copy_threads_come_from_the_config(monkeypatch):
+    monkeypatch.setattr(parallel_copy, "_config", None)
+    monkeypatch.setenv("DATAPLANE_COPY_THREADS", "3")  # no config given: the environment's
+    assert DataPlaneConfig().copy_threads == 3
+    assert parallel_copy.threads() == 3
+    parallel_copy.configure(DataPlaneConfig(copy_threads=2))  # a unit: its service's config
+    assert parallel_copy.threads() == 2
+    parallel_copy.configure(None)
+    monkeypatch.setenv("DATAPLANE_COPY_THREADS", "0")
+    with pytest.raises(ConfigError, match="DATAPLANE_COPY_THREADS='0'"):
+        parallel_copy.threads()
+    monkeypatch.delenv("DATAPLANE_COPY_THREADS")
+    assert DataPlaneConfig().copy_threads is None
+    assert 1 <= parallel_copy.threads() <= 4
+
+
+def test_the_controller_runs_with_the_config_object(service):
+    # The controller reads its settings as attributes of the DataPlaneConfig start() gave
+    # it (a dict would fail here): service_info reports three of them.
+    info = service.client().service_info()
+    assert (info.name, info.namespace) == (service.config.name, service.config.namespace)
+    assert {unit.capacity_bytes for unit in info.units} == {service.config.unit_capacity_bytes}
 
 
 def test_config_is_frozen():

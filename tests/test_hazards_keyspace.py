@@ -119,7 +119,17 @@ def test_a_write_back_undone_after_a_failed_publish_keeps_the_samples_earlier_fi
     prepared on both units; then unit 1's publish fails: its pinned stage was reclaimed
     (a typed SamplesNotFound), or unit 1 died. The commit is refused and undone; a's x on
     unit 0, which the controller still lists, must still be there."""
-    stores = [UnitStore(index=u, capacity_bytes=64 << 20, use_shm=False) for u in (0, 1)]
+    stores = [
+        UnitStore(
+            index=u,
+            capacity_bytes=64 << 20,
+            use_shm=False,
+            put_wait_timeout_s=0.0,
+            warm_reserve_bytes=0,
+            stage_ttl_s=30.0,
+        )
+        for u in (0, 1)
+    ]
     try:
         x = {"a": torch.full((1, 4), 1.0), "b": torch.full((1, 4), 2.0)}
         for u, sid in enumerate(("a", "b")):

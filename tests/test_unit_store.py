@@ -41,7 +41,15 @@ def stores():
     made = []
 
     def make(**options) -> UnitStore:
-        settings = {"index": 0, "capacity_bytes": 256 * MiB, "use_shm": False, **options}
+        settings = {
+            "index": 0,
+            "capacity_bytes": 256 * MiB,
+            "use_shm": False,
+            "put_wait_timeout_s": 0.0,
+            "warm_reserve_bytes": 0,
+            "stage_ttl_s": 30.0,
+            **options,
+        }
         made.append(UnitStore(**settings))
         return made[-1]
 

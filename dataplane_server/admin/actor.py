@@ -2,7 +2,7 @@
 
 The service launcher creates one next to the controller:
 
-    admin = AdminActor.remote(config.to_dict())
+    admin = AdminActor.remote(config)
     addresses = ray.get(admin.start.remote())  # {"admin_address", "metrics_address"}
     ...
     ray.get(admin.drain.remote())  # health -> NOT_SERVING
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 
 @ray.remote(num_cpus=0)
 class AdminActor:
-    def __init__(self, config_dict: dict):
-        self.config = DataPlaneConfig.from_dict(config_dict)
+    def __init__(self, config: DataPlaneConfig):
+        self.config = config
         self._admin: AdminServer | None = None
         self._metrics: MetricsServer | None = None
 
