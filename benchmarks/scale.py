@@ -63,9 +63,11 @@ def _breakdown(controller: Any, partition: str) -> dict[str, int]:
             "sample id strings": sum(_sys.getsizeof(s) for s in p.row_of),
             "ids list": _sys.getsizeof(p.ids),
             "tags list": _sys.getsizeof(p.tags),
-            "group_of list": _sys.getsizeof(p.group_of),
+            "group_index dict": _sys.getsizeof(p.group_index),
             "numpy columns": int(
                 p.live.nbytes
+                + p.group_code.nbytes
+                + p.group_live.nbytes
                 + p.seq_len.nbytes
                 + p.unit.nbytes
                 + sum(a.nbytes for a in p.produced.values())
