@@ -46,6 +46,14 @@ CONTROLLER_COUNTERS = {
     ),
     "claims_total": ("dataplane_claims", "claim_meta calls that handed out samples."),
     "claimed_samples_total": ("dataplane_claimed_samples", "Samples handed out by claim_meta."),
+    "claims_replayed_total": (
+        "dataplane_claims_replayed",
+        "Claims answered again by request id (a retry after a lost answer), not twice.",
+    ),
+    "journal_write_errors_total": (
+        "dataplane_journal_write_errors",
+        "Journal writes or compactions that failed (the verb changed nothing).",
+    ),
     "claim_timeouts_total": (
         "dataplane_claim_timeouts",
         "Blocking claims that ran out of time with no batch ready (normal when polling).",
@@ -95,6 +103,11 @@ UNIT_COUNTERS = {
     "stage_sweep_errors_total": (
         "dataplane_stage_sweep_errors",
         "Failures of the unit's sweep of expired staged writes.",
+    ),
+    "write_leases_reclaimed_total": (
+        "dataplane_write_leases_reclaimed",
+        "Write regions set aside for a writer's next put and taken back unused "
+        "(deadline, room needed, or the writer died).",
     ),
 }
 # Stats histogram -> (family name, help); the controller's have no labels, the units' {unit}.
