@@ -146,7 +146,7 @@ def _controller_commit_cost(controller: Any, sizes: tuple[int, ...], trials: int
 
         from dataplane_client.messages import CommitRequest
         from dataplane_server import publish
-        from dataplane_server.keyspace import declaration
+        from dataplane_server.core.keyspace import declaration
 
         pid = "bench-commit-cost"
         self.keys.register(pid, declaration(pid, ["x"], None, []))

@@ -1,6 +1,6 @@
 """What every implementation of the client checks and prepares before touching a store.
 
-The Ray client and the in-process twin (``dataplane_server.inprocess``) share
+The Ray client and the in-process twin (``dataplane_server.core.inprocess``) share
 these, so the same bad input raises the same typed error on both, and a write
 reaches either store in the same encoded form.
 """

@@ -11,7 +11,7 @@ _EXPORTS = {
     "start": "service",
     "build_data_plane_client": "factory",
     "shutdown_started": "factory",
-    "InProcessDataPlaneClient": "inprocess",
+    "InProcessDataPlaneClient": "core.inprocess",
 }
 __all__ = list(_EXPORTS)
 

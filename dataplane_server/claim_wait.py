@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataplane_client.errors import ClaimTimeout, SamplesLost, UnknownPartition
 from dataplane_client.messages import ClaimRequest
 from dataplane_client.meta import KVBatchMeta
-from dataplane_server.keyspace import KeySpace, Partition, PolicyCall
+from dataplane_server.core.keyspace import KeySpace, Partition, PolicyCall
 
 
 def raise_if_unsatisfiable(keys: KeySpace, part: Partition, task: str) -> None:

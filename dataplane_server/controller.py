@@ -1,6 +1,6 @@
 """Controller: the async Ray actor around the key space.
 
-All metadata and every decision live in ``dataplane_server.keyspace`` (no Ray
+All metadata and every decision live in ``dataplane_server.core.keyspace`` (no Ray
 there); this shell validates arguments, talks to the storage units, and makes
 blocking claims wait on a per-partition asyncio condition, so a waiting claim
 never stalls another caller. Whenever it awaits, the key space is consistent:
@@ -45,20 +45,13 @@ from dataplane_client.messages import (
     UnitInfo,
 )
 from dataplane_client.meta import KVBatchMeta
-from dataplane_server import (
-    claim_wait,
-    liveness,
-    publish,
-    recovery,
-    store_checkpoint,
-    unit_calls,
-    unit_lookup,
-)
+from dataplane_server import claim_wait, liveness, publish, store_checkpoint, unit_lookup
+from dataplane_server.core import recovery, unit_calls
+from dataplane_server.core.journal import Journal
+from dataplane_server.core.keyspace import CommitPlan, KeySpace, Partition, PolicyCall, declare
+from dataplane_server.core.retention import EmptiedPartitions
+from dataplane_server.core.stats import Stats
 from dataplane_server.inspection import Inspection
-from dataplane_server.journal import Journal
-from dataplane_server.keyspace import CommitPlan, KeySpace, Partition, PolicyCall, declare
-from dataplane_server.retention import EmptiedPartitions
-from dataplane_server.stats import Stats
 from dataplane_server.verbs import served
 
 

@@ -26,7 +26,7 @@ from dataplane_client.client import connect
 from dataplane_client.config import DataPlaneConfig, parse_byte_size
 from dataplane_client.errors import ConfigError, ServiceUnavailable
 from dataplane_client.interface import DataPlaneService
-from dataplane_server.inprocess import InProcessDataPlaneClient
+from dataplane_server.core.inprocess import InProcessDataPlaneClient
 
 RAY_IMPLS = ("transfer_queue", "ray")
 IN_PROCESS = "in_process"

@@ -1,7 +1,7 @@
 """The controller's read-only verbs for the admin endpoint, metrics and benchmarks.
 
 A mixin of ``Controller``: each verb reads the key space (through
-``admin.views``) and the units' metrics snapshots, and changes nothing, so the
+``core.views``) and the units' metrics snapshots, and changes nothing, so the
 controller file keeps only the verbs that decide something.
 """
 
@@ -20,10 +20,9 @@ from dataplane_client.messages import (
     UnitSnapshot,
 )
 from dataplane_client.version import __version__
-from dataplane_server import unit_calls
-from dataplane_server.admin import views
-from dataplane_server.keyspace import KeySpace
-from dataplane_server.stats import Stats
+from dataplane_server.core import unit_calls, views
+from dataplane_server.core.keyspace import KeySpace
+from dataplane_server.core.stats import Stats
 from dataplane_server.verbs import served
 
 

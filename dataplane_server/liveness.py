@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 import ray
 
 from dataplane_client.messages import UnitInfo
-from dataplane_server import unit_calls
+from dataplane_server.core import unit_calls
 
 
 async def dead_units(

@@ -18,8 +18,8 @@ import numpy as np
 
 from dataplane_client.errors import SamplesLost
 from dataplane_client.messages import CommitRequest
-from dataplane_server import unit_calls
-from dataplane_server.recovery_messages import SampleMeta
+from dataplane_server.core import unit_calls
+from dataplane_server.core.recovery_messages import SampleMeta
 
 
 def sample_metas(request: CommitRequest, seq: int) -> dict[int, SampleMeta]:

@@ -1,4 +1,4 @@
-"""StorageUnit: the Ray actor around one :class:`~dataplane_server.unit_store.UnitStore`.
+"""StorageUnit: the Ray actor around one :class:`~dataplane_server.core.unit_store.UnitStore`.
 
 The store holds the bytes and every rule about them (staging, publish, leases,
 reads, checkpoints, recovery, previews, figures) and runs without Ray. This
@@ -28,8 +28,8 @@ from dataplane_client import failpoints, parallel_copy
 from dataplane_client.codec import EncodedField
 from dataplane_client.config import DataPlaneConfig
 from dataplane_client.messages import ShmAlloc, UnitInfo, UnitSnapshot
-from dataplane_server.recovery_messages import DumpedFile, SampleMeta, UnitRecovery
-from dataplane_server.unit_store import UnitHoldings, UnitStore
+from dataplane_server.core.recovery_messages import DumpedFile, SampleMeta, UnitRecovery
+from dataplane_server.core.unit_store import UnitHoldings, UnitStore
 
 
 def _owner(owner: list | None) -> ray.ObjectRef | None:

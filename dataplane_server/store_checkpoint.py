@@ -18,9 +18,9 @@ from collections.abc import Callable
 import numpy as np
 
 from dataplane_client.errors import CorruptPayload, DataPlaneError, InvalidBatch
-from dataplane_server import checkpoint, recovery, unit_calls
-from dataplane_server.journal import Journal
-from dataplane_server.keyspace import KeySpace
+from dataplane_server.core import checkpoint, recovery, unit_calls
+from dataplane_server.core.journal import Journal
+from dataplane_server.core.keyspace import KeySpace
 
 
 async def save(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from dataplane_server.columns import counts_errors
+from dataplane_server.core.columns import counts_errors
 
 
 def served(method):

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 
-from dataplane_server.journal import Journal
+from dataplane_server.core.journal import Journal
 
 
 def _per_record_us(fsync: bool, n: int) -> float:

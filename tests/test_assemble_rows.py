@@ -12,7 +12,7 @@ import torch
 
 from dataplane_client.assembly import assemble
 from dataplane_client.codec import DENSE, EncodedField, encode_field
-from dataplane_server.inprocess import InProcessDataPlaneClient
+from dataplane_server.core.inprocess import InProcessDataPlaneClient
 
 N = 40_000  # more than 2**15 sources
 

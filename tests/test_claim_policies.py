@@ -25,12 +25,12 @@ from hypothesis import strategies as st
 from dataplane_client.errors import FieldAlreadyProduced, InvalidBatch, UnknownTask
 from dataplane_client.messages import CommitRequest
 from dataplane_client.preshard import shard_meta_for_dp
-from dataplane_server import claim_policies
-from dataplane_server.claim_policies import ReadyRows, base
-from dataplane_server.claim_policies.seqlen_balanced import balanced_shards, shard_sizes
-from dataplane_server.inprocess import InProcessDataPlaneClient
-from dataplane_server.journal import Journal
-from dataplane_server.keyspace import CommitPlan, Declaration, KeySpace, declaration
+from dataplane_server.core import claim_policies
+from dataplane_server.core.claim_policies import ReadyRows, base
+from dataplane_server.core.claim_policies.seqlen_balanced import balanced_shards, shard_sizes
+from dataplane_server.core.inprocess import InProcessDataPlaneClient
+from dataplane_server.core.journal import Journal
+from dataplane_server.core.keyspace import CommitPlan, Declaration, KeySpace, declaration
 
 DENSE = ("dense", "float32", ())
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dataplane_server import checkpoint
+from dataplane_server.core import checkpoint
 
 pytestmark = pytest.mark.slow
 

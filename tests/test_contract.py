@@ -28,7 +28,7 @@ from dataplane_client.errors import (
 from dataplane_client.interface import DataPlaneService
 from dataplane_client.messages import ClearResult, PartitionDescription, ServiceInfo
 from dataplane_client.preshard import shard_meta_for_dp
-from dataplane_server.inprocess import InProcessDataPlaneClient
+from dataplane_server.core.inprocess import InProcessDataPlaneClient
 
 # The Ray case needs the session cluster (`ray` marker: make test-fast skips it).
 IMPLS = [pytest.param("ray", marks=pytest.mark.ray), "in_process"]

@@ -8,10 +8,14 @@ package's ``__init__`` does when it runs, which is how the key space once loaded
 Ray through ``dataplane_client/__init__.py``. So each module here is imported for
 real, and ``sys.modules`` decides.
 
+The server's share of the core is exactly the folder ``dataplane_server/core/``
+(checked below), so the tree shows what runs without Ray.
+
 Not core, because they call Ray itself: dataplane_client.client and .transport (the
 Ray client and its bulk-data path), and the controller's actors and their callers
-(controller, storage_unit, service, factory, local_ray, publish, liveness,
-inspection, stats, store_checkpoint, unit_lookup, claim_wait, verbs).
+at the top level of ``dataplane_server/`` (controller, storage_unit, service,
+factory, local_ray, publish, liveness, inspection, store_checkpoint, unit_lookup,
+claim_wait, verbs), with the operations surface above them (admin, cli).
 """
 
 from __future__ import annotations
@@ -27,26 +31,28 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CORE_MODULES = (
     # the controller's pure parts
-    "dataplane_server.keyspace",
-    "dataplane_server.claim_policies",
-    "dataplane_server.columns",
-    "dataplane_server.journal",
-    "dataplane_server.claim_answers",
-    "dataplane_server.arena",
-    "dataplane_server.checkpoint",
-    "dataplane_server.recovery",
-    "dataplane_server.recovery_messages",
-    "dataplane_server.retention",
-    "dataplane_server.unit_calls",
-    "dataplane_server.inprocess",
+    "dataplane_server.core.keyspace",
+    "dataplane_server.core.claim_policies",
+    "dataplane_server.core.columns",
+    "dataplane_server.core.journal",
+    "dataplane_server.core.claim_answers",
+    "dataplane_server.core.arena",
+    "dataplane_server.core.checkpoint",
+    "dataplane_server.core.recovery",
+    "dataplane_server.core.recovery_messages",
+    "dataplane_server.core.retention",
+    "dataplane_server.core.unit_calls",
+    "dataplane_server.core.inprocess",
+    "dataplane_server.core.stats",
+    "dataplane_server.core.views",
     # a storage unit's bytes (the actor around them is not core)
-    "dataplane_server.unit_store",
-    "dataplane_server.unit_partition",
-    "dataplane_server.unit_leases",
-    "dataplane_server.unit_undo",
-    "dataplane_server.unit_checkpoint",
-    "dataplane_server.unit_preview",
-    "dataplane_server.warm_reserve",
+    "dataplane_server.core.unit_store",
+    "dataplane_server.core.unit_partition",
+    "dataplane_server.core.unit_leases",
+    "dataplane_server.core.unit_undo",
+    "dataplane_server.core.unit_checkpoint",
+    "dataplane_server.core.unit_preview",
+    "dataplane_server.core.warm_reserve",
     # the client's vocabulary and data model
     "dataplane_client.arguments",
     "dataplane_client.assembly",
@@ -143,3 +149,14 @@ def test_import_linter_forbids_ray_in_exactly_the_core():
         if c["type"] == "forbidden" and c["forbidden_modules"] == ["ray"]
     ]
     assert sorted(contract["source_modules"]) == sorted(CORE_MODULES)
+
+
+def test_the_core_folder_is_exactly_the_servers_core_modules():
+    core = ROOT / "dataplane_server" / "core"
+    in_folder = {
+        "dataplane_server.core." + (path.parent.name if path.name == "__init__.py" else path.stem)
+        for path in [*core.glob("*.py"), *core.glob("*/__init__.py")]
+        if path != core / "__init__.py"
+    }
+    listed = {name for name in CORE_MODULES if name.startswith("dataplane_server.")}
+    assert in_folder == listed

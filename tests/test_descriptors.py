@@ -17,7 +17,7 @@ from unit_memory import memfd_bytes, memfds, open_fds, unit_pid
 from dataplane_client import DataPlaneConfig
 from dataplane_client.errors import CapacityExceeded
 from dataplane_server import start
-from dataplane_server.arena import SLAB_BYTES
+from dataplane_server.core.arena import SLAB_BYTES
 
 PUTS = 20_000
 IN_FLIGHT = 200

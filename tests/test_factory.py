@@ -7,8 +7,8 @@ import torch
 
 from dataplane_client import DataPlaneClient, RayDataPlaneClient
 from dataplane_client.errors import ConfigError, ServiceUnavailable
+from dataplane_server.core.inprocess import InProcessDataPlaneClient
 from dataplane_server.factory import build_data_plane_client, service_config, shutdown_started
-from dataplane_server.inprocess import InProcessDataPlaneClient
 
 
 def _name() -> str:
@@ -116,7 +116,8 @@ def test_a_driver_starts_the_service_when_none_runs(ray_session):
 
 def test_the_package_exports_the_factory_and_the_twin():
     import dataplane_server
-    from dataplane_server import factory, inprocess
+    from dataplane_server import factory
+    from dataplane_server.core import inprocess
 
     assert dataplane_server.build_data_plane_client is factory.build_data_plane_client
     assert dataplane_server.shutdown_started is factory.shutdown_started

@@ -32,7 +32,7 @@ from dataplane_client.errors import (
     ServiceUnavailable,
 )
 from dataplane_client.messages import CommitRequest
-from dataplane_server import checkpoint
+from dataplane_server.core import checkpoint
 
 DENSE_F32 = ("dense", "float32", ())
 

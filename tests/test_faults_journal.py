@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from dataplane_server.journal import Journal
+from dataplane_server.core.journal import Journal
 
 DECL = {
     "fields": ["x"],

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 from dataplane_client import KVBatchMeta
 from dataplane_client.errors import DataPlaneError, InvalidBatch
-from dataplane_server.inprocess import InProcessDataPlaneClient
+from dataplane_server.core.inprocess import InProcessDataPlaneClient
 
 # Fuzzing runs many examples against both clients: the full suite, not make test-fast.
 pytestmark = pytest.mark.slow

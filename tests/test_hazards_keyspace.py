@@ -32,10 +32,10 @@ from dataplane_client.codec import decode_field, encode_field
 from dataplane_client.errors import DataPlaneError, SamplesLost, SamplesNotFound, SchemaConflict
 from dataplane_client.messages import CommitRequest
 from dataplane_server import publish
-from dataplane_server.inprocess import InProcessDataPlaneClient
-from dataplane_server.keyspace import CommitPlan, Declaration, KeySpace
-from dataplane_server.recovery_messages import SampleMeta
-from dataplane_server.unit_store import UnitStore
+from dataplane_server.core.inprocess import InProcessDataPlaneClient
+from dataplane_server.core.keyspace import CommitPlan, Declaration, KeySpace
+from dataplane_server.core.recovery_messages import SampleMeta
+from dataplane_server.core.unit_store import UnitStore
 
 
 def _space() -> KeySpace:

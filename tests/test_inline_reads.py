@@ -21,7 +21,7 @@ from dataplane_client.codec import EncodedField
 from dataplane_client.errors import SamplesNotFound
 from dataplane_client.messages import SharedRows
 from dataplane_server import start
-from dataplane_server.unit_store import INLINE_READ_BYTES
+from dataplane_server.core.unit_store import INLINE_READ_BYTES
 
 
 @pytest.fixture(scope="module")

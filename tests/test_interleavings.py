@@ -30,7 +30,7 @@ import torch
 
 from dataplane_client import shm
 from dataplane_client.errors import FieldAlreadyProduced, SamplesNotFound
-from dataplane_server.inprocess import InProcessDataPlaneClient
+from dataplane_server.core.inprocess import InProcessDataPlaneClient
 
 BIG, SMALL = 300_000, 64  # float32 values a row: 1.2 MB (own chunk, write leases), 256 B
 SEEDS = [0, 1, 2]

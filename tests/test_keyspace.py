@@ -24,7 +24,7 @@ from dataplane_client.errors import (
     UnknownTask,
 )
 from dataplane_client.messages import CommitRequest, CommitResult, FieldCodecs
-from dataplane_server.keyspace import CommitPlan, Declaration, KeySpace, declaration
+from dataplane_server.core.keyspace import CommitPlan, Declaration, KeySpace, declaration
 
 DENSE_F32 = ("dense", "float32", ())
 

@@ -18,7 +18,7 @@ import torch
 
 from dataplane_client import DataPlaneConfig, connect, shm
 from dataplane_server import start
-from dataplane_server.unit_store import UnitHoldings
+from dataplane_server.core.unit_store import UnitHoldings
 
 ROWS = 8
 ROW_FLOATS = 128 * 1024  # 512 KiB a row, 4 MiB a write: a chunk of its own, not a slab

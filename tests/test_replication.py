@@ -14,8 +14,8 @@ from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import ConfigError, InvalidBatch, SamplesLost
 from dataplane_client.messages import CommitRequest
 from dataplane_client.placement import second_units, stage_plan
-from dataplane_server.keyspace import CommitPlan, Declaration, KeySpace
-from dataplane_server.recovery_messages import StoredRows
+from dataplane_server.core.keyspace import CommitPlan, Declaration, KeySpace
+from dataplane_server.core.recovery_messages import StoredRows
 from dataplane_server.store_checkpoint import second_copies
 
 DENSE = ("dense", "float32", ())

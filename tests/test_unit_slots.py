@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataplane_server.recovery_messages import SampleMeta
-from dataplane_server.unit_partition import Partition
+from dataplane_server.core.recovery_messages import SampleMeta
+from dataplane_server.core.unit_partition import Partition
 
 
 def _one_by_one(part: Partition, ids: list[str]) -> list[int]:

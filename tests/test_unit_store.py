@@ -28,8 +28,8 @@ from dataplane_client.errors import (
     SchemaConflict,
 )
 from dataplane_client.messages import SharedRows
-from dataplane_server.recovery_messages import SampleMeta
-from dataplane_server.unit_store import INLINE_READ_BYTES, UnitStore
+from dataplane_server.core.recovery_messages import SampleMeta
+from dataplane_server.core.unit_store import INLINE_READ_BYTES, UnitStore
 
 MiB = 1 << 20
 needs_shm = pytest.mark.skipif(not shm.supported(), reason="no memfd shared memory here")

@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 
-from dataplane_server.warm_reserve import WarmReserve
+from dataplane_server.core.warm_reserve import WarmReserve
 
 
 def test_a_miss_asks_for_chunks_of_that_size_and_the_next_write_gets_one():
@@ -111,7 +111,7 @@ def test_chunks_recycled_while_one_is_being_made_keep_the_reserve_within_its_lim
     import threading
 
     from dataplane_client import shm
-    from dataplane_server import warm_reserve
+    from dataplane_server.core import warm_reserve
 
     real_create = shm.create
     entered, release, closed = threading.Event(), threading.Event(), threading.Event()

@@ -1,7 +1,7 @@
 """Where the admin endpoint and the metrics collector get their numbers: the actors.
 
 The controller and the storage units keep their own counters (see
-``dataplane_server.stats``); this module only calls them through Ray with a
+``dataplane_server.core.stats``); this module only calls them through Ray with a
 deadline and turns "actor gone" into ``None`` where a partial answer is still
 useful (one dead unit must not hide the others from a scrape).
 """

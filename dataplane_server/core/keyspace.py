@@ -6,7 +6,7 @@ bit per field, one typed column per declared numeric tag, and per consumer
 task a consumed bit (plus, for a leased task, the lease's deadline, its holder
 and how often the row was handed out). Rows are never reused; a cleared row is
 only marked not live. Which ready rows a claim hands out is its claim policy's
-choice (``dataplane_server.claim_policies``), made over those columns.
+choice (``dataplane_server.core.claim_policies``), made over those columns.
 
 A write is checked (``check_commit``: a pure function of the state, returning
 a plan or raising a typed error), its bytes are published on the units by the
@@ -50,11 +50,11 @@ from dataplane_client.messages import (
     TaskConsumption,
 )
 from dataplane_client.meta import KVBatchMeta
-from dataplane_server import claim_policies
-from dataplane_server.claim_answers import ClaimAnswer, ClaimAnswers, new_lease_id
-from dataplane_server.claim_policies import ClaimPolicy, PartitionTraits, ReadyRows, RowColumns
-from dataplane_server.columns import grown
-from dataplane_server.recovery_messages import StoredRows
+from dataplane_server.core import claim_policies
+from dataplane_server.core.claim_answers import ClaimAnswer, ClaimAnswers, new_lease_id
+from dataplane_server.core.claim_policies import ClaimPolicy, PartitionTraits, ReadyRows, RowColumns
+from dataplane_server.core.columns import grown
+from dataplane_server.core.recovery_messages import StoredRows
 
 NO_LEASE = 0  # holder id of a row nobody holds
 

@@ -25,7 +25,7 @@ import msgpack
 
 from dataplane_client import atomic_dir
 from dataplane_client.errors import CheckpointError, CorruptPayload, InvalidBatch
-from dataplane_server.recovery_messages import DumpedFile
+from dataplane_server.core.recovery_messages import DumpedFile
 
 FORMAT = 1
 MANIFEST = "manifest.json"

@@ -5,7 +5,7 @@ owns the Ray parts (actor identity, object refs as writers' and readers'
 process tokens, telling whether a process died, the sweeper's timer) and
 delegates everything else here, so all of it runs and is tested in one process.
 
-Layout: per partition a :class:`~dataplane_server.unit_partition.Partition`
+Layout: per partition a :class:`~dataplane_server.core.unit_partition.Partition`
 (slots, one column per field pointing into the unit's :class:`Arena`). The
 bytes are one region per (write, field) in the arena (small regions share
 slabs): a write of K samples is one copy into one region; a read of K samples
@@ -54,15 +54,20 @@ from dataplane_client.errors import (
     SchemaConflict,
 )
 from dataplane_client.messages import SharedRows, ShmAlloc, ShmRegion, UnitSnapshot, WriteLease
-from dataplane_server import unit_checkpoint, unit_preview
-from dataplane_server.arena import Arena
-from dataplane_server.columns import counts_errors
-from dataplane_server.recovery_messages import DumpedFile, PinnedWrite, SampleMeta, UnitRecovery
-from dataplane_server.stats import Stats
-from dataplane_server.unit_leases import LeasedRegion, Leases
-from dataplane_server.unit_partition import Partition
-from dataplane_server.unit_undo import Cells, PublishedWrite, PublishedWrites
-from dataplane_server.warm_reserve import WarmReserve
+from dataplane_server.core import unit_checkpoint, unit_preview
+from dataplane_server.core.arena import Arena
+from dataplane_server.core.columns import counts_errors
+from dataplane_server.core.recovery_messages import (
+    DumpedFile,
+    PinnedWrite,
+    SampleMeta,
+    UnitRecovery,
+)
+from dataplane_server.core.stats import Stats
+from dataplane_server.core.unit_leases import LeasedRegion, Leases
+from dataplane_server.core.unit_partition import Partition
+from dataplane_server.core.unit_undo import Cells, PublishedWrite, PublishedWrites
+from dataplane_server.core.warm_reserve import WarmReserve
 
 _EXPIRED_REMEMBERED = 4096  # write ids of reclaimed stages kept to explain a late publish
 _PUBLISHED_REMEMBERED = 65536  # write ids of published stages: a retried commit is a no-op

@@ -22,7 +22,7 @@ from dataplane_client.messages import (
     UnitSnapshot,
     UnitStatus,
 )
-from dataplane_server.keyspace import KeySpace, Partition
+from dataplane_server.core.keyspace import KeySpace, Partition
 
 STATUS_FILTERS = (None, "", "ready", "pending", "consumed", "lost")
 MAX_PAGE = 10_000

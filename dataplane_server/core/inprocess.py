@@ -1,6 +1,6 @@
 """InProcessDataPlaneClient: the whole data plane in one process, without Ray.
 
-The same key space as the Ray service (:mod:`dataplane_server.keyspace`:
+The same key space as the Ray service (:mod:`dataplane_server.core.keyspace`:
 partitions, commit check and apply, claims, leases, consumption) over an
 in-memory byte store, behind the same abstract
 :class:`~dataplane_client.interface.DataPlaneService` (NeMo-RL's
@@ -49,8 +49,8 @@ from dataplane_client.messages import (
 from dataplane_client.meta import KVBatchMeta
 from dataplane_client.tensordict_io import to_tensordict
 from dataplane_client.version import __version__
-from dataplane_server.admin import views
-from dataplane_server.keyspace import CommitPlan, KeySpace, declare
+from dataplane_server.core import views
+from dataplane_server.core.keyspace import CommitPlan, KeySpace, declare
 
 _UNIT = 0  # the one in-memory "storage unit" every sample lives on
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from dataplane_server.claim_policies.base import (
+from dataplane_server.core.claim_policies.base import (
     ClaimPolicy,
     PartitionTraits,
     ReadyRows,

@@ -20,10 +20,10 @@ import asyncio
 from dataclasses import dataclass
 
 from dataplane_client.messages import UnitInfo
-from dataplane_server import unit_calls
-from dataplane_server.journal import Journal
-from dataplane_server.keyspace import Declaration, KeySpace
-from dataplane_server.recovery_messages import PinnedWrite, UnitRecovery
+from dataplane_server.core import unit_calls
+from dataplane_server.core.journal import Journal
+from dataplane_server.core.keyspace import Declaration, KeySpace
+from dataplane_server.core.recovery_messages import PinnedWrite, UnitRecovery
 
 
 @dataclass(frozen=True)

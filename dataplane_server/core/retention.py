@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from dataplane_server.keyspace import KeySpace
+from dataplane_server.core.keyspace import KeySpace
 
 
 class EmptiedPartitions:

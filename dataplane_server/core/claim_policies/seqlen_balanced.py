@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from dataplane_client.errors import InvalidBatch
-from dataplane_server.claim_policies.base import (
+from dataplane_server.core.claim_policies.base import (
     PartitionTraits,
     ReadyRows,
     only_options,

@@ -7,8 +7,8 @@ import numpy as np
 import torch
 
 from dataplane_client.codec import DTYPES, JAGGED, OBJECT
-from dataplane_server.arena import Arena
-from dataplane_server.unit_partition import Partition
+from dataplane_server.core.arena import Arena
+from dataplane_server.core.unit_partition import Partition
 
 
 def preview(

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dataplane_server.arena import Arena
-from dataplane_server.stats import Stats
+from dataplane_server.core.arena import Arena
+from dataplane_server.core.stats import Stats
 
 
 @dataclass

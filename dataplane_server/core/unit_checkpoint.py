@@ -16,11 +16,11 @@ import msgpack
 import numpy as np
 
 from dataplane_client.errors import CapacityExceeded, CorruptPayload, InvalidBatch
-from dataplane_server.recovery_messages import DumpedFile
-from dataplane_server.unit_partition import Column, Partition
+from dataplane_server.core.recovery_messages import DumpedFile
+from dataplane_server.core.unit_partition import Column, Partition
 
 if TYPE_CHECKING:
-    from dataplane_server.unit_store import UnitStore
+    from dataplane_server.core.unit_store import UnitStore
 
 
 def dump(store: UnitStore, directory: str, skip: dict[str, list[str]] | None) -> DumpedFile:

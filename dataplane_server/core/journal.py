@@ -26,7 +26,7 @@ from typing import Any
 import msgpack
 
 from dataplane_client import failpoints
-from dataplane_server.claim_answers import ClaimAnswer, ClaimAnswers
+from dataplane_server.core.claim_answers import ClaimAnswer, ClaimAnswers
 
 SNAPSHOT = "snapshot.msgpack"
 

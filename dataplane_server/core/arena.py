@@ -33,7 +33,7 @@ import numpy as np
 from dataplane_client import shm
 from dataplane_client.codec import contiguous_runs
 from dataplane_client.messages import ChunkRef
-from dataplane_server.warm_reserve import WarmReserve
+from dataplane_server.core.warm_reserve import WarmReserve
 
 SLAB_BYTES = 4 << 20
 _SLABS_PER_CAPACITY = 16  # a tiny unit gets small slabs, so one slab never fills it

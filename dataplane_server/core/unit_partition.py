@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dataplane_server.columns import grown
-from dataplane_server.recovery_messages import SampleMeta, StoredRows
+from dataplane_server.core.columns import grown
+from dataplane_server.core.recovery_messages import SampleMeta, StoredRows
 
 
 def _empty() -> np.ndarray:
