@@ -343,13 +343,17 @@ class InProcessDataPlaneClient(DataPlaneService):
                     dp_rank=request.dp_rank,
                     policy=policy,
                 )
+            if meta is not None:
+                self._notify()  # trained samples make room for waiting rollout admissions
             return meta
 
     def ack(self, meta: KVBatchMeta) -> int:
         """Acknowledge a leased claim (or a slice of it): its samples are done for its task."""
         partition_id, task, ids, lease_id = arguments.lease_ack(meta)
         with self._changed:
-            return self._open().ack(partition_id, task, ids, lease_id)
+            done = self._open().ack(partition_id, task, ids, lease_id)
+            self._notify()
+            return done
 
     def reset_consumption(self, partition_id: str, task_name: str) -> None:
         """Make every sample of the partition claimable again by the task."""
