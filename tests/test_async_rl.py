@@ -185,7 +185,7 @@ def test_where_filters_on_numeric_tag_columns_in_every_form(dp):
 
 
 @pytest.mark.parametrize(
-    "where, message",
+    ("where", "message"),
     [
         ("reward > 0", "not numeric tags"),
         ("reward_std >> 0", "cannot read"),
@@ -225,7 +225,9 @@ def test_claim_order_policies_by_version(dp):
 def test_admission_keeps_started_but_untrained_within_the_bound(dp):
     pid = _register(dp, max_staleness=1, admission_batch=2)  # bound: (1 + 1) x 2 = 4
     first = dp.admit_rollouts(pid, 3)
-    assert first is not None and first.n == 3 and first.version == 0
+    assert first is not None
+    assert first.n == 3
+    assert first.version == 0
     assert dp.admit_rollouts(pid, 2) is None  # 3 + 2 > 4
     second = dp.admit_rollouts(pid, 1)
     assert second is not None
@@ -253,7 +255,9 @@ def test_a_waiting_admission_is_granted_when_the_trainer_claims(dp):
     assert not got
     dp.claim_meta(pid, "train", ["x"], 2)
     waiter.join(30)
-    assert got and got[0] is not None and got[0].n == 2
+    assert got
+    assert got[0] is not None
+    assert got[0].n == 2
     with pytest.raises(AdmissionTimeout, match="not admitted within 0.2s"):
         dp.admit_rollouts(pid, 1, wait=True, timeout_s=0.2)
 
@@ -285,7 +289,8 @@ def test_awaited_admission_does_not_block_the_event_loop(dp):
         return meta, await waiting
 
     meta, grant = asyncio.run(run())
-    assert meta.sample_ids == ["a"] and grant is not None
+    assert meta.sample_ids == ["a"]
+    assert grant is not None
 
 
 # ---- retirement, eviction, introspection ----------------------------------------------------
@@ -305,7 +310,8 @@ def test_evict_by_id_is_counted(dp):
     _put(dp, pid, ["a", "b"], 0)
     assert dp.evict_samples(["a"], pid) == 1
     info = dp.describe_partition(pid).staleness
-    assert info.evicted == 1 and info.recently_dropped == ["a"]
+    assert info.evicted == 1
+    assert info.recently_dropped == ["a"]
     assert dp.peek_meta(pid, "train", ["x"], 2).sample_ids == ["b"]
 
 
@@ -317,7 +323,8 @@ def test_peek_and_depth_consume_nothing(dp):
     assert dp.ready_depth(pid, ["train"], ["x"]) == {"train": 2}
     assert dp.claim_meta(pid, "train", ["x"], 2).sample_ids == ["a", "b"]
     empty = dp.peek_meta(pid, "train", ["x"], 1)
-    assert empty.sample_ids == [] and not empty
+    assert empty.sample_ids == []
+    assert not empty
 
 
 def test_capabilities_and_ping(dp):
