@@ -174,6 +174,7 @@ class VersionState:
         self.dropped = collections.Counter(state.get("dropped") or {})
         self.evicted = int(state.get("evicted", 0))
         self.admission_waits = int(state.get("admission_waits", 0))
+        self.recent.clear()  # replaced, not appended to: a restore is the whole state
         self.recent.extend(state.get("recent") or ())
 
 
