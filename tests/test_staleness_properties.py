@@ -95,7 +95,7 @@ def _run(done: Counter, steps, drop: bool, evict: bool):
                 continue
             done["claim"] += 1
             oldest = {}
-            for sid, tag in zip(meta.sample_ids, meta.tags):
+            for tag in meta.tags:
                 group = tag["group_id"]
                 oldest[group] = min(oldest.get(group, tag["weight_version"]), tag["weight_version"])
             if task in BOUND:
