@@ -51,6 +51,7 @@ from dataplane_client.assembly import assemble
 from dataplane_client.claim_batcher import ClaimBatcher
 from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import (
+    CapacityExceeded,
     CodecsChanged,
     DataPlaneError,
     RoutingUnstable,
@@ -81,6 +82,7 @@ from dataplane_client.transport import SharedMemoryUnavailable, StagedRegionGone
 
 Flow = Generator[list, list, Any]
 _MAX_REROUTES = 3
+_MAX_EVICTION_ROUNDS = 8  # a full unit: evict the oldest version at most this often per put
 _ROUTE_CACHE_LIMIT = 4_000_000
 
 
@@ -508,13 +510,26 @@ class RayDataPlaneClient(DataPlaneService):
         codecs = yield from self._codecs_of(partition_id)
         w = prepare.write(sample_ids, partition_id, fields, tags, overwrite, codecs)
         try:
-            return (yield from self._put_flow(partition_id, w, codecs.key))
+            return (yield from self._put_making_room(partition_id, w, codecs.key))
         except CodecsChanged:
             # Registered again with another vocabulary since we cached it: encode anew.
             self._codecs.pop(partition_id, None)
             codecs = yield from self._codecs_of(partition_id)
             w = prepare.write(sample_ids, partition_id, fields, tags, overwrite, codecs)
-            return (yield from self._put_flow(partition_id, w, codecs.key))
+            return (yield from self._put_making_room(partition_id, w, codecs.key))
+
+    def _put_making_room(self, partition_id: str, w: prepare.Write, codecs_key: str) -> Flow:
+        """``_put_flow``; a put that finds a unit full asks the controller to evict the oldest
+        version's unclaimed groups (a partition registered with ``evict_stale``) and tries
+        again while that freed something; otherwise CapacityExceeded stands."""
+        for _round in range(_MAX_EVICTION_ROUNDS):
+            try:
+                return (yield from self._put_flow(partition_id, w, codecs_key))
+            except CapacityExceeded:
+                evicted = _one((yield [self._open_controller().make_room.remote(partition_id)]))
+                if not evicted:
+                    raise
+        return (yield from self._put_flow(partition_id, w, codecs_key))
 
     def _put_flow(self, partition_id: str, w: prepare.Write, codecs_key: str) -> Flow:
         """The put of checked and encoded rows: staged on the units, then committed."""

@@ -9,6 +9,7 @@ import ray._private.state as ray_state
 import torch
 
 from dataplane_client import StalenessSpec
+from dataplane_client.errors import CapacityExceeded
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
 
@@ -105,3 +106,41 @@ def test_versions_and_drops_survive_a_checkpoint_and_restore(service_factory, tm
     assert d.describe_partition("p").staleness.dropped_stale == {"train": 1}
     _put(d, ["late"], 1)  # stale on arrival: the restored bound still holds
     assert d.claim_meta("p", "train", ["x"], 4, blocking=False).sample_ids == ["new"]
+
+
+@pytest.mark.parametrize("evict", [True, False], ids=["evict_stale", "no_eviction"])
+def test_a_full_unit_evicts_the_oldest_unclaimed_version_only_when_opted_in(service_factory, evict):
+    h = service_factory(
+        "async-evict", num_storage_units=1, admin_enabled=False, unit_capacity_bytes=1 << 20
+    )
+    c = h.client()
+    spec = StalenessSpec(max_staleness=5, evict_stale=evict)
+    c.register_partition("p", ["x"], None, ["train"], 2, staleness=spec)
+
+    def put_group(name, version):
+        c.put_samples(
+            [f"{name}-0", f"{name}-1"],
+            "p",
+            {"x": torch.zeros(2, 96 * 1024, dtype=torch.uint8)},
+            tags=[{"weight_version": version, "group_id": name}] * 2,
+        )
+
+    for i in range(4):  # 4 groups x 192 KiB of a 1 MiB unit
+        put_group(f"g{i}", i // 2)
+    claimed = c.claim_meta("p", "train", ["x"], 2)  # g0 (version 0) is claimed: it stays
+    assert claimed.sample_ids == ["g0-0", "g0-1"]
+    if not evict:
+        with pytest.raises(CapacityExceeded):
+            for i in range(4, 12):
+                put_group(f"g{i}", 2)
+        return
+    for i in range(4, 12):
+        put_group(f"g{i}", 2)
+    info = c.describe_partition("p").staleness
+    assert info.evicted >= 2
+    evicted = set(info.recently_dropped)
+    assert "g0-0" not in evicted  # claimed: never evicted
+    assert {"g1-0", "g1-1"} <= evicted  # the oldest unclaimed version went first
+    assert all(s.split("-")[1] in "01" for s in evicted)
+    groups = {s.split("-")[0] for s in evicted}
+    assert all({f"{g}-0", f"{g}-1"} <= evicted for g in groups)  # whole groups only
