@@ -130,9 +130,10 @@ def test_a_full_unit_evicts_the_oldest_unclaimed_version_only_when_opted_in(serv
     claimed = c.claim_meta("p", "train", ["x"], 2)  # g0 (version 0) is claimed: it stays
     assert claimed.sample_ids == ["g0-0", "g0-1"]
     if not evict:
+        put_group("g4", 2)  # 5 x 192 KiB still fit in 1 MiB
         with pytest.raises(CapacityExceeded):
-            for i in range(4, 12):
-                put_group(f"g{i}", 2)
+            put_group("g5", 2)
+        assert c.describe_partition("p").staleness.evicted == 0
         return
     for i in range(4, 12):
         put_group(f"g{i}", 2)
