@@ -38,6 +38,7 @@ SECTIONS = {
     "driver": "benchmarks.driver_path",
     "controller": "benchmarks.controller_claims",
     "scale": "benchmarks.scale",
+    "staleness": "benchmarks.staleness_claims",
 }
 # Run only when named in --only: each starts its own multi-node cluster in a subprocess.
 OPT_IN_SECTIONS = {
