@@ -9,10 +9,8 @@ applying it, frees the bytes of dropped samples on their units, and makes
 from __future__ import annotations
 
 import asyncio
-import time
 
 from dataplane_client import arguments
-from dataplane_client.errors import AdmissionTimeout, UnknownPartition
 from dataplane_client.messages import Capabilities, ClaimRequest, ClearResult, RolloutGrant
 from dataplane_client.meta import KVBatchMeta
 from dataplane_server.core import async_rl, unit_calls
@@ -101,42 +99,25 @@ class AsyncRLVerbs:
         """Leave to start ``n`` trajectories at the current version, while the samples started
         and not trained stay within the bound; else None (``wait`` False) or, waiting,
         AdmissionTimeout after ``timeout_s``. The grant counts until released or expired."""
-        n, timeout_s, lease_s = async_rl.check_admission(n, timeout_s, lease_s)
-        wait = arguments.flag(wait, "wait")
-        part, versions = self.keys.versioned(partition_id)
-        deadline = time.monotonic() + timeout_s
-        counted = False
+        ask = async_rl.AdmissionAsk(self.keys, partition_id, n, wait, timeout_s, lease_s)
         while True:
-            if self.keys.partitions.get(partition_id) is not part:
-                raise UnknownPartition("partition deleted while the rollouts waited")
-            await self._drop_stale(part)
-            why = async_rl.refusal(self.keys, part, n)
-            if why is None:
-                grant = versions.new_grant(partition_id, n, lease_s)
-                self._log("grant", partition_id, grant.grant_id, n, grant.version, grant.expires_at)
-                versions.add_grant(grant.grant_id, n, grant.version, grant.expires_at)
-                self._compact_if_due()
-                self.stats.inc("rollouts_admitted_total", n)
-                return grant
-            if not wait:
-                self.stats.inc("rollouts_refused_total", n)
-                return None
-            if not counted:
-                versions.admission_waits += 1
-                self.stats.inc("admission_waits_total")
-                counted = True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self.stats.inc("rollouts_refused_total", n)
-                raise AdmissionTimeout(
-                    f"{n} trajectories not admitted within {timeout_s}s: {why}",
-                    partition_id=partition_id,
+            ask.check_partition()
+            await self._drop_stale(ask.part)
+            grant = ask.offer()
+            if grant is not None:
+                self._log(
+                    "grant", partition_id, grant.grant_id, grant.n, grant.version, grant.expires_at
                 )
-            grants = versions.live_grants()
-            if grants:  # an expiring grant makes room too
-                soonest = min(g.expires_at for g in grants.values()) - time.time()
-                remaining = min(remaining, soonest + 0.001)
-            await self.changes.wait(partition_id, remaining)
+                ask.record(grant)
+                self._compact_if_due()
+                self.stats.inc("rollouts_admitted_total", grant.n)
+                return grant
+            if not ask.wait:
+                self.stats.inc("rollouts_refused_total", ask.n)
+                return None
+            if not ask.waits:
+                self.stats.inc("admission_waits_total")
+            await self.changes.wait(partition_id, ask.wait_s())
 
     @served
     async def release_rollouts(self, partition_id: str, grant_id: int) -> bool:

@@ -8,22 +8,23 @@ decide alike; none of them awaits, journals or frees bytes.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from dataplane_client import arguments
-from dataplane_client.errors import InvalidBatch
+from dataplane_client.errors import AdmissionTimeout, InvalidBatch, UnknownPartition
 from dataplane_client.messages import (
     TAG_FILTER_OPS,
     Capabilities,
     ClaimRequest,
+    RolloutGrant,
 )
 from dataplane_client.meta import KVBatchMeta
 from dataplane_client.version import __version__
 from dataplane_server.core import claim_policies
 from dataplane_server.core.keyspace import KeySpace, Partition
-from dataplane_server.core.staleness import VersionState
 
 MAX_GRANT_LEASE_S = 7 * 24 * 3600.0
 
@@ -82,19 +83,68 @@ def versions_range(keys: KeySpace, partition_id: str, lowest: object, highest: o
     return part, keys.rows_of_versions(part, low, high)
 
 
-def check_admission(n: object, timeout_s: object, lease_s: object) -> tuple[int, float, float]:
-    n = arguments.count(n, "n", minimum=1)
-    timeout = arguments.seconds(timeout_s, "timeout_s")
-    lease = arguments.seconds(lease_s, "lease_s")
-    if not 0 < lease <= MAX_GRANT_LEASE_S:
-        raise InvalidBatch(f"lease_s must be in (0, {MAX_GRANT_LEASE_S:.0f}], got {lease}")
-    return n, timeout, lease
+class AdmissionAsk:
+    """One ``admit_rollouts`` call, checked. The shells (controller, in-process client) loop:
+    ``offer`` a grant, journal it and ``record`` it; or wait ``wait_s`` for a change."""
 
+    def __init__(
+        self,
+        keys: KeySpace,
+        partition_id: str,
+        n: object,
+        wait: object,
+        timeout_s: object,
+        lease_s: object,
+    ):
+        self.keys = keys
+        self.n = arguments.count(n, "n", minimum=1)
+        self.wait = arguments.flag(wait, "wait")
+        self.timeout_s = arguments.seconds(timeout_s, "timeout_s")
+        self.lease_s = arguments.seconds(lease_s, "lease_s")
+        if not 0 < self.lease_s <= MAX_GRANT_LEASE_S:
+            raise InvalidBatch(
+                f"lease_s must be in (0, {MAX_GRANT_LEASE_S:.0f}], got {self.lease_s}"
+            )
+        self.part, self.versions = keys.versioned(partition_id)
+        self.deadline = time.monotonic() + self.timeout_s
+        self.waits = 0
+        self.why = ""
 
-def refusal(keys: KeySpace, part: Partition, n: int) -> str | None:
-    """Why ``n`` trajectories may not start now (None: they may)."""
-    versions = _versions(part)
-    return versions.refusal(n, keys.untrained(part), part.tasks)
+    def check_partition(self) -> None:
+        """UnknownPartition when the partition was deleted (or replaced) meanwhile."""
+        if self.keys.partitions.get(self.part.partition_id) is not self.part:
+            raise UnknownPartition(
+                "partition deleted while the rollouts waited", partition_id=self.part.partition_id
+            )
+
+    def offer(self) -> RolloutGrant | None:
+        """A grant to journal and ``record`` now, or None (``why`` says why not)."""
+        why = self.versions.refusal(self.n, self.keys.untrained(self.part), self.part.tasks)
+        if why is not None:
+            self.why = why
+            return None
+        return self.versions.new_grant(self.part.partition_id, self.n, self.lease_s)
+
+    def record(self, grant: RolloutGrant) -> None:
+        self.versions.add_grant(grant.grant_id, grant.n, grant.version, grant.expires_at)
+
+    def wait_s(self) -> float:
+        """How long to wait for a change before offering again (a grant's expiry makes room
+        too); AdmissionTimeout once the deadline passed. Counts the call's first wait."""
+        if not self.waits:
+            self.versions.admission_waits += 1
+        self.waits += 1
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise AdmissionTimeout(
+                f"{self.n} trajectories not admitted within {self.timeout_s}s: {self.why}",
+                partition_id=self.part.partition_id,
+            )
+        grants = self.versions.live_grants()
+        if grants:
+            soonest = min(g.expires_at for g in grants.values()) - time.time()
+            remaining = min(remaining, soonest + 0.001)
+        return remaining
 
 
 def peek(keys: KeySpace, request: ClaimRequest) -> KVBatchMeta:
@@ -131,12 +181,3 @@ def capabilities(implementation: str, verbs: list[str]) -> Capabilities:
         tag_filter_ops=list(TAG_FILTER_OPS),
         verbs=sorted(verbs),
     )
-
-
-def _versions(part: Partition) -> VersionState:
-    if part.versions is None:
-        raise InvalidBatch(
-            "the partition has no policy versions: register it with a StalenessSpec",
-            partition_id=part.partition_id,
-        )
-    return part.versions

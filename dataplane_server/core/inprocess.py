@@ -33,7 +33,6 @@ from dataplane_client import arguments, prepare
 from dataplane_client.assembly import assemble
 from dataplane_client.codec import EncodedField, row_byte_offsets
 from dataplane_client.errors import (
-    AdmissionTimeout,
     ClaimTimeout,
     ServiceUnavailable,
     UnknownPartition,
@@ -475,39 +474,19 @@ class InProcessDataPlaneClient(DataPlaneService):
         lease_s: float = 300.0,
     ) -> RolloutGrant | None:
         arguments.partition_name(partition_id)
-        n, timeout_s, lease_s = async_rl.check_admission(n, timeout_s, lease_s)
-        wait = arguments.flag(wait, "wait")
-        deadline = time.monotonic() + timeout_s
         with self._changed:
-            keys = self._open()
-            part, versions = keys.versioned(partition_id)
-            counted = False
+            ask = async_rl.AdmissionAsk(self._open(), partition_id, n, wait, timeout_s, lease_s)
             while True:
-                if keys.partitions.get(partition_id) is not part:
-                    raise UnknownPartition("partition deleted while the rollouts waited")
-                self._remove(keys, async_rl.stale_removal(keys, part))
-                why = async_rl.refusal(keys, part, n)
-                if why is None:
-                    grant = versions.new_grant(partition_id, n, lease_s)
-                    versions.add_grant(grant.grant_id, n, grant.version, grant.expires_at)
+                self._open()  # closed while waiting: ServiceUnavailable
+                ask.check_partition()
+                self._remove(ask.keys, async_rl.stale_removal(ask.keys, ask.part))
+                grant = ask.offer()
+                if grant is not None:
+                    ask.record(grant)
                     return grant
-                if not wait:
+                if not ask.wait:
                     return None
-                if not counted:
-                    versions.admission_waits += 1
-                    counted = True
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise AdmissionTimeout(
-                        f"{n} trajectories not admitted within {timeout_s}s: {why}",
-                        partition_id=partition_id,
-                    )
-                grants = versions.live_grants()
-                if grants:  # an expiring grant makes room too
-                    soonest = min(g.expires_at for g in grants.values()) - time.time()
-                    remaining = min(remaining, soonest + 0.001)
-                self._changed.wait(remaining)
-                keys = self._open()
+                self._changed.wait(ask.wait_s())
 
     def release_rollouts(self, grant: RolloutGrant) -> bool:
         grant = arguments.rollout_grant(grant)
