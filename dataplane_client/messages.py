@@ -235,7 +235,7 @@ class StalenessInfo:
     untrained: int  # live samples some bounded task has not consumed
     admission_limit: int | None  # (max_staleness + 1) * admission_batch
     admission_waits: int
-    recently_dropped: list[str]  # the newest ids dropped or evicted (bounded)
+    recently_dropped: list[str]  # ids dropped or evicted, newest last (the last 4,096)
 
 
 @dataclass(frozen=True)

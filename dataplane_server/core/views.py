@@ -138,7 +138,7 @@ def staleness_info(keys: KeySpace, part: Partition) -> StalenessInfo | None:
         untrained=keys.untrained(part),
         admission_limit=versions.admission_limit(part.tasks),
         admission_waits=versions.admission_waits,
-        recently_dropped=list(versions.recent)[-64:],
+        recently_dropped=list(versions.recent),  # the newest RECENTLY_DROPPED ids
     )
 
 
