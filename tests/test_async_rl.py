@@ -333,3 +333,100 @@ def test_capabilities_and_ping(dp):
     assert {"version_order", "freshest_first", "grpo_groups"} <= set(caps.claim_policies)
     assert {"admit_rollouts", "set_policy_version", "peek_meta", "ready_depth"} <= set(caps.verbs)
     assert dp.ping() is True
+
+
+# ---- bad input: every argument of every async-RL verb, sync and awaited ----------------------
+SURROGATE = "\ud800"
+WRONG = {
+    "partition_id": {"int": 5, "none": None, "surrogate": "p" + SURROGATE, "empty": ""},
+    "version": {"str": "1", "negative": -1, "float": 1.5, "bool": True},
+    "n": {"str": "1", "zero": 0, "negative": -1, "float": 1.5, "bool": True},
+    "wait": {"str": "yes", "int": 1},
+    "timeout_s": {"str": "1", "negative": -1.0, "nan": float("nan")},
+    "lease_s": {"zero": 0.0, "negative": -1.0, "str": "x", "huge": 1e12},
+    "grant": {"none": None, "str": "g", "int": 5},
+    "sample_ids": {"str": "a", "ints": [1], "surrogate": ["a" + SURROGATE], "empty": []},
+    "lowest": {"negative": -1, "str": "0"},
+    "highest": {"negative": -1, "float": 1.5},
+    "task_name": {"int": 5, "surrogate": "t" + SURROGATE},
+    "task_names": {"str": "train", "ints": [5]},
+    "required_fields": {"str": "x", "ints": [5]},
+    "batch_size": {"zero": 0, "str": "1"},
+    "blocking": {"str": "no", "int": 0},
+    "where": {"int": 5, "text": "x >> 1", "op": [("reward_std", "~", 1)]},
+    "max_staleness": {"negative": -1, "str": "1", "float": 1.5},
+}
+# What each message names for an argument (the grant's fields are checked as one).
+NEEDLE = {"grant": "RolloutGrant", "where": "where", "version": "version"}
+
+
+def _verb_calls(pid, grant):
+    return {
+        "set_policy_version": {"partition_id": pid, "version": 1},
+        "admit_rollouts": {
+            "partition_id": pid,
+            "n": 1,
+            "wait": False,
+            "timeout_s": 1.0,
+            "lease_s": 60.0,
+        },
+        "release_rollouts": {"grant": grant},
+        "evict_samples": {"sample_ids": ["a"], "partition_id": pid},
+        "clear_versions": {"partition_id": pid, "lowest": 0, "highest": 0},
+        "peek_meta": {
+            "partition_id": pid,
+            "task_name": "train",
+            "required_fields": ["x"],
+            "batch_size": 1,
+            "where": "reward_std > 0",
+            "max_staleness": 1,
+        },
+        "ready_depth": {"partition_id": pid, "task_names": ["train"], "required_fields": ["x"]},
+        "claim_meta": {
+            "partition_id": pid,
+            "task_name": "train",
+            "required_fields": ["x"],
+            "batch_size": 1,
+            "blocking": False,
+            "where": "reward_std > 0",
+            "max_staleness": 1,
+        },
+    }
+
+
+def _state(dp, pid):
+    info = dp.describe_partition(pid).staleness
+    return (info.version, info.grants, info.dropped_stale, info.evicted), dp.ready_depth(
+        pid, ["train"]
+    )
+
+
+def test_bad_arguments_of_every_async_rl_verb_are_invalid_batch_naming_them(dp):
+    pid = _register(dp, max_staleness=1, admission_batch=4)
+    _put(dp, pid, ["a", "b"], 0)
+    grant = dp.admit_rollouts(pid, 1)
+    before = _state(dp, pid)
+    wrong, tried = [], 0
+    for verb, base in _verb_calls(pid, grant).items():
+        for arg in base:
+            for label, value in WRONG[arg].items():
+                for awaited in (False, True):
+                    tried += 1
+                    call = getattr(dp, f"{verb}_async" if awaited else verb)
+                    kwargs = {**base, arg: value}
+                    try:
+                        if awaited:
+                            asyncio.run(call(**kwargs))
+                        else:
+                            call(**kwargs)
+                        raised = None
+                    except Exception as e:  # noqa: BLE001 - judged below
+                        raised = e
+                    name = f"{verb}{'_async' if awaited else ''}({arg}={label})"
+                    if not isinstance(raised, InvalidBatch):
+                        wrong.append(f"{name} raised {raised!r:.200}")
+                    elif NEEDLE.get(arg, arg) not in str(raised):
+                        wrong.append(f"{name}: {str(raised)[:160]!r} does not name {arg}")
+    assert wrong == []
+    assert tried >= 170  # 87 wrong arguments, each called and awaited
+    assert _state(dp, pid) == before  # nothing changed
