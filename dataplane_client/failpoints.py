@@ -38,6 +38,9 @@ JOURNAL_WRITE = "journal-write"  # the journal's disk is full while armed
 # The controller pauses (the file holds the seconds) between publishing a commit's
 # metadata to the units and applying it to the key space: clears race into that window.
 COMMIT_AFTER_PUBLISH = "commit-after-publish"
+# The same, between checking a commit and publishing it: a clear in that window frees the
+# samples on their units before the commit's bytes are published there.
+COMMIT_BEFORE_PUBLISH = "commit-before-publish"
 
 # A storage unit's constructor sleeps (the file holds the seconds): a unit process
 # still starting on a loaded node, slow to answer the controller's first ping.

@@ -294,6 +294,7 @@ class Controller(Inspection, AsyncRLVerbs):
             return plan
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         try:
+            await failpoints.pause_if_armed(failpoints.COMMIT_BEFORE_PUBLISH)  # tests: clears
             await publish.publish(
                 self.units, request, publish.sample_metas(request, seq), self.mark_unit_lost
             )

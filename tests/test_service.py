@@ -738,18 +738,19 @@ def test_concurrent_commits_and_claims_never_raise_an_untyped_error(service):
 
 
 @contextlib.contextmanager
-def _delay_every_commit_after_publish(seconds: float):
-    """Every controller pauses each commit between publish and apply (an injected delay
-    that widens the race window), until the block ends; yields how often it paused."""
-    failpoints.arm(failpoints.COMMIT_AFTER_PUBLISH, str(seconds))
+def _delay_every_commit_after_publish(seconds: float, where=failpoints.COMMIT_AFTER_PUBLISH):
+    """Every controller pauses each commit between publish and apply (or, with
+    ``COMMIT_BEFORE_PUBLISH``, between its check and publish: an injected delay that widens
+    the race window), until the block ends; yields how often it paused."""
+    failpoints.arm(where, str(seconds))
     try:
-        yield lambda: failpoints.fired(failpoints.COMMIT_AFTER_PUBLISH)
+        yield lambda: failpoints.fired(where)
     finally:
-        failpoints.disarm(failpoints.COMMIT_AFTER_PUBLISH)
+        failpoints.disarm(where)
 
 
 def test_concurrent_writes_and_clears_leave_no_orphan_bytes(ray_session):
-    """Clears racing write-backs (with a delay injected between publish and apply): typed
+    """Clears racing write-backs (with a delay injected between check and publish): typed
     errors only, and once every sample is cleared the units hold nothing for the partition:
     bytes published for a sample cleared mid-commit are freed."""
     handle = start(DataPlaneConfig(name="dp-race", num_storage_units=2, admin_enabled=False))
@@ -760,43 +761,68 @@ def test_concurrent_writes_and_clears_leave_no_orphan_bytes(ray_session):
         def __init__(self, name, namespace):
             self.c = connect(name, namespace)
 
+        async def _clear_later(self, ids, pid, after_s):
+            # A random start (injected delay), so clears land while y's commit is paused.
+            await asyncio.sleep(after_s)
+            return await self.c.clear_samples_async(ids, pid)
+
         async def run(self, pid, seed):
             import random
 
             from dataplane_client.errors import DataPlaneError
 
             rng = random.Random(seed)
-            untyped, written = [], []
+            untyped = []
+            succeeded = {"puts": 0, "clears": 0}
+
+            def judge(outcome, kind):
+                if isinstance(outcome, DataPlaneError):
+                    return  # a typed refusal (e.g. a clear that lost the race) is allowed
+                if isinstance(outcome, BaseException):
+                    untyped.append(repr(outcome))
+                else:
+                    succeeded[kind] += 1
 
             async def one(i):
+                # Field x is committed first, so a clear finds the samples; field y's commit
+                # then races the clear (its publish is held open by the injected delay).
+                ids = [f"{seed}-{i}-{j}" for j in range(rng.randint(1, 4))]
                 try:
-                    if rng.random() < 0.6 or not written:
-                        ids = [f"{seed}-{i}-{j}" for j in range(rng.randint(1, 4))]
-                        written.append(ids)
-                        await self.c.put_samples_async(ids, pid, {"x": torch.zeros(len(ids), 64)})
-                        await self.c.put_samples_async(ids, pid, {"y": torch.ones(len(ids), 64)})
-                    else:
-                        await self.c.clear_samples_async(rng.choice(written), pid)
-                except DataPlaneError:
-                    pass
-                except Exception as e:  # noqa: BLE001 - exactly what this test looks for
-                    untyped.append(repr(e))
+                    await self.c.put_samples_async(ids, pid, {"x": torch.zeros(len(ids), 64)})
+                except Exception as e:  # noqa: BLE001 - judged as the others
+                    return judge(e, "puts")
+                racing = [self.c.put_samples_async(ids, pid, {"y": torch.ones(len(ids), 64)})]
+                kinds = ["puts"]
+                if rng.random() < 0.5:
+                    racing.append(self._clear_later(ids, pid, rng.uniform(0.0, 0.06)))
+                    kinds.append("clears")
+                for outcome, kind in zip(
+                    await asyncio.gather(*racing, return_exceptions=True), kinds
+                ):
+                    judge(outcome, kind)
 
             await asyncio.gather(*[one(i) for i in range(120)])
-            return untyped
+            return untyped, succeeded
 
     try:
         c = handle.client()
         c.register_partition(pid, ["x", "y"], None, [])
         churners = [Churn.remote("dp-race", "dataplane") for _ in range(3)]
         try:
-            with _delay_every_commit_after_publish(0.02) as pauses:
+            # Before publish: a clear in the window frees the samples on their units before
+            # the commit's bytes land there, so the commit must free them again itself.
+            with _delay_every_commit_after_publish(
+                0.05, failpoints.COMMIT_BEFORE_PUBLISH
+            ) as pauses:
                 outs = ray.get([m.run.remote(pid, k) for k, m in enumerate(churners)], timeout=300)
                 assert pauses() > 0  # the window was widened
         finally:
             for m in churners:
                 ray.kill(m)
-        assert [u for untyped in outs for u in untyped] == []
+        assert [u for untyped, _ in outs for u in untyped] == []
+        # The race is only exercised if puts and clears really ran (not all refused).
+        assert sum(done["puts"] for _, done in outs) >= 100
+        assert sum(done["clears"] for _, done in outs) >= 20
         page = ray.get(handle.controller.list_samples.remote(pid, None, 0, 10_000))
         if page.samples:
             c.clear_samples([s.sample_id for s in page.samples], pid)
