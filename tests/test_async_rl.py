@@ -270,6 +270,21 @@ def test_a_dead_producers_grant_expires(dp):
     assert again is not None
 
 
+def test_kept_stale_samples_do_not_block_admission(dp):
+    pid = _register(
+        dp,
+        tasks=("train", "log"),
+        max_staleness={"train": 0},
+        stale_samples="keep",
+        admission_batch=2,
+    )
+    _put(dp, pid, ["a", "b"], 0)
+    assert dp.admit_rollouts(pid, 1) is None  # 2 untrained of a bound of 2
+    dp.set_policy_version(pid, 1)  # a and b are stale for train: never to be trained
+    assert dp.admit_rollouts(pid, 2) is not None
+    assert dp.describe_partition(pid).staleness.untrained == 0
+
+
 def test_the_over_sampling_cap_counts_per_version(dp):
     pid = _register(dp, max_staleness=3, admission_batch=2, oversample_ratio=1.5)  # 3/version
     assert dp.admit_rollouts(pid, 3) is not None

@@ -1184,13 +1184,17 @@ class KeySpace:
         return np.nonzero(keep & (own >= lowest) & (own <= highest))[0]
 
     def untrained(self, part: Partition) -> int:
-        """Live samples some bounded task has not consumed yet (admission counts them)."""
-        assert part.versions is not None
-        n = part.n_rows
-        needed = np.zeros(n, dtype=bool)
-        for task in part.versions.bounded_tasks(part.tasks):
-            needed |= ~part.column(part.consumed, task)[:n]
-        return int((needed & part.live[:n]).sum())
+        """Live samples some bounded task has not consumed yet and still may (within its
+        window): what admission counts. A kept stale sample will never be trained."""
+        versions = part.versions
+        assert versions is not None
+        live = np.nonzero(part.live[: part.n_rows])[0]
+        row_versions = part.versions_of(live)
+        needed = np.zeros(len(live), dtype=bool)
+        for task, bound in versions.bounded_tasks(part.tasks).items():
+            fresh = row_versions >= versions.oldest_allowed(bound)
+            needed |= fresh & ~part.column(part.consumed, task)[live]
+        return int(needed.sum())
 
     def ready_by_version(self, part: Partition) -> dict[int, int]:
         """Live samples per version tag."""
