@@ -264,10 +264,10 @@ def _rpc_verb(body):
     return _Verb(body, _get_sync, _get_async)
 
 
-def _claim_answer(outcome: ClaimOutcome) -> KVBatchMeta | None:
+def _claim_answer(request: ClaimRequest, outcome: ClaimOutcome) -> KVBatchMeta:
     if outcome.error is not None:
         raise outcome.error
-    return outcome.meta
+    return request.nothing_due() if outcome.meta is None else outcome.meta
 
 
 def _one(results: list) -> Any:
@@ -730,8 +730,7 @@ class RayDataPlaneClient(DataPlaneService):
             dataclasses.replace(request, timeout_s=left)
         )
 
-    # None is a non-blocking claim with nothing due (our extra; the ABC says KVBatchMeta).
-    def claim_meta(  # type: ignore[override]
+    def claim_meta(
         self,
         partition_id: str,
         task_name: str,
@@ -743,8 +742,9 @@ class RayDataPlaneClient(DataPlaneService):
         *,
         claim_policy: str | None = None,
         policy_options: Mapping[str, Any] | None = None,
-    ) -> KVBatchMeta | None:
-        """Claim up to ``batch_size`` ready samples the task has not consumed yet.
+    ) -> KVBatchMeta:
+        """Claim up to ``batch_size`` ready samples the task has not consumed yet (a
+        non-blocking claim with nothing due: an empty meta).
 
         ``claim_policy`` overrides the partition's for this claim (``policy_options``:
         its options, over the partition's when it is the partition's own policy).
@@ -767,7 +767,7 @@ class RayDataPlaneClient(DataPlaneService):
         outcome = self._claims().submit(request).result()
         if outcome.must_wait:
             return _get_sync(self._wait_claim(request, started))
-        return _claim_answer(outcome)
+        return _claim_answer(request, outcome)
 
     async def claim_meta_async(
         self,
@@ -781,7 +781,7 @@ class RayDataPlaneClient(DataPlaneService):
         *,
         claim_policy: str | None = None,
         policy_options: Mapping[str, Any] | None = None,
-    ) -> KVBatchMeta | None:
+    ) -> KVBatchMeta:
         """``claim_meta``, awaitable: it never blocks the event loop."""
         started = time.monotonic()
         request = self._claim_request(
@@ -798,7 +798,7 @@ class RayDataPlaneClient(DataPlaneService):
         outcome = await asyncio.wrap_future(self._claims().submit(request))
         if outcome.must_wait:
             return await _get_async(self._wait_claim(request, started))
-        return _claim_answer(outcome)
+        return _claim_answer(request, outcome)
 
     @_rpc_verb
     def ack(self, meta: KVBatchMeta) -> int:

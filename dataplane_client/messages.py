@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from dataplane_client.meta import KVBatchMeta
+
 # ---- storage units -----------------------------------------------------------------
 
 
@@ -178,6 +180,11 @@ class ClaimRequest:
     timeout_s: float = 60.0  # a blocking claim's wait (claim_many never waits)
     claim_policy: str | None = None  # None: the partition's
     policy_options: dict[str, Any] | None = None  # over the partition's, for its policy
+
+    def nothing_due(self) -> KVBatchMeta:
+        """The answer to a non-blocking claim with nothing due: an empty ``KVBatchMeta``
+        (falsy: ``len() == 0``), as NeMo-RL answers it, never None."""
+        return KVBatchMeta(self.partition_id, self.task_name, [], fields=list(self.required_fields))
 
 
 @dataclass(frozen=True)

@@ -182,7 +182,7 @@ class KVBatchMeta:
         for m in others:
             if m.partition_id != self.partition_id:
                 raise InvalidBatch(
-                    f"cannot concat metas of different partitions: "
+                    f"partition_ids must match to concat metas: "
                     f"{self.partition_id!r} and {m.partition_id!r}"
                 )
         ids = [s for m in metas for s in m.sample_ids]

@@ -244,8 +244,7 @@ class InProcessDataPlaneClient(DataPlaneService):
         return to_tensordict(decoded, len(ids), enums=codecs.enums)
 
     # ---- claims and consumption ---------------------------------------------------
-    # None is a non-blocking claim with nothing due (our extra; the ABC says KVBatchMeta).
-    def claim_meta(  # type: ignore[override]
+    def claim_meta(
         self,
         partition_id: str,
         task_name: str,
@@ -257,9 +256,10 @@ class InProcessDataPlaneClient(DataPlaneService):
         *,
         claim_policy: str | None = None,
         policy_options: Mapping[str, Any] | None = None,
-    ) -> KVBatchMeta | None:
+    ) -> KVBatchMeta:
         """Claim up to ``batch_size`` ready samples the task has not consumed yet, as the
-        claim's policy (else the partition's) chooses them."""
+        claim's policy (else the partition's) chooses them (a non-blocking claim with
+        nothing due: an empty meta)."""
         # The caller's raw arguments; arguments.claim_request checks them and gives the
         # typed form the rest relies on.
         raw: Any = ClaimRequest
@@ -322,7 +322,7 @@ class InProcessDataPlaneClient(DataPlaneService):
                     dp_rank=request.dp_rank,
                     policy=policy,
                 )
-            return meta
+            return request.nothing_due() if meta is None else meta
 
     def ack(self, meta: KVBatchMeta) -> int:
         """Acknowledge a leased claim (or a slice of it): its samples are done for its task."""
