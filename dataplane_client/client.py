@@ -61,6 +61,7 @@ from dataplane_client.errors import (
 )
 from dataplane_client.interface import DataPlaneClient as DataPlaneClient  # re-exported
 from dataplane_client.interface import DataPlaneService
+from dataplane_client.loopback import is_loopback, keep_ray_on_loopback
 from dataplane_client.messages import (
     ClaimOutcome,
     ClaimRequest,
@@ -902,16 +903,41 @@ def connect(
     return RayDataPlaneClient(controller, name=name, namespace=namespace)
 
 
+# How Ray's messages name a refused token; Ray 2.60 reports it inside a ConnectionError
+# (from a RuntimeError carrying the last GCS error as text), not as AuthenticationError.
+_AUTH_FAILURE_MARKS = ("InvalidAuthToken", "Unauthenticated", "AuthenticationError")
+
+
+def _auth_failure(exc: BaseException) -> str | None:
+    """Ray's words for a cluster-auth failure anywhere in ``exc``'s chain, else None."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, AuthenticationError):
+            return cause.message
+        text = str(cause)
+        mark = next((m for m in _AUTH_FAILURE_MARKS if m in text), None)
+        if mark is not None:
+            line = next(x for x in text.splitlines() if mark in x)
+            return line.strip()[-200:]
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def _join_ray(address: str) -> None:
     """``ray.init(address)``, its failures as ServiceUnavailable saying what to do."""
+    if is_loopback(address):
+        keep_ray_on_loopback()  # else Ray looks for 127.0.0.1's cluster at the machine's IP
     try:
         ray.init(address=address, log_to_driver=False)
-    except AuthenticationError as e:
-        raise ServiceUnavailable(
-            f"Ray token authentication failed joining {address!r}: a cluster with token "
-            "authentication needs RAY_AUTH_MODE=token here and the cluster's token in "
-            "RAY_AUTH_TOKEN, in the file RAY_AUTH_TOKEN_PATH names, or in ~/.ray/auth_token "
-            f"(Ray said: {e.message})"
-        ) from None
-    except ConnectionError as e:
+    except (AuthenticationError, ConnectionError, RuntimeError) as e:
+        said = _auth_failure(e)
+        if said is not None:
+            raise ServiceUnavailable(
+                f"Ray token authentication failed joining {address!r}: a cluster with token "
+                "authentication needs RAY_AUTH_MODE=token set before this process imports "
+                "ray, and the cluster's token in RAY_AUTH_TOKEN, in the file "
+                f"RAY_AUTH_TOKEN_PATH names, or in ~/.ray/auth_token (Ray said: {said})"
+            ) from None
         raise ServiceUnavailable(f"cannot reach a Ray cluster at {address!r}: {e}") from None

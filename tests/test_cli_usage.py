@@ -186,10 +186,21 @@ def test_serve_with_a_bad_environment_override_exits_2():
     assert "admin_port" in err
 
 
-def test_connect_snippet_names_the_address_and_the_service():
+def test_connect_snippet_names_the_address_and_the_service(monkeypatch):
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
     lines = connect_snippet("127.0.0.1:6380", "dp", "ns")
-    assert 'ray.init(address="127.0.0.1:6380")' in "\n".join(lines)
-    assert 'dataplane_client.connect(name="dp", namespace="ns")' in "\n".join(lines)
+    call = 'dataplane_client.connect(name="dp", namespace="ns", address="127.0.0.1:6380")'
+    assert call in lines[-1]
+    assert "RAY_AUTH_MODE" not in "\n".join(lines)
+    # With token auth on, the snippet sets the mode itself, before anything imports ray.
+    code = [line.strip() for line in connect_snippet("127.0.0.1:6380", "dp", "ns", True)[1:]]
+    assert code.index('os.environ["RAY_AUTH_MODE"] = "token"  # before ray is imported') < (
+        code.index("import dataplane_client")
+    )
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/etc/ray/token")
+    assert 'os.environ["RAY_AUTH_TOKEN_PATH"] = "/etc/ray/token"' in "\n".join(
+        connect_snippet("127.0.0.1:6380", "dp", "ns", True)
+    )
 
 
 def test_token_auth_hint(monkeypatch):

@@ -67,18 +67,34 @@ def token_auth_hint() -> str | None:
     else:
         where = "the token file ~/.ray/auth_token of this user (or RAY_AUTH_TOKEN)"
     return (
-        "Ray token auth is on: set RAY_AUTH_MODE=token in the connecting process (and for "
-        f"`ray job submit`), with the same token: {where}"
+        "Ray token auth is on: a connecting process (and `ray job submit`) needs "
+        f"RAY_AUTH_MODE=token before it imports ray, with the same token: {where}; on "
+        "another machine, a copy of it named by RAY_AUTH_TOKEN_PATH"
     )
 
 
-def connect_snippet(ray_address: str, name: str, namespace: str) -> list[str]:
-    return [
-        "connect from another process:",
-        "    import ray, dataplane_client",
-        f'    ray.init(address="{ray_address}")',
-        f'    client = dataplane_client.connect(name="{name}", namespace="{namespace}")',
+def connect_snippet(
+    ray_address: str, name: str, namespace: str, token_auth: bool = False
+) -> list[str]:
+    """Lines a trainer pastes, as printed, into another process to reach this service.
+
+    With token auth on, the snippet sets RAY_AUTH_MODE itself: Ray reads it only when
+    ``ray`` is first imported, so it comes before the import (and the token file named
+    by this process's RAY_AUTH_TOKEN_PATH, if any; never a token itself).
+    """
+    lines = ["connect from another process (paste as is):"]
+    if token_auth:
+        lines.append("    import os")
+        lines.append('    os.environ["RAY_AUTH_MODE"] = "token"  # before ray is imported')
+        if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+            path = os.environ["RAY_AUTH_TOKEN_PATH"]
+            lines.append(f'    os.environ["RAY_AUTH_TOKEN_PATH"] = "{path}"')
+    lines += [
+        "    import dataplane_client",
+        f'    client = dataplane_client.connect(name="{name}", namespace="{namespace}", '
+        f'address="{ray_address}")',
     ]
+    return lines
 
 
 def _init_ray(args, namespace: str) -> None:
@@ -116,6 +132,7 @@ def run(args) -> int:
     import ray
 
     from dataplane_client.errors import ConfigError
+    from dataplane_client.loopback import is_loopback
     from dataplane_server.service import start
 
     stop = threading.Event()
@@ -138,11 +155,16 @@ def run(args) -> int:
     say(f"ray_address={ray_address}")
     say(f"admin_address={handle.admin_address}")
     say(f"metrics_address={handle.metrics_address}")
-    for line in connect_snippet(ray_address, config.name, config.namespace):
-        say(line)
     hint = token_auth_hint()
+    for line in connect_snippet(ray_address, config.name, config.namespace, hint is not None):
+        say(line)
     if hint:
         say(hint)
+    if is_loopback(ray_address):
+        say(
+            "the embedded Ray listens on 127.0.0.1 (Ray's GCS port on every interface, "
+            "token-checked): join from this machine, or serve with --address on a cluster"
+        )
     while not stop.wait(0.5):  # timed, so the handler runs promptly on every platform
         pass
     say("dataplane: signal received, draining")
