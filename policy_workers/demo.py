@@ -75,7 +75,36 @@ class Tally:
     checkpoints: list[str] = field(default_factory=list)
 
 
+# The demo extra's modules (pyproject.toml: [project.optional-dependencies] demo).
+DEMO_EXTRA_MODULES = ("transformers", "tqdm")
+
+
+def missing_demo_extra() -> str | None:
+    """One line naming the install command when the demo extra is missing, else None."""
+    import importlib.util
+
+    def absent(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is None
+        except ImportError:  # an import hook that refuses it
+            return True
+
+    missing = [m for m in DEMO_EXTRA_MODULES if absent(m)]
+    if not missing:
+        return None
+    return (
+        f"dataplane: error: the demo needs {', '.join(missing)}, from the demo extra: "
+        "pip install 'rl-dataplane[demo]'"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    # Checked before anything starts: without it Ray and the service came up, then a
+    # 40-line ModuleNotFoundError traceback never named the extra.
+    missing = missing_demo_extra()
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     set_environment_before_ray()
     args = parse_args(argv)
     import ray

@@ -142,9 +142,10 @@ sys.meta_path.insert(0, _NoExtras())
 """
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_the_wheel_without_extras_imports_and_serves(wheel, tmp_path):
+@pytest.fixture(scope="module")
+def installed_without_extras(wheel, tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """The wheel installed alone (``--target``), and an environment that sees only it."""
+    tmp_path = tmp_path_factory.mktemp("installed")
     target, site = tmp_path / "installed", tmp_path / "site"
     site.mkdir()
     # psutil stays importable: Ray itself needs it (ray[default] installs it).
@@ -164,6 +165,33 @@ def test_the_wheel_without_extras_imports_and_serves(wheel, tmp_path):
         if not k.startswith(("DATAPLANE_", "RAY_ADDRESS", "RAY_AUTH_MODE", "PYTHONPATH"))
     }
     env["PYTHONPATH"] = f"{target}{os.pathsep}{site}"
+    return target, env
+
+
+@pytest.mark.slow
+def test_demo_without_the_demo_extra_is_one_line_naming_it_before_starting_anything(
+    installed_without_extras, tmp_path
+):
+    _, env = installed_without_extras
+    demo = subprocess.run(
+        [sys.executable, "-m", "dataplane_server", "demo", "--small"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert demo.returncode == 2, demo.stdout + demo.stderr
+    assert demo.stdout == ""  # nothing started: no Ray, no service, no table
+    [line] = demo.stderr.strip().splitlines()
+    assert "pip install 'rl-dataplane[demo]'" in line
+    assert "transformers" in line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_wheel_without_extras_imports_and_serves(installed_without_extras, tmp_path):
+    target, env = installed_without_extras
     probe = subprocess.run(
         [
             sys.executable,
@@ -199,3 +227,18 @@ def test_the_wheel_without_extras_imports_and_serves(wheel, tmp_path):
         serve.send_signal(signal.SIGTERM)
         rest, _ = serve.communicate(timeout=120)
     assert serve.returncode == 0, "\n".join(seen) + rest
+
+
+def test_readme_pip_instructions_install_the_cpu_torch_before_the_package():
+    # pip's default torch is the CUDA build (5.8 GB with its nvidia packages); installed
+    # first from PyTorch's CPU index, it satisfies our torch>=2.4 and pip keeps it.
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Installing the package with pip") :]
+    commands = [
+        line.split("#")[0].strip()
+        for line in section[: section.index("```", section.index("```bash") + 3)].splitlines()
+        if line.startswith("pip install")
+    ]
+    cpu_torch = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    assert commands[0] == cpu_torch, commands
+    assert commands[1:] == ["pip install rl-dataplane", "pip install 'rl-dataplane[demo]'"]
