@@ -15,6 +15,8 @@ import signal
 import threading
 import time
 
+from dataplane_server.cli import preflight
+from dataplane_server.cli.argtypes import positive_int
 from dataplane_server.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CliError
 from dataplane_server.cli.render import say
 
@@ -33,7 +35,7 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--num-cpus",
-        type=int,
+        type=positive_int,
         default=DEFAULT_NUM_CPUS,
         help="logical CPUs of the embedded Ray (default %(default)s)",
     )
@@ -104,9 +106,18 @@ def _init_ray(args, namespace: str) -> None:
 
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address:  # an existing cluster (inside `ray job submit`, RAY_ADDRESS is set)
-        ray.init(address=address, namespace=namespace, log_to_driver=args.ray_logs)
+        try:
+            ray.init(address=address, namespace=namespace, log_to_driver=args.ray_logs)
+        except (ConnectionError, RuntimeError) as exc:
+            raise CliError(
+                f"cannot join the Ray cluster at {address!r}: {_first_line(exc)}"
+            ) from None
     else:
         init_local_ray(args.num_cpus, namespace=namespace, log_to_driver=args.ray_logs)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def save_drain_checkpoint(handle, parent: str) -> bool:
@@ -128,8 +139,15 @@ def save_drain_checkpoint(handle, parent: str) -> bool:
 def run(args) -> int:
     # Imported here: dataplane_client pulls in Ray and torch, which the client commands skip.
     config = load_config(args.config)
+    # What can be checked before anything starts is checked here, each as one line.
+    preflight.check_files(config)
+    preflight.check_ports(config)
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        preflight.check_ray_address(address)
     _init_ray(args, config.namespace)
     import ray
+    from ray.exceptions import RayError
 
     from dataplane_client.errors import ConfigError
     from dataplane_client.loopback import is_loopback
@@ -148,8 +166,10 @@ def run(args) -> int:
 
     try:
         handle = start(config)
-    except ConfigError as exc:  # settings only the actors check (TLS files, auth combos)
+    except ConfigError as exc:  # settings only the actors check (TLS contents, auth combos)
         raise CliError(f"config error: {exc}", EXIT_USAGE) from None
+    except (RayError, OSError, RuntimeError) as exc:  # e.g. a port taken since the check
+        raise CliError(f"the service did not start: {_first_line(exc)}") from None
     ray_address = ray.get_runtime_context().gcs_address
     say(f"dataplane: serving {config.name!r} in namespace {config.namespace!r}")
     say(f"ray_address={ray_address}")
