@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -30,23 +31,44 @@ def _requirement_name(req: str) -> str:
     return req.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip()
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> zipfile.ZipFile:
-    # Built from a copy of the files git would ship, so a stale build/ in the checkout
-    # (setuptools reuses it) cannot add packages the current configuration excludes.
-    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+def _tracked_files() -> list[str]:
     listed = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard", "-z"],
         cwd=ROOT,
         capture_output=True,
         check=True,
     ).stdout.decode()
-    for name in filter(None, listed.split("\0")):
-        if (ROOT / name).is_file():
-            (src / name).parent.mkdir(parents=True, exist_ok=True)
-            # Links stay links (relative ones resolve inside the copy), so the build meets
-            # the package's link to proto/ as a build from the checkout does.
-            shutil.copy2(ROOT / name, src / name, follow_symlinks=False)
+    return [name for name in filter(None, listed.split("\0")) if (ROOT / name).is_file()]
+
+
+def _copy_of_the_source(src: Path) -> Path:
+    """The files git would ship, copied: a stale build/ in the checkout (setuptools reuses
+    it) cannot add what the current configuration excludes."""
+    for name in _tracked_files():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        # Links stay links (relative ones resolve inside the copy), so the build meets
+        # the package's link to proto/ as a build from the checkout does.
+        shutil.copy2(ROOT / name, src / name, follow_symlinks=False)
+    return src
+
+
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory) -> tarfile.TarFile:
+    src = _copy_of_the_source(tmp_path_factory.mktemp("src"))
+    out = tmp_path_factory.mktemp("sdist")
+    build = "from setuptools import build_meta; import sys; build_meta.build_sdist(sys.argv[1])"
+    proc = subprocess.run(
+        [sys.executable, "-c", build, str(out)], cwd=src, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [path] = out.glob("rl_dataplane-*.tar.gz")
+    return tarfile.open(path)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    src = _copy_of_the_source(tmp_path_factory.mktemp("src"))
+    out = tmp_path_factory.mktemp("wheel")
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", out, "."],
         cwd=src,
@@ -102,6 +124,29 @@ def test_wheel_ships_the_proto_the_example_config_and_py_typed(wheel):
     assert not missing, f"the wheel lacks {missing}"
     for name, source in PACKAGE_DATA.items():
         assert wheel.read(name) == source.read_bytes(), f"{name} differs from {source}"
+
+
+@pytest.mark.slow
+def test_the_sdist_holds_every_file_a_clone_has(sdist):
+    # It lacked deploy/ (and docs/, tests/, ...): setuptools alone ships only the packages.
+    names = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
+    missing = sorted(set(_tracked_files()) - names)
+    assert missing == [], f"the sdist lacks {missing[:20]}"
+    assert "deploy/kuberay-rayjob.yaml" in names
+
+
+@pytest.mark.slow
+def test_the_license_the_metadata_names_is_shipped(wheel, sdist):
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text
+    assert "Version 2.0, January 2004" in text
+    [meta_name] = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    meta = email.parser.Parser().parsestr(wheel.read(meta_name).decode())
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert meta.get_all("License-File") == ["LICENSE"]
+    [licensed] = [n for n in wheel.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+    assert wheel.read(licensed).decode() == text
+    assert any(name.endswith("/LICENSE") for name in sdist.getnames())
 
 
 def test_deploy_example_config_is_the_packaged_one():
