@@ -126,9 +126,7 @@ def _panel(title: str) -> dict:
     return panel
 
 
-def test_the_claim_wait_panel_shows_zero_on_a_fresh_service_not_no_data(
-    service_factory, tmp_path
-):
+def test_the_claim_wait_panel_shows_zero_on_a_fresh_service_not_no_data(service_factory, tmp_path):
     """A service nobody has claimed from: its histogram has no buckets yet and no claim
     has timed out. Each query of the panel, evaluated by promtool over that scrape, is one
     sample of 0 (Grafana's "no data" was an empty or NaN result)."""

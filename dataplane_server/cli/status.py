@@ -25,14 +25,19 @@ def run(ep, args) -> None:
     info = to_builtin(ep.call("GetServiceInfo", admin_pb2.GetServiceInfoRequest()))
     if args.json:
         return emit_json(info)
+    # "Stored" is what `partitions` and `watch` show (the samples' own bytes); "allocated"
+    # is the units' memory set aside for them in whole chunks, which capacity limits.
+    parts = to_builtin(ep.call("ListPartitions", admin_pb2.ListPartitionsRequest()))
+    stored = sum(p["bytes"] for p in parts.get("partitions", []))
     say(f"service    {info['name']} (namespace {info['namespace']}), version {info['version']}")
     say(
         f"uptime     {human_duration(info['uptime_s'])} (since {human_time(info['started_at'])})"
         f", draining: {'yes' if info['draining'] else 'no'}"
     )
     say(
-        f"holds      {info['num_partitions']} partitions, {info['num_samples']} samples, "
-        f"{human_bytes(info['bytes'])} of {human_bytes(info['capacity_bytes'])}"
+        f"holds      {info['num_partitions']} partitions, {info['num_samples']} samples: "
+        f"{human_bytes(stored)} stored, {human_bytes(info['bytes'])} allocated of "
+        f"{human_bytes(info['capacity_bytes'])} capacity"
     )
     say()
     rows = [
@@ -47,4 +52,4 @@ def run(ep, args) -> None:
         ]
         for u in info["units"]
     ]
-    say(table(["UNIT", "NODE_IP", "NODE_ID", "ALIVE", "SAMPLES", "BYTES", "CAPACITY"], rows))
+    say(table(["UNIT", "NODE_IP", "NODE_ID", "ALIVE", "SAMPLES", "ALLOCATED", "CAPACITY"], rows))
