@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from policy_workers.demo_report import WIDTH, StepReport, report_lines
+from policy_workers.demo_report import WIDTH, StepReport, header_line, report_lines, row_line
 
 TOLERANCE = 1e-5  # logprobs through the data plane vs a direct computation (float32)
 
@@ -132,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     tally = Tally()
     try:
         pending = list(rollout_refs)
+        print(f"\n{header_line()}", flush=True)
         for k, pid in zip(steps, partitions):
             pending = train_one_step(run, tally, k, pid, pending)
+            print(row_line(tally.reports[-1]), flush=True)  # each row as its step finishes
             checkpoint_if_due(run, tally, k)
         rollout_summaries = ray.get(rollout_refs)
     finally:
@@ -588,6 +590,7 @@ def print_report(tally: Tally, samples_lost: int, backoffs: int) -> None:
         tolerance=TOLERANCE,
         samples_lost=samples_lost,
         backoffs=backoffs,
+        with_table=False,  # its rows went out as each step finished
     )
     print("\n".join(lines))
 
