@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
-import re
 import subprocess
 import sys
 import tempfile
@@ -185,9 +185,9 @@ def assert_log_starts_as_documented(log: str) -> None:
     starts = [i for i, line in enumerate(lines) if patterns[0].match(line)]
     assert starts, f"no line like {patterns[0].pattern} in the job log:\n{log}"
     got = lines[starts[0] : starts[0] + len(patterns)]
-    assert len(got) == len(patterns) and all(p.match(line) for p, line in zip(patterns, got)), (
-        f"the job log starts\n{got}\nnot as deploy/ray_job_submit.md shows\n{patterns}"
-    )
+    assert len(got) == len(patterns), f"the job log ends early:\n{log}"
+    wrong = [(p.pattern, line) for p, line in zip(patterns, got) if not p.match(line)]
+    assert wrong == [], f"the job log starts otherwise than deploy/ray_job_submit.md shows:\n{log}"
 
 
 def test_service_runs_as_a_ray_job(ray_head, tmp_path):
