@@ -122,7 +122,9 @@ def _has_rows(batch: Mapping[str, Any]) -> bool:
     (metadata objects) are never asked their ``len()``. A batch with neither
     but with keys counts as having rows, so its values meet the stacking rules.
     """
-    first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
+    first: torch.Tensor | list | None = next(
+        (v for v in batch.values() if isinstance(v, torch.Tensor)), None
+    )
     if first is None:
         first = next((v for v in batch.values() if isinstance(v, list)), None)
     return bool(batch) if first is None else _rows(first) > 0
