@@ -3,8 +3,8 @@
 A meta names samples of one partition (``sample_ids``), optionally the fields
 they carry, their sequence lengths and per-sample tags. It is small: no tensor
 ever rides in a meta. Its fields and method semantics are NeMo-RL's contract
-(``NEMO_RL_CONTRACT.md``): the views (``subset``, ``slice``, ``drop``,
-``concat``, ``with_fields``) return new metas whose ``extra_info`` is a shallow
+(``docs/nemo_rl_contract.md`` lists where we differ, and why): the views
+(``subset``, ``slice``, ``drop``, ``concat``, ``with_fields``) return new metas whose ``extra_info`` is a shallow
 copy, so editing one meta's extra_info never edits another's; ``stamp_tags``
 alone edits the meta in place.
 """

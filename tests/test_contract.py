@@ -1,7 +1,7 @@
 """NeMo-RL's DataPlaneClient contract, on both implementations: every method, every error.
 
-Each test states one point of ``NEMO_RL_CONTRACT.md`` (quoted in its docstring)
-and runs on the Ray client (the session's service) and on the in-process twin.
+Each test states one point of NeMo-RL's contract (in its docstring; where we differ
+on purpose, docs/nemo_rl_contract.md says so and why) and runs on the Ray client (the session's service) and on the in-process twin.
 The last test is a NeMo-RL-style trainer loop written only against the ABC.
 """
 
