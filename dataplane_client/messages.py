@@ -184,7 +184,14 @@ class ClaimRequest:
     def nothing_due(self) -> KVBatchMeta:
         """The answer to a non-blocking claim with nothing due: an empty ``KVBatchMeta``
         (falsy: ``len() == 0``), as NeMo-RL answers it, never None."""
-        return KVBatchMeta(self.partition_id, self.task_name, [], fields=list(self.required_fields))
+        extra = {} if self.dp_rank is None else {"dp_rank": self.dp_rank}  # as a full batch
+        return KVBatchMeta(
+            self.partition_id,
+            self.task_name,
+            [],
+            fields=list(self.required_fields),
+            extra_info=extra,
+        )
 
 
 @dataclass(frozen=True)
