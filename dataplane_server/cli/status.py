@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import grpc
+
 from dataplane_server.admin_pb import admin_pb2
 from dataplane_server.cli.convert import to_builtin
 from dataplane_server.cli.render import (
@@ -21,14 +23,24 @@ def register(sub, endpoint_options) -> None:
     p.set_defaults(endpoint_cmd=run)
 
 
+def _stored_bytes(ep) -> str:
+    """What `partitions` and `watch` show: the samples' own bytes ("allocated", from
+    GetServiceInfo, is the units' memory set aside for them in whole chunks, which
+    capacity limits). Partitions are a read the admin token guards; status is not."""
+    try:
+        parts = to_builtin(ep.call("ListPartitions", admin_pb2.ListPartitionsRequest()))
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.UNAUTHENTICATED:
+            raise
+        return "? (needs the token)"
+    return human_bytes(sum(p["bytes"] for p in parts.get("partitions", [])))
+
+
 def run(ep, args) -> None:
     info = to_builtin(ep.call("GetServiceInfo", admin_pb2.GetServiceInfoRequest()))
     if args.json:
         return emit_json(info)
-    # "Stored" is what `partitions` and `watch` show (the samples' own bytes); "allocated"
-    # is the units' memory set aside for them in whole chunks, which capacity limits.
-    parts = to_builtin(ep.call("ListPartitions", admin_pb2.ListPartitionsRequest()))
-    stored = sum(p["bytes"] for p in parts.get("partitions", []))
+    stored = _stored_bytes(ep)
     say(f"service    {info['name']} (namespace {info['namespace']}), version {info['version']}")
     say(
         f"uptime     {human_duration(info['uptime_s'])} (since {human_time(info['started_at'])})"
@@ -36,7 +48,7 @@ def run(ep, args) -> None:
     )
     say(
         f"holds      {info['num_partitions']} partitions, {info['num_samples']} samples: "
-        f"{human_bytes(stored)} stored, {human_bytes(info['bytes'])} allocated of "
+        f"{stored} stored, {human_bytes(info['bytes'])} allocated of "
         f"{human_bytes(info['capacity_bytes'])} capacity"
     )
     say()
