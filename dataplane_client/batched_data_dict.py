@@ -115,6 +115,21 @@ def _batch_size_of(data: Mapping[str, Any]) -> int:
     return next(iter(sizes.values()), 0)
 
 
+def _has_rows(batch: Mapping[str, Any]) -> bool:
+    """Whether one of ``from_batches``' inputs has rows, counted as NeMo-RL counts them.
+
+    The first tensor field (else list field) gives the rows; other values
+    (metadata objects) are never asked their ``len()``. A batch with neither
+    but with keys counts as having rows, so its values meet the stacking rules.
+    """
+    first: torch.Tensor | list | None = next(
+        (v for v in batch.values() if isinstance(v, torch.Tensor)), None
+    )
+    if first is None:
+        first = next((v for v in batch.values() if isinstance(v, list)), None)
+    return bool(batch) if first is None else _rows(first) > 0
+
+
 def _as_int_list(value: Any, key: str) -> list[int]:
     if isinstance(value, torch.Tensor):
         if value.dim() != 1:
@@ -180,7 +195,9 @@ class BatchedDataDict(UserDict, Generic[DictT]):
 
         Batches with zero rows contribute nothing (no list of batches, or only
         empty ones, gives an empty BatchedDataDict); a key missing from a
-        batch that has rows raises FieldNotProduced (a KeyError).
+        batch that has rows raises FieldNotProduced (a KeyError) saying so. A
+        batch's rows are those of its first tensor field (else list field), as
+        NeMo-RL counts them: metadata values are never asked their ``len()``.
 
         >>> out = BatchedDataDict.from_batches(
         ...     [{"ids": torch.tensor([[1, 2]]), "n": [2]},
@@ -195,12 +212,14 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         pad_value_dict = dict(pad_value_dict or {})
         # A batch without rows (a rank that got no samples; even an empty mapping)
         # adds nothing, so its keys are not required of the others.
-        positions = [i for i, b in enumerate(batches) if _batch_size_of(b) > 0]
+        positions = [i for i, b in enumerate(batches) if _has_rows(b)]
         out = cls()
         for k in sorted({k for i in positions for k in batches[i]}):
             missing = [i for i in positions if k not in batches[i]]
             if missing:
-                raise FieldNotProduced(f"batches {missing} lack key {k!r}", fields=[k])
+                raise FieldNotProduced(
+                    f"key {k!r} is missing from non-empty batch(es) {missing}", fields=[k]
+                )
             values = [batches[i][k] for i in positions]
             if all(isinstance(v, list) for v in values):
                 out[k] = [x for v in values for x in v]

@@ -62,6 +62,7 @@ from dataplane_client.errors import (
 )
 from dataplane_client.interface import DataPlaneClient as DataPlaneClient  # re-exported
 from dataplane_client.interface import DataPlaneService, service_verbs
+from dataplane_client.loopback import is_loopback, keep_ray_on_loopback
 from dataplane_client.messages import (
     Capabilities,
     ClaimOutcome,
@@ -269,10 +270,10 @@ def _rpc_verb(body):
     return _Verb(body, _get_sync, _get_async)
 
 
-def _claim_answer(outcome: ClaimOutcome) -> KVBatchMeta | None:
+def _claim_answer(request: ClaimRequest, outcome: ClaimOutcome) -> KVBatchMeta:
     if outcome.error is not None:
         raise outcome.error
-    return outcome.meta
+    return request.nothing_due() if outcome.meta is None else outcome.meta
 
 
 def _one(results: list) -> Any:
@@ -751,8 +752,7 @@ class RayDataPlaneClient(DataPlaneService):
             dataclasses.replace(request, timeout_s=left)
         )
 
-    # None is a non-blocking claim with nothing due (our extra; the ABC says KVBatchMeta).
-    def claim_meta(  # type: ignore[override]
+    def claim_meta(
         self,
         partition_id: str,
         task_name: str,
@@ -766,8 +766,9 @@ class RayDataPlaneClient(DataPlaneService):
         policy_options: Mapping[str, Any] | None = None,
         where: Any = None,
         max_staleness: int | None = None,
-    ) -> KVBatchMeta | None:
-        """Claim up to ``batch_size`` ready samples the task has not consumed yet.
+    ) -> KVBatchMeta:
+        """Claim up to ``batch_size`` ready samples the task has not consumed yet (a
+        non-blocking claim with nothing due: an empty meta).
 
         ``claim_policy`` overrides the partition's for this claim (``policy_options``:
         its options, over the partition's when it is the partition's own policy).
@@ -794,7 +795,7 @@ class RayDataPlaneClient(DataPlaneService):
         outcome = self._claims().submit(request).result()
         if outcome.must_wait:
             return _get_sync(self._wait_claim(request, started))
-        return _claim_answer(outcome)
+        return _claim_answer(request, outcome)
 
     async def claim_meta_async(
         self,
@@ -810,7 +811,7 @@ class RayDataPlaneClient(DataPlaneService):
         policy_options: Mapping[str, Any] | None = None,
         where: Any = None,
         max_staleness: int | None = None,
-    ) -> KVBatchMeta | None:
+    ) -> KVBatchMeta:
         """``claim_meta``, awaitable: it never blocks the event loop."""
         started = time.monotonic()
         request = self._claim_request(
@@ -829,7 +830,7 @@ class RayDataPlaneClient(DataPlaneService):
         outcome = await asyncio.wrap_future(self._claims().submit(request))
         if outcome.must_wait:
             return await _get_async(self._wait_claim(request, started))
-        return _claim_answer(outcome)
+        return _claim_answer(request, outcome)
 
     @_rpc_verb
     def ack(self, meta: KVBatchMeta) -> int:
@@ -1025,16 +1026,41 @@ def connect(
     return RayDataPlaneClient(controller, name=name, namespace=namespace)
 
 
+# How Ray's messages name a refused token; Ray 2.60 reports it inside a ConnectionError
+# (from a RuntimeError carrying the last GCS error as text), not as AuthenticationError.
+_AUTH_FAILURE_MARKS = ("InvalidAuthToken", "Unauthenticated", "AuthenticationError")
+
+
+def _auth_failure(exc: BaseException) -> str | None:
+    """Ray's words for a cluster-auth failure anywhere in ``exc``'s chain, else None."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, AuthenticationError):
+            return cause.message
+        text = str(cause)
+        mark = next((m for m in _AUTH_FAILURE_MARKS if m in text), None)
+        if mark is not None:
+            line = next(x for x in text.splitlines() if mark in x)
+            return line.strip()[-200:]
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def _join_ray(address: str) -> None:
     """``ray.init(address)``, its failures as ServiceUnavailable saying what to do."""
+    if is_loopback(address):
+        keep_ray_on_loopback()  # else Ray looks for 127.0.0.1's cluster at the machine's IP
     try:
         ray.init(address=address, log_to_driver=False)
-    except AuthenticationError as e:
-        raise ServiceUnavailable(
-            f"Ray token authentication failed joining {address!r}: a cluster with token "
-            "authentication needs RAY_AUTH_MODE=token here and the cluster's token in "
-            "RAY_AUTH_TOKEN, in the file RAY_AUTH_TOKEN_PATH names, or in ~/.ray/auth_token "
-            f"(Ray said: {e.message})"
-        ) from None
-    except ConnectionError as e:
+    except (AuthenticationError, ConnectionError, RuntimeError) as e:
+        said = _auth_failure(e)
+        if said is not None:
+            raise ServiceUnavailable(
+                f"Ray token authentication failed joining {address!r}: a cluster with token "
+                "authentication needs RAY_AUTH_MODE=token set before this process imports "
+                "ray, and the cluster's token in RAY_AUTH_TOKEN, in the file "
+                f"RAY_AUTH_TOKEN_PATH names, or in ~/.ray/auth_token (Ray said: {said})"
+            ) from None
         raise ServiceUnavailable(f"cannot reach a Ray cluster at {address!r}: {e}") from None

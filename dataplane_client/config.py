@@ -282,8 +282,11 @@ class DataPlaneConfig(BaseModel):
             raise ConfigError(f"cannot read config file {os.fspath(path)!r}: {exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {os.fspath(path)!r} is not valid YAML: {exc}") from None
-        if raw is None:
-            raw = {}
+        if raw is None:  # an empty file (or only comments): likely the wrong file
+            raise ConfigError(
+                f"config file {os.fspath(path)!r} is empty: give at least one key, or no "
+                "config file for the defaults"
+            )
         if not isinstance(raw, dict):
             raise ConfigError(
                 f"config file {os.fspath(path)!r} must hold a mapping, got {type(raw).__name__}"

@@ -67,7 +67,8 @@ class DataPlaneClient(ABC):
         and ``task_name`` has not consumed it; the claim advances the task's
         cursor, so a claimed id is not returned to that task again. A task not
         registered for the partition raises ``KeyError`` naming it; a blocking
-        claim that runs out of time raises ``TimeoutError``.
+        claim that runs out of time raises ``TimeoutError``; a non-blocking one
+        with nothing ready returns an empty meta (``len() == 0``, falsy).
         """
 
     @abstractmethod
@@ -295,8 +296,8 @@ class DataPlaneService(DataPlaneClient):
     async def register_partition_async(self, *args: Any, **kwargs: Any) -> None:
         await asyncio.to_thread(self.register_partition, *args, **kwargs)
 
-    async def claim_meta_async(self, *args: Any, **kwargs: Any) -> KVBatchMeta | None:
-        """``claim_meta``, awaitable; ``None``: a non-blocking claim with nothing due."""
+    async def claim_meta_async(self, *args: Any, **kwargs: Any) -> KVBatchMeta:
+        """``claim_meta``, awaitable; an empty meta: a non-blocking claim with nothing due."""
         return await asyncio.to_thread(self.claim_meta, *args, **kwargs)
 
     async def get_data_async(self, *args: Any, **kwargs: Any) -> TensorDict:

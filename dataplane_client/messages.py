@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from dataplane_client.meta import KVBatchMeta
+
 # ---- storage units -----------------------------------------------------------------
 
 
@@ -272,6 +274,18 @@ class ClaimRequest:
     policy_options: dict[str, Any] | None = None  # over the partition's, for its policy
     where: tuple[TagFilter, ...] = ()  # numeric-tag comparisons, all must hold
     max_staleness: int | None = None  # tighter than the partition's bound for this claim
+
+    def nothing_due(self) -> KVBatchMeta:
+        """The answer to a non-blocking claim with nothing due: an empty ``KVBatchMeta``
+        (falsy: ``len() == 0``), as NeMo-RL answers it, never None."""
+        extra = {} if self.dp_rank is None else {"dp_rank": self.dp_rank}  # as a full batch
+        return KVBatchMeta(
+            self.partition_id,
+            self.task_name,
+            [],
+            fields=list(self.required_fields),
+            extra_info=extra,
+        )
 
 
 @dataclass(frozen=True)

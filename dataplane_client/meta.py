@@ -3,8 +3,8 @@
 A meta names samples of one partition (``sample_ids``), optionally the fields
 they carry, their sequence lengths and per-sample tags. It is small: no tensor
 ever rides in a meta. Its fields and method semantics are NeMo-RL's contract
-(``NEMO_RL_CONTRACT.md``): the views (``subset``, ``slice``, ``drop``,
-``concat``, ``with_fields``) return new metas whose ``extra_info`` is a shallow
+(``docs/nemo_rl_contract.md`` lists where we differ, and why): the views
+(``subset``, ``slice``, ``drop``, ``concat``, ``with_fields``) return new metas whose ``extra_info`` is a shallow
 copy, so editing one meta's extra_info never edits another's; ``stamp_tags``
 alone edits the meta in place.
 """
@@ -182,7 +182,7 @@ class KVBatchMeta:
         for m in others:
             if m.partition_id != self.partition_id:
                 raise InvalidBatch(
-                    f"cannot concat metas of different partitions: "
+                    f"partition_ids must match to concat metas: "
                     f"{self.partition_id!r} and {m.partition_id!r}"
                 )
         ids = [s for m in metas for s in m.sample_ids]

@@ -343,13 +343,14 @@ PACKING_ALGORITHMS: dict[PackingAlgorithm, PackFn] = {
 class SequencePacker:
     """One algorithm with its constraints fixed; :meth:`pack` maps lengths to bins.
 
-    Build it with :func:`get_packer`, which checks the constraints once.
+    Build it with :func:`get_packer`, which checks the constraints once. An unset
+    constraint stays ``None``, as NeMo-RL's packers keep it (it means none).
     """
 
     algorithm: PackingAlgorithm
     bin_capacity: int
-    min_bin_count: int = 0
-    bin_count_multiple: int = 1
+    min_bin_count: int | None = None
+    bin_count_multiple: int | None = None
     seed: int = 0
 
     def pack(self, lengths: Sequence[int]) -> list[list[int]]:
@@ -357,8 +358,8 @@ class SequencePacker:
         return PACKING_ALGORITHMS[self.algorithm](
             lengths,
             self.bin_capacity,
-            min_bin_count=self.min_bin_count,
-            bin_count_multiple=self.bin_count_multiple,
+            min_bin_count=0 if self.min_bin_count is None else self.min_bin_count,
+            bin_count_multiple=1 if self.bin_count_multiple is None else self.bin_count_multiple,
             seed=self.seed,
         )
 
@@ -393,9 +394,11 @@ def get_packer(
             f"unknown sequence packing algorithm {algorithm!r}; "
             f"known: {[a.value for a in PackingAlgorithm]}"
         ) from None
-    min_bin_count = 0 if min_bin_count is None else min_bin_count
-    bin_count_multiple = 1 if bin_count_multiple is None else bin_count_multiple
-    _check_constraints(bin_capacity, min_bin_count, bin_count_multiple)
+    _check_constraints(
+        bin_capacity,
+        0 if min_bin_count is None else min_bin_count,
+        1 if bin_count_multiple is None else bin_count_multiple,
+    )
     if not _is_int(seed):
         raise InvalidBatch(f"seed must be an int, got {seed!r}")
     return SequencePacker(algo, bin_capacity, min_bin_count, bin_count_multiple, seed)

@@ -13,8 +13,7 @@ from typing import Any
 
 import ray
 
-# Ray binds to the machine's external address unless this is 0 when it starts.
-_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+from dataplane_client.loopback import keep_ray_on_loopback
 
 
 def init_local_ray(
@@ -31,7 +30,7 @@ def init_local_ray(
     """
     if ray.is_initialized():
         return
-    os.environ[_LOOPBACK_ENV] = "0"
+    keep_ray_on_loopback()
     ray.init(
         address="local",  # always a new instance, never whatever `ray start` ran last here
         num_cpus=num_cpus or max(8, os.cpu_count() or 1),
@@ -53,7 +52,7 @@ def start_local_cluster(nodes: Sequence[Mapping[str, Any]], attempts: int = 3) -
     """
     from ray.cluster_utils import Cluster
 
-    os.environ[_LOOPBACK_ENV] = "0"
+    keep_ray_on_loopback()
     for attempt in range(attempts):
         cluster = Cluster()
         try:

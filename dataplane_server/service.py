@@ -1,7 +1,8 @@
 """Start a data-plane service in the current Ray cluster and hand back a handle.
 
 ``start()`` with no Ray running brings up the embedded default: a local Ray on
-loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps it off external addresses).
+loopback (``local_ray.init_local_ray``: its node IP and its processes' ports on
+127.0.0.1, Ray's GCS port excepted; see deploy/README.md, Security).
 """
 
 from __future__ import annotations

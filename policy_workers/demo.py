@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from policy_workers.demo_report import WIDTH, StepReport, report_lines
+from policy_workers.demo_report import WIDTH, StepReport, header_line, report_lines, row_line
 
 TOLERANCE = 1e-5  # logprobs through the data plane vs a direct computation (float32)
 
@@ -75,7 +75,36 @@ class Tally:
     checkpoints: list[str] = field(default_factory=list)
 
 
+# The demo extra's modules (pyproject.toml: [project.optional-dependencies] demo).
+DEMO_EXTRA_MODULES = ("transformers", "tqdm")
+
+
+def missing_demo_extra() -> str | None:
+    """One line naming the install command when the demo extra is missing, else None."""
+    import importlib.util
+
+    def absent(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is None
+        except ImportError:  # an import hook that refuses it
+            return True
+
+    missing = [m for m in DEMO_EXTRA_MODULES if absent(m)]
+    if not missing:
+        return None
+    return (
+        f"dataplane: error: the demo needs {', '.join(missing)}, from the demo extra: "
+        "pip install 'rl-dataplane[demo]'"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    # Checked before anything starts: without it Ray and the service came up, then a
+    # 40-line ModuleNotFoundError traceback never named the extra.
+    missing = missing_demo_extra()
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     set_environment_before_ray()
     args = parse_args(argv)
     import ray
@@ -103,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     tally = Tally()
     try:
         pending = list(rollout_refs)
+        print(f"\n{header_line()}", flush=True)
         for k, pid in zip(steps, partitions):
             pending = train_one_step(run, tally, k, pid, pending)
+            print(row_line(tally.reports[-1]), flush=True)  # each row as its step finishes
             checkpoint_if_due(run, tally, k)
         rollout_summaries = ray.get(rollout_refs)
     finally:
@@ -559,6 +590,7 @@ def print_report(tally: Tally, samples_lost: int, backoffs: int) -> None:
         tolerance=TOLERANCE,
         samples_lost=samples_lost,
         backoffs=backoffs,
+        with_table=False,  # its rows went out as each step finished
     )
     print("\n".join(lines))
 

@@ -28,7 +28,9 @@ LEGEND = (
     "classic KB: tensors the classic driver would have gathered and scattered this",
     "  step, measured on this step's tensors (rollout fields, each DP rank's batch,",
     "  the logprobs written back). driver KB: all this driver (de)serialized:",
-    "  metas, a reward and an advantage per sample, train metrics.",
+    "  metas, a reward and an advantage per sample, train metrics. Those are per",
+    "  sample and classic KB grows with tokens, so a run as small as --small can",
+    "  show driver KB above classic KB; the summary counts the tensors alone.",
     "wait s: waiting for rollouts; pass s: logprob passes, advantages, train step.",
 )
 
@@ -53,23 +55,29 @@ def _row(values: list[str]) -> str:
     return " ".join(v.rjust(w) for v, (_, w, _) in zip(values, _COLUMNS))
 
 
+def header_line() -> str:
+    return _row([name for name, _, _ in _COLUMNS])
+
+
+def row_line(r: StepReport) -> str:
+    """One step's row, printed as soon as the step finishes."""
+    values = (
+        r.step,
+        r.samples,
+        r.tokens,
+        r.classic_bytes / 1e3,
+        r.driver_bytes / 1e3,
+        r.times["rollout_wait"],
+        sum(v for k, v in r.times.items() if k != "rollout_wait"),
+        r.loss,
+        r.kl,
+        r.mean_reward,
+    )
+    return _row([fmt.format(v) for v, (_, _, fmt) in zip(values, _COLUMNS)])
+
+
 def table_lines(reports: list[StepReport]) -> list[str]:
-    lines = [_row([name for name, _, _ in _COLUMNS])]
-    for r in reports:
-        values = (
-            r.step,
-            r.samples,
-            r.tokens,
-            r.classic_bytes / 1e3,
-            r.driver_bytes / 1e3,
-            r.times["rollout_wait"],
-            sum(v for k, v in r.times.items() if k != "rollout_wait"),
-            r.loss,
-            r.kl,
-            r.mean_reward,
-        )
-        lines.append(_row([fmt.format(v) for v, (_, _, fmt) in zip(values, _COLUMNS)]))
-    return lines
+    return [header_line(), *map(row_line, reports)]
 
 
 def summary_lines(
@@ -100,8 +108,11 @@ def report_lines(
     tolerance: float,
     samples_lost: int,
     backoffs: int,
+    with_table: bool = True,
 ) -> list[str]:
-    lines = ["", *table_lines(reports), "", *LEGEND, ""]
+    """Everything after the run; ``with_table=False`` when the rows went out live."""
+    lines = ["", *table_lines(reports)] if with_table else []
+    lines += ["", *LEGEND, ""]
     lines.append(f"rollout back-offs on a full store: {backoffs}")
     lines += [f"[{'PASS' if ok else 'FAIL'}] {name}" for name, ok in checks.items()]
     lines += ["", *summary_lines(reports, max_logprob_diff, tolerance, samples_lost)]

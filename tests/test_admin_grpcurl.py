@@ -135,3 +135,32 @@ def test_token_with_any_scheme_case_and_open_service_info(service, client):
         assert [s["sample_id"] for s in page["samples"]] == ["a"]
     finally:
         server.stop(grace_s=0)
+
+
+def test_checkpoint_rpcs_without_a_deadline_succeed_and_say_so(service_factory, tmp_path):
+    """grpcurl without -max-time sends no deadline, which grpc may report as a remaining time
+    of about 2**63 ns; both checkpoint RPCs must wait for the work and report its success
+    (not Internal: OverflowError after writing the directory)."""
+    source = service_factory("grpcurl-save", num_storage_units=1, metrics_enabled=False)
+    pid = "kept"
+    writer = source.client()
+    writer.register_partition(pid, fields=["x"], consumer_tasks=["t"])
+    writer.put_samples(["a", "b"], pid, {"x": torch.arange(6.0).reshape(2, 3)})
+    target = tmp_path / "no-deadline"
+
+    def no_deadline(address: str, rpc: str) -> subprocess.CompletedProcess:
+        argv = [GRPCURL, "-plaintext", "-d", json.dumps({"directory": str(target)})]
+        return subprocess.run(
+            [*argv, address, f"{SERVICE}/{rpc}"], capture_output=True, text=True, timeout=120
+        )
+
+    saved = no_deadline(source.admin_address, "SaveCheckpoint")
+    assert saved.returncode == 0, saved.stderr
+    assert json.loads(saved.stdout)["directory"] == str(target)
+
+    fresh = service_factory("grpcurl-restore", num_storage_units=1, metrics_enabled=False)
+    restored = no_deadline(fresh.admin_address, "RestoreCheckpoint")
+    assert restored.returncode == 0, restored.stderr
+    assert json.loads(restored.stdout)["restored_samples"] == "2"
+    meta = fresh.client().claim_meta(pid, "t", ["x"], 2)
+    assert fresh.client().get_data(meta)["x"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]

@@ -72,13 +72,26 @@ def test_zero_row_batches_contribute_nothing_and_need_no_keys():
     )
     assert out["x"] == [1, 2]
     assert out["t"].tolist() == [5, 6]
-    with pytest.raises(KeyError, match="lack key 't'") as ei:
+    with pytest.raises(KeyError, match="key 't' is missing from non-empty batch") as ei:
         BatchedDataDict.from_batches([{"x": [1], "t": torch.tensor([5])}, {}, {"x": [2]}])
     assert ei.value.fields == ["t"]
 
 
+def test_from_batches_sizes_from_the_first_tensor_never_asking_metadata_its_len():
+    class Metadata:  # an opaque value NeMo-RL carries through from_batches untouched
+        def __len__(self):
+            raise AssertionError("from_batches must not size a batch from its metadata")
+
+    batches = [
+        {"tokens": torch.tensor([[1], [2]]), "metadata": Metadata()},
+        {"tokens": torch.tensor([[3]]), "metadata": Metadata(), "extra": torch.tensor([1])},
+    ]
+    with pytest.raises(KeyError, match=r"key 'extra' is missing from non-empty batch\(es\) \[0\]"):
+        BatchedDataDict.from_batches(batches)
+
+
 def test_from_batches_errors():
-    with pytest.raises(KeyError, match="lack key 'x'"):
+    with pytest.raises(KeyError, match="key 'x' is missing from non-empty batch"):
         BatchedDataDict.from_batches([{"x": [1]}, {"y": [2]}])
     with pytest.raises(InvalidBatch, match="cannot stack values"):
         BatchedDataDict.from_batches([{"x": [1]}, {"x": torch.tensor([2])}])

@@ -234,7 +234,7 @@ def test_64_claimers_racing_writers_and_clears_get_every_sample_once_per_task(cl
                     meta = await claim(blocking=not done.is_set())
                 except ClaimTimeout:
                     continue
-                if meta is None:  # non-blocking after the writers finished: drained
+                if not meta:  # non-blocking after the writers finished: drained (an empty meta)
                     return
                 delivered[task].extend(meta.sample_ids)
 

@@ -2,9 +2,12 @@
 
 What it prints must be enough to connect: the Ray address, the admin and
 metrics endpoints, and a snippet that is pasted, as printed, into another
-process here and reaches the service. Ray 2.60 turns token auth on for a new
-local cluster, so serve says RAY_AUTH_MODE=token is needed, and the snippet
-runs with it set, as the hint says. With ``drain_checkpoint_dir`` set, SIGTERM
+process here (whose environment knows nothing: no RAY_AUTH_MODE, no loopback
+setting) and puts, claims and reads back. Ray 2.60 turns token auth on for a new
+local cluster; the snippet sets RAY_AUTH_MODE=token itself. The embedded Ray is on
+127.0.0.1: its node IP, and every socket its processes listen on (read with
+``ss -ltnp``), except the GCS port, which Ray 2.60 binds on every interface (the
+documented exception, deploy/README.md). With ``drain_checkpoint_dir`` set, SIGTERM
 ends in a whole checkpoint holding what the pasted snippet wrote.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +32,8 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 START_S = 180
+# How ss writes a loopback listener: IPv4, IPv4-mapped IPv6 (gRPC's), IPv6.
+LOOPBACK = {"127.0.0.1", "[::ffff:127.0.0.1]", "[::1]"}
 
 
 def _pump(pipe, lines: queue.Queue) -> None:
@@ -61,6 +67,56 @@ def _assert_checkpoint_holds(path: str, partition: str, samples: int) -> None:
     assert partition in state  # the state is keyed by partition id
 
 
+def read_snippet(lines: queue.Queue, seen: list[str]) -> list[str]:
+    """The indented lines after "connect from another process", dedented."""
+    read_until(lines, "connect from another process", seen)
+    snippet = []
+    while (line := lines.get(timeout=START_S)) is not None and line.startswith("    "):
+        seen.append(line)
+        snippet.append(line[4:])
+    seen.append(str(line))
+    return snippet
+
+
+def _process_tree(root: int) -> set[int]:
+    """``root`` and every process below it (Ray's GCS, raylet, workers), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process ended while we looked
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def listening_sockets(pids: set[int]) -> list[tuple[str, str]]:
+    """``(local address, process name)`` of every TCP socket ``pids`` listen on (ss -ltnp)."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for row in out.splitlines():
+        cols = row.split()
+        for name, pid in re.findall(r'\("([^"]+)",pid=(\d+)', row):
+            if int(pid) in pids:
+                found.append((cols[3], name))
+    return found
+
+
+PASTED_WORK = """
+import torch
+client.register_partition('kept', fields=['x'], consumer_tasks=['t'])
+client.put_samples(['a', 'b'], 'kept', {'x': torch.arange(8.0).reshape(2, 4)})
+meta = client.claim_meta('kept', 't', ['x'], 2)
+print(sorted(meta.sample_ids), client.get_data(meta)['x'].sum().item())
+print(client.service_info().name)
+"""
+
+
 def test_serve_prints_a_snippet_that_connects_and_drains_on_sigterm(tmp_path):
     name = f"serve-{uuid.uuid4().hex[:6]}"
     config = tmp_path / "dataplane.yaml"
@@ -69,10 +125,13 @@ def test_serve_prints_a_snippet_that_connects_and_drains_on_sigterm(tmp_path):
         "unit_warm_reserve_bytes: 0\ndrain_timeout_s: 2\n"
         f"drain_checkpoint_dir: {tmp_path / 'drained'}\n"
     )
+    # Nothing of the test session's Ray settings: serve must keep to loopback on its own.
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("DATAPLANE_", "RAY_ADDRESS", "RAY_AUTH_MODE"))
+        if not k.startswith(
+            ("DATAPLANE_", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+        )
     }
     serve = subprocess.Popen(
         [sys.executable, "-m", "dataplane_server", "serve", "--config", str(config)]
@@ -90,30 +149,33 @@ def test_serve_prints_a_snippet_that_connects_and_drains_on_sigterm(tmp_path):
         ray_address = read_until(lines, "ray_address=", seen).split("=", 1)[1]
         assert ray_address.startswith("127.0.0.1:")  # the embedded Ray is on loopback
         assert read_until(lines, "admin_address=", seen).startswith("admin_address=127.0.0.1:")
-        read_until(lines, "connect from another process", seen)
-        snippet = [read_until(lines, "    ", seen) for _ in range(3)]
-        assert f'ray.init(address="{ray_address}")' in snippet[1]
-        hint = read_until(lines, "Ray token auth is on", seen)
-        assert "RAY_AUTH_MODE=token" in hint
+        snippet = read_snippet(lines, seen)
+        assert f'address="{ray_address}"' in snippet[-1]
+        assert 'os.environ["RAY_AUTH_MODE"] = "token"  # before ray is imported' in snippet
 
-        # The snippet, pasted as printed, in a process that knows nothing else.
-        # It also writes two samples, which the drain checkpoint must then hold.
-        code = "\n".join(line.strip() for line in snippet) + (
-            "\nimport torch"
-            "\nclient.register_partition('kept', fields=['x'], consumer_tasks=['t'])"
-            "\nclient.put_samples(['a', 'b'], 'kept', {'x': torch.arange(8.0).reshape(2, 4)})"
-            "\nprint(client.service_info().name)"
-        )
+        # Every socket of this Ray's processes is on 127.0.0.1 but the GCS port.
+        sockets = listening_sockets(_process_tree(serve.pid))
+        assert {name for _, name in sockets} >= {"gcs_server", "raylet"}, sockets
+        gcs_port = ray_address.rsplit(":", 1)[1]
+        elsewhere = [
+            (address, name)
+            for address, name in sockets
+            if address.rsplit(":", 1)[0] not in LOOPBACK and address.rsplit(":", 1)[1] != gcs_port
+        ]
+        assert elsewhere == [], f"listening beyond loopback: {elsewhere}"
+
+        # The snippet, pasted as printed, in a process that knows nothing else: it puts,
+        # claims and reads back. The drain checkpoint must then hold the two samples.
         pasted = subprocess.run(
-            [sys.executable, "-c", code],
+            [sys.executable, "-c", "\n".join(snippet) + PASTED_WORK],
             cwd=tmp_path,  # not the repo: nothing but the installed package
-            env=env | {"RAY_AUTH_MODE": "token"},
+            env=env,
             capture_output=True,
             text=True,
             timeout=START_S,
         )
         assert pasted.returncode == 0, pasted.stderr[-3000:]
-        assert pasted.stdout.strip().splitlines()[-1] == name
+        assert pasted.stdout.strip().splitlines()[-2:] == ["['a', 'b'] 28.0", name]
 
         serve.send_signal(signal.SIGTERM)
         read_until(lines, "dataplane: signal received, draining", seen)

@@ -9,8 +9,10 @@ real ones with only the health service, so no Ray is needed.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from concurrent import futures
 from importlib.metadata import version
 from pathlib import Path
@@ -186,10 +188,21 @@ def test_serve_with_a_bad_environment_override_exits_2():
     assert "admin_port" in err
 
 
-def test_connect_snippet_names_the_address_and_the_service():
+def test_connect_snippet_names_the_address_and_the_service(monkeypatch):
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
     lines = connect_snippet("127.0.0.1:6380", "dp", "ns")
-    assert 'ray.init(address="127.0.0.1:6380")' in "\n".join(lines)
-    assert 'dataplane_client.connect(name="dp", namespace="ns")' in "\n".join(lines)
+    call = 'dataplane_client.connect(name="dp", namespace="ns", address="127.0.0.1:6380")'
+    assert call in lines[-1]
+    assert "RAY_AUTH_MODE" not in "\n".join(lines)
+    # With token auth on, the snippet sets the mode itself, before anything imports ray.
+    code = [line.strip() for line in connect_snippet("127.0.0.1:6380", "dp", "ns", True)[1:]]
+    assert code.index('os.environ["RAY_AUTH_MODE"] = "token"  # before ray is imported') < (
+        code.index("import dataplane_client")
+    )
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/etc/ray/token")
+    assert 'os.environ["RAY_AUTH_TOKEN_PATH"] = "/etc/ray/token"' in "\n".join(
+        connect_snippet("127.0.0.1:6380", "dp", "ns", True)
+    )
 
 
 def test_token_auth_hint(monkeypatch):
@@ -262,3 +275,67 @@ def test_watch_rows_fit_80_columns_with_large_figures():
     header = watch._line([h for h, _ in watch.COLUMNS])
     assert len(header) <= 80
     assert len(watch.row(snap, prev)) <= 80
+
+
+# ------------------------------------------------------- serve: start failures, one line
+# Each is found before anything starts: the output holds no line of Ray's, and it comes
+# in seconds (an unreachable --address used to take 24 s of retries and 59 lines).
+def _serve_refused(tmp_path, code: int, *args: str, config: str | None = None) -> str:
+    argv = ["serve", *args]
+    if config is not None:
+        (tmp_path / "cfg.yaml").write_text(config)
+        argv += ["--config", str(tmp_path / "cfg.yaml")]
+    started = time.monotonic()
+    proc = dataplane(*argv, env={"RAY_ADDRESS": ""})
+    err = one_line_error(proc, code)
+    assert proc.stdout == "", proc.stdout  # nothing started, nothing printed
+    assert time.monotonic() - started < 45  # generous: "fails fast", not a timing claim
+    return err
+
+
+@pytest.mark.slow  # a fresh interpreter that imports Ray
+def test_serve_with_its_admin_port_taken_is_one_line_exit_1(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = _serve_refused(tmp_path, 1, config=f"admin_port: {port}\n")
+    assert f"admin_port {port} on 127.0.0.1 cannot be used" in err
+
+
+@pytest.mark.slow
+def test_serve_with_missing_tls_files_is_one_line_exit_2(tmp_path):
+    cert, key = tmp_path / "no-cert.pem", tmp_path / "no-key.pem"
+    err = _serve_refused(
+        tmp_path, 2, config=f"admin_tls_cert: {cert}\nadmin_tls_key: {key}\nadmin_token: t\n"
+    )
+    assert f"admin_tls_cert: cannot read {str(cert)!r}" in err
+
+
+@pytest.mark.slow
+def test_serve_with_an_unreachable_ray_address_is_one_line_exit_1(tmp_path):
+    err = _serve_refused(tmp_path, 1, "--address", "127.0.0.1:1")
+    assert "cannot reach a Ray cluster at '127.0.0.1:1'" in err
+
+
+@pytest.mark.slow
+def test_serve_with_an_empty_config_file_is_one_line_exit_2(tmp_path):
+    err = _serve_refused(tmp_path, 2, config="# nothing but a comment\n")
+    assert "is empty" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--num-cpus", "-1"],
+        ["serve", "--num-cpus", "0"],
+        ["status", "--timeout", "-1", "--address", "127.0.0.1:1"],
+        ["partitions", "--timeout", "0", "--address", "127.0.0.1:1"],
+    ],
+)
+def test_negative_cpu_counts_and_timeouts_are_usage_errors(argv):
+    proc = dataplane(*argv)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("dataplane ")  # argparse's line
+    assert "must be a positive" in proc.stderr

@@ -29,13 +29,13 @@ else:
 """
 
 
-def _run(*args, env=None):
+def _run(*args, env=None, drop=()):
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, *args],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, **(env or {})},
+        env={k: v for k, v in {**os.environ, **(env or {})}.items() if k not in drop},
     )
     return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr
 
@@ -64,3 +64,19 @@ def test_an_address_joins_that_cluster_and_finds_the_service(service):
     address = ray.get_runtime_context().gcs_address
     out = _run(service.config.name, service.config.namespace, address)
     assert out.startswith("CONNECTED RayDataPlaneClient"), out
+
+
+@pytest.mark.slow
+def test_a_token_refused_inside_a_connection_error_is_one_line_saying_what_to_set(service):
+    """The session's Ray runs with token auth (Ray 2.60's default for a new local cluster);
+    a process joining it without RAY_AUTH_MODE=token is refused, and Ray 2.60 reports that
+    as a ConnectionError around the GCS's InvalidAuthToken, not as AuthenticationError."""
+    import ray
+
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        pytest.skip("the session's Ray runs without token auth")
+    address = ray.get_runtime_context().gcs_address
+    out = _run("dp", "ns", address, drop=("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"))
+    assert out.startswith("UNAVAILABLE Ray token authentication failed"), out
+    assert "RAY_AUTH_MODE=token" in out
+    assert "\n" not in out

@@ -1,7 +1,7 @@
 """NeMo-RL's DataPlaneClient contract, on both implementations: every method, every error.
 
-Each test states one point of ``NEMO_RL_CONTRACT.md`` (quoted in its docstring)
-and runs on the Ray client (the session's service) and on the in-process twin.
+Each test states one point of NeMo-RL's contract (in its docstring; where we differ
+on purpose, docs/nemo_rl_contract.md says so and why) and runs on the Ray client (the session's service) and on the in-process twin.
 The last test is a NeMo-RL-style trainer loop written only against the ABC.
 """
 
@@ -241,7 +241,7 @@ def test_a_claim_needs_every_required_field_produced(dp):
     pid = _pid()
     dp.register_partition(pid, ["x", "lp"], None, ["train"])
     dp.put_samples(["a", "b"], pid, {"x": torch.zeros(2)})
-    assert dp.claim_meta(pid, "train", ["x", "lp"], 1, blocking=False) is None
+    assert not dp.claim_meta(pid, "train", ["x", "lp"], 1, blocking=False)
     dp.put_samples(["b"], pid, {"lp": [torch.ones(2)]})  # the write-back of one stage
     meta = dp.claim_meta(pid, "train", ["x", "lp"], 2, blocking=False)
     assert meta.sample_ids == ["b"]
@@ -258,8 +258,24 @@ def test_a_claim_advances_only_its_own_tasks_cursor(dp):
     second = dp.claim_meta(pid, "a", ["x"], 3, blocking=False)
     assert len(first.sample_ids) == 3
     assert second.sample_ids == sorted(set(f"s{i}" for i in range(4)) - set(first.sample_ids))
-    assert dp.claim_meta(pid, "a", ["x"], 1, blocking=False) is None
+    assert not dp.claim_meta(pid, "a", ["x"], 1, blocking=False)
     assert len(dp.claim_meta(pid, "b", ["x"], 4).sample_ids) == 4
+
+
+def test_a_non_blocking_claim_with_nothing_ready_is_an_empty_meta_not_none(dp):
+    """The ABC says claim_meta returns a KVBatchMeta; with nothing ready NeMo-RL returns an
+    empty one (falsy), so ``while meta := claim(...)`` and ``meta.sample_ids`` both work."""
+    pid = _pid()
+    dp.register_partition(pid, ["x"], None, ["train"])
+    for meta in (
+        dp.claim_meta(pid, "train", ["x"], 2, blocking=False),
+        asyncio.run(dp.claim_meta_async(pid, "train", ["x"], 2, blocking=False)),
+    ):
+        assert isinstance(meta, KVBatchMeta)
+        assert (meta.partition_id, meta.task_name, meta.sample_ids) == (pid, "train", [])
+        assert meta.fields == ["x"]
+        assert len(meta) == 0
+        assert not meta
 
 
 def test_an_unknown_task_is_a_key_error_mentioning_it(dp):

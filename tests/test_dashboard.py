@@ -109,3 +109,47 @@ def test_a_missing_promtool_fails_under_ci_and_skips_elsewhere(tmp_path, monkeyp
     monkeypatch.delenv("CI")
     with pytest.raises(pytest.skip.Exception):
         promtool_or_skip()
+
+
+def _series_of(text: str) -> list[dict]:
+    """A /metrics scrape as promtool input series, each value held for 10 minutes."""
+    series = []
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            series.append({"series": f"{s.name}{{{labels}}}", "values": f"{s.value}+0x10"})
+    return series
+
+
+def _panel(title: str) -> dict:
+    [panel] = [p for p in _dashboard()["panels"] if p["title"] == title]
+    return panel
+
+
+def test_the_claim_wait_panel_shows_zero_on_a_fresh_service_not_no_data(service_factory, tmp_path):
+    """A service nobody has claimed from: its histogram has no buckets yet and no claim
+    has timed out. Each query of the panel, evaluated by promtool over that scrape, is one
+    sample of 0 (Grafana's "no data" was an empty or NaN result)."""
+    promtool = promtool_or_skip()
+    fresh = service_factory("dash-fresh", num_storage_units=1)
+    with urllib.request.urlopen(f"http://{fresh.metrics_address}/metrics", timeout=10) as r:
+        scrape = r.read().decode()
+    tests = []
+    for target in _panel("Claim wait")["targets"]:
+        expr = target["expr"]
+        for macro, value in _GRAFANA_MACROS.items():
+            expr = expr.replace(macro, value)
+        tests.append({"expr": expr, "eval_time": "10m", "exp_samples": [{"value": 0}]})
+    unit = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [
+            {"interval": "1m", "input_series": _series_of(scrape), "promql_expr_test": tests}
+        ],
+    }
+    path = tmp_path / "fresh-service-test.yaml"
+    path.write_text(yaml.safe_dump(unit))
+    proc = subprocess.run(
+        [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -124,3 +124,55 @@ def test_tests_readme_has_a_row_for_every_test_file_and_no_other():
     assert sorted(files - set(rows)) == [], "test files without a row in tests/README.md"
     assert sorted(set(rows) - files) == [], "rows in tests/README.md for files that do not exist"
     assert len(rows) == len(set(rows)), "a test file is listed twice"
+
+
+def _declared_floors() -> dict[str, str]:
+    """``name -> minimum`` of every dependency pyproject.toml declares (any extra too)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    specs = list(project["dependencies"])
+    specs += [s for extra in project["optional-dependencies"].values() for s in extra]
+    floors = {}
+    for spec in specs:
+        found = re.match(r"^([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?\s*>=\s*([0-9][0-9.]*)", spec)
+        if found and found.group(1) != "rl-dataplane":
+            floors[found.group(1).lower()] = found.group(2)
+    floors["python"] = project["requires-python"].removeprefix(">=")
+    return floors
+
+
+def _version_statements(text: str, names: set[str]) -> list[tuple[str, str]]:
+    """``(name, version)`` of each "name>=version" (or "name >= version", "Python 3.10+")."""
+    alternatives = "|".join(sorted(map(re.escape, names), key=len, reverse=True))
+    pins = re.compile(rf"(?<![\w-])({alternatives})(?:\[[^\]]*\])?\s*>=\s*([0-9][0-9.]*\d)", re.I)
+    found = [(n.lower(), v) for n, v in pins.findall(text)]
+    found += [("python", v) for v in re.findall(r"\bPython (\d\.\d+)\+", text)]
+    return found
+
+
+def test_every_version_a_document_states_is_the_floor_pyproject_declares():
+    # deploy/runtime_env.yaml once asked for grpcio>=1.85 while the package floor was 1.62.3.
+    floors = _declared_floors()
+    assert {"grpcio", "protobuf", "torch", "python"} <= set(floors)
+    documents = _markdown_files() + sorted((ROOT / "deploy").glob("*.yaml"))
+    stated = {
+        (doc.relative_to(ROOT).as_posix(), name, version)
+        for doc in documents
+        for name, version in _version_statements(doc.read_text(), set(floors))
+    }
+    assert any(doc == "deploy/runtime_env.yaml" for doc, _, _ in stated)  # the finder sees it
+    wrong = sorted(
+        f"{doc}: {name}>={version} (pyproject: {floors[name]})"
+        for doc, name, version in stated
+        if version != floors[name]
+    )
+    assert wrong == [], "documents state versions pyproject.toml does not declare"
+
+
+def test_version_finder_sees_each_way_of_writing_a_floor():
+    text = "pip: grpcio>=1.85, `protobuf >= 4.21.6`, ray[default]>=2.40; Python 3.10+; x-grpcio>=9"
+    assert _version_statements(text, {"grpcio", "protobuf", "ray"}) == [
+        ("grpcio", "1.85"),
+        ("protobuf", "4.21.6"),
+        ("ray", "2.40"),
+        ("python", "3.10"),
+    ]

@@ -138,7 +138,7 @@ async def _schedule(client, pid: str, seed: int, ops: int = 160, width: int = 12
 
     async def claim(task: str) -> None:
         meta = await client.claim_meta_async(pid, task, ["x"], rng.randint(1, 6), blocking=False)
-        if meta is None or not meta.size:
+        if not meta:
             return
         model.deliver(task, list(meta.sample_ids))
         if task == "l":
@@ -167,7 +167,7 @@ async def _schedule(client, pid: str, seed: int, ops: int = 160, width: int = 12
     for task in ("c", "l"):
         while True:
             meta = await client.claim_meta_async(pid, task, ["x"], 64, blocking=False)
-            if meta is None or not meta.size:
+            if not meta:
                 break
             model.deliver(task, list(meta.sample_ids))
             if task == "l":

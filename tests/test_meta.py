@@ -130,7 +130,7 @@ def test_concat_keeps_order_and_refuses_mixing_partitions_or_duplicates():
     both = a.concat(_meta(5).slice(3, 5))
     assert both.tags == [{"group_id": 0}, {"group_id": 0}, {"group_id": 1}, *_meta(5).tags[3:]]
     assert a.concat(KVBatchMeta("p", None, ["z"])).sequence_lengths is None
-    with pytest.raises(ValueError, match="different partitions"):
+    with pytest.raises(ValueError, match="partition_ids must match"):
         a.concat(KVBatchMeta("q", None, ["z"]))
     with pytest.raises(InvalidBatch, match="duplicate"):
         a.concat(a)

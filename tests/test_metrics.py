@@ -131,9 +131,12 @@ def test_latency_histograms(traffic, op):
 def test_samples_and_bytes_per_partition_and_unit(traffic):
     after, pid = traffic["after"], traffic["pid"]
     assert one(after, "dataplane_partition_samples", partition=pid) == 8
-    assert one(after, "dataplane_partition_bytes", partition=pid) >= traffic["payload"]
+    assert one(after, "dataplane_partition_stored_bytes", partition=pid) >= traffic["payload"]
     assert total(after, "dataplane_unit_samples") >= 8
-    assert total(after, "dataplane_unit_bytes") >= traffic["payload"]
+    assert total(after, "dataplane_unit_stored_bytes") >= traffic["payload"]
+    assert total(after, "dataplane_unit_allocated_bytes") >= total(
+        after, "dataplane_unit_stored_bytes"
+    )
 
 
 def test_errors_are_counted_by_type(traffic):

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -30,23 +31,44 @@ def _requirement_name(req: str) -> str:
     return req.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip()
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> zipfile.ZipFile:
-    # Built from a copy of the files git would ship, so a stale build/ in the checkout
-    # (setuptools reuses it) cannot add packages the current configuration excludes.
-    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+def _tracked_files() -> list[str]:
     listed = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard", "-z"],
         cwd=ROOT,
         capture_output=True,
         check=True,
     ).stdout.decode()
-    for name in filter(None, listed.split("\0")):
-        if (ROOT / name).is_file():
-            (src / name).parent.mkdir(parents=True, exist_ok=True)
-            # Links stay links (relative ones resolve inside the copy), so the build meets
-            # the package's link to proto/ as a build from the checkout does.
-            shutil.copy2(ROOT / name, src / name, follow_symlinks=False)
+    return [name for name in filter(None, listed.split("\0")) if (ROOT / name).is_file()]
+
+
+def _copy_of_the_source(src: Path) -> Path:
+    """The files git would ship, copied: a stale build/ in the checkout (setuptools reuses
+    it) cannot add what the current configuration excludes."""
+    for name in _tracked_files():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        # Links stay links (relative ones resolve inside the copy), so the build meets
+        # the package's link to proto/ as a build from the checkout does.
+        shutil.copy2(ROOT / name, src / name, follow_symlinks=False)
+    return src
+
+
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory) -> tarfile.TarFile:
+    src = _copy_of_the_source(tmp_path_factory.mktemp("src"))
+    out = tmp_path_factory.mktemp("sdist")
+    build = "from setuptools import build_meta; import sys; build_meta.build_sdist(sys.argv[1])"
+    proc = subprocess.run(
+        [sys.executable, "-c", build, str(out)], cwd=src, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [path] = out.glob("rl_dataplane-*.tar.gz")
+    return tarfile.open(path)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    src = _copy_of_the_source(tmp_path_factory.mktemp("src"))
+    out = tmp_path_factory.mktemp("wheel")
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", out, "."],
         cwd=src,
@@ -104,6 +126,29 @@ def test_wheel_ships_the_proto_the_example_config_and_py_typed(wheel):
         assert wheel.read(name) == source.read_bytes(), f"{name} differs from {source}"
 
 
+@pytest.mark.slow
+def test_the_sdist_holds_every_file_a_clone_has(sdist):
+    # It lacked deploy/ (and docs/, tests/, ...): setuptools alone ships only the packages.
+    names = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
+    missing = sorted(set(_tracked_files()) - names)
+    assert missing == [], f"the sdist lacks {missing[:20]}"
+    assert "deploy/kuberay-rayjob.yaml" in names
+
+
+@pytest.mark.slow
+def test_the_license_the_metadata_names_is_shipped(wheel, sdist):
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text
+    assert "Version 2.0, January 2004" in text
+    [meta_name] = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    meta = email.parser.Parser().parsestr(wheel.read(meta_name).decode())
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert meta.get_all("License-File") == ["LICENSE"]
+    [licensed] = [n for n in wheel.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+    assert wheel.read(licensed).decode() == text
+    assert any(name.endswith("/LICENSE") for name in sdist.getnames())
+
+
 def test_deploy_example_config_is_the_packaged_one():
     # One source of truth: deploy/ links to the file the wheel ships.
     linked = ROOT / "deploy/dataplane.example.yaml"
@@ -142,9 +187,10 @@ sys.meta_path.insert(0, _NoExtras())
 """
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_the_wheel_without_extras_imports_and_serves(wheel, tmp_path):
+@pytest.fixture(scope="module")
+def installed_without_extras(wheel, tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """The wheel installed alone (``--target``), and an environment that sees only it."""
+    tmp_path = tmp_path_factory.mktemp("installed")
     target, site = tmp_path / "installed", tmp_path / "site"
     site.mkdir()
     # psutil stays importable: Ray itself needs it (ray[default] installs it).
@@ -164,6 +210,33 @@ def test_the_wheel_without_extras_imports_and_serves(wheel, tmp_path):
         if not k.startswith(("DATAPLANE_", "RAY_ADDRESS", "RAY_AUTH_MODE", "PYTHONPATH"))
     }
     env["PYTHONPATH"] = f"{target}{os.pathsep}{site}"
+    return target, env
+
+
+@pytest.mark.slow
+def test_demo_without_the_demo_extra_is_one_line_naming_it_before_starting_anything(
+    installed_without_extras, tmp_path
+):
+    _, env = installed_without_extras
+    demo = subprocess.run(
+        [sys.executable, "-m", "dataplane_server", "demo", "--small"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert demo.returncode == 2, demo.stdout + demo.stderr
+    assert demo.stdout == ""  # nothing started: no Ray, no service, no table
+    [line] = demo.stderr.strip().splitlines()
+    assert "pip install 'rl-dataplane[demo]'" in line
+    assert "transformers" in line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_wheel_without_extras_imports_and_serves(installed_without_extras, tmp_path):
+    target, env = installed_without_extras
     probe = subprocess.run(
         [
             sys.executable,
@@ -199,3 +272,18 @@ def test_the_wheel_without_extras_imports_and_serves(wheel, tmp_path):
         serve.send_signal(signal.SIGTERM)
         rest, _ = serve.communicate(timeout=120)
     assert serve.returncode == 0, "\n".join(seen) + rest
+
+
+def test_readme_pip_instructions_install_the_cpu_torch_before_the_package():
+    # pip's default torch is the CUDA build (5.8 GB with its nvidia packages); installed
+    # first from PyTorch's CPU index, it satisfies our torch>=2.4 and pip keeps it.
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Installing the package with pip") :]
+    commands = [
+        line.split("#")[0].strip()
+        for line in section[: section.index("```", section.index("```bash") + 3)].splitlines()
+        if line.startswith("pip install")
+    ]
+    cpu_torch = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    assert commands[0] == cpu_torch, commands
+    assert commands[1:] == ["pip install rl-dataplane", "pip install 'rl-dataplane[demo]'"]

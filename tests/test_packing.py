@@ -119,6 +119,15 @@ def test_get_packer_packs_like_its_algorithm_by_enum_or_name(algo):
     _check_bins(get_packer(algo, 100).pack(lengths), lengths, 100)
 
 
+def test_unset_constraints_stay_none_as_nemo_rl_keeps_them():
+    packer = get_packer("first_fit_decreasing", 10)
+    assert packer.min_bin_count is None
+    assert packer.bin_count_multiple is None
+    assert packer.pack([7, 5, 3]) == [[0, 2], [1]]  # None means no constraint
+    set_ = get_packer("first_fit_decreasing", 10, min_bin_count=3, bin_count_multiple=2)
+    assert (set_.min_bin_count, set_.bin_count_multiple) == (3, 2)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -162,6 +163,33 @@ def ray_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     )
 
 
+def documented_log_start() -> list[re.Pattern]:
+    """deploy/ray_job_submit.md's job-log excerpt, one pattern per line: names in quotes
+    and HOST:PORT addresses stand for any (the test's service has its own)."""
+    text = (REPO / "deploy/ray_job_submit.md").read_text()
+    after = text[text.index("The job log starts with") :]
+    block = after[after.index("```text\n") + 8 : after.index("```", after.index("```text") + 7)]
+    patterns = []
+    for line in block.strip().splitlines():
+        pattern = re.escape(line)
+        pattern = re.sub(r"'[^']*'", "'[^']*'", pattern)
+        pattern = re.sub(r"(?:\d+\\\.){3}\d+:\d+", r"[0-9.]+:\\d+", pattern)
+        patterns.append(re.compile(pattern + "$"))
+    return patterns
+
+
+def assert_log_starts_as_documented(log: str) -> None:
+    lines = [line for line in log.splitlines() if not re.match(r"^\d{4}-\d\d-\d\d ", line)]
+    patterns = documented_log_start()
+    assert len(patterns) >= 4, patterns
+    starts = [i for i, line in enumerate(lines) if patterns[0].match(line)]
+    assert starts, f"no line like {patterns[0].pattern} in the job log:\n{log}"
+    got = lines[starts[0] : starts[0] + len(patterns)]
+    assert len(got) == len(patterns), f"the job log ends early:\n{log}"
+    wrong = [(p.pattern, line) for p, line in zip(patterns, got) if not p.match(line)]
+    assert wrong == [], f"the job log starts otherwise than deploy/ray_job_submit.md shows:\n{log}"
+
+
 def test_service_runs_as_a_ray_job(ray_head, tmp_path):
     admin_port, metrics_port = free_ports(2)
     name = f"job-{uuid.uuid4().hex[:6]}"
@@ -224,6 +252,7 @@ def test_service_runs_as_a_ray_job(ray_head, tmp_path):
     try:
         poll("the admin endpoint of the job to report SERVING", serving, JOB_START_S)
         assert f"admin_address={address}" in logs()
+        assert_log_starts_as_documented(logs())
 
         info = admin_pb2_grpc.AdminServiceStub(channel).GetServiceInfo(
             admin_pb2.GetServiceInfoRequest(), timeout=10

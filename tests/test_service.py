@@ -239,7 +239,7 @@ def test_claims_consume_per_task_and_need_required_fields(client):
     assert m1.task_name == "lp"
     m2 = client.claim_meta(pid, "lp", ["x"], 5, blocking=False)
     assert m2.sample_ids == ids[5:]  # non-blocking returns what is ready
-    assert client.claim_meta(pid, "lp", ["x"], 5, blocking=False) is None
+    assert not client.claim_meta(pid, "lp", ["x"], 5, blocking=False)
     # Another task sees everything again; a required field narrows the set.
     m3 = client.claim_meta(pid, "ref", ["x", "y"], 8, blocking=False)
     assert m3.sample_ids == ids[:4]
@@ -313,7 +313,7 @@ def test_group_claims_release_only_complete_groups(client):
     m = client.claim_meta(pid, "t", ["x"], 6, blocking=False)
     assert sorted(m.sample_ids) == sorted(["g0a", "g0b", "g0c", "g2a", "g2b", "g2c"])
     assert {t["group_id"] for t in m.tags} == {"g0", "g2"}
-    assert client.claim_meta(pid, "t", ["x"], 3, blocking=False) is None  # g1 incomplete
+    assert not client.claim_meta(pid, "t", ["x"], 3, blocking=False)  # g1 incomplete
     client.put_samples(["g1c"], pid, {"x": torch.zeros(1)}, tags=[{"group_id": "g1"}])
     assert sorted(client.claim_meta(pid, "t", ["x"], 3).sample_ids) == ["g1a", "g1b", "g1c"]
 
@@ -353,7 +353,7 @@ def test_a_writer_that_never_commits_leaves_nothing_visible(service, client):
     )
     with pytest.raises(SamplesNotFound):
         client.get_samples(["ghost"], pid, ["x"])
-    assert client.claim_meta(pid, "t", ["x"], 1, blocking=False) is None
+    assert not client.claim_meta(pid, "t", ["x"], 1, blocking=False)
     # A real write of the same sample afterwards goes through and reads back its own bytes.
     client.put_samples(["ghost"], pid, {"x": torch.zeros(1, 4)})
     assert torch.equal(client.get_samples(["ghost"], pid, ["x"])["x"], torch.zeros(1, 4))

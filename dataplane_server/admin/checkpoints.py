@@ -26,8 +26,11 @@ from dataplane_client import arguments, errors
 from dataplane_server.admin.sources import ActorSources
 from dataplane_server.admin_pb import admin_pb2
 
-# Without a client deadline a save or restore may take this long (it moves every byte).
-DEFAULT_TIMEOUT_S = 3600.0
+# A caller without a deadline waits as long as a save or restore takes (it moves every
+# byte). grpc reports "no deadline" as None or, depending on how the call arrived (grpcurl
+# without -max-time), as a remaining time of about 2**63 ns: a timeout that large overflows
+# ray.get, so anything beyond this is read as no deadline.
+NO_DEADLINE_BEYOND_S = 365 * 24 * 3600.0
 
 
 class CheckpointAbort(Exception):
@@ -39,9 +42,12 @@ class CheckpointAbort(Exception):
         self.message = message
 
 
-def timeout_for(context: grpc.ServicerContext) -> float:
+def timeout_for(context: grpc.ServicerContext) -> float | None:
+    """The caller's deadline as a ``ray.get`` timeout; None (wait) when it set none."""
     remaining = context.time_remaining()
-    return DEFAULT_TIMEOUT_S if remaining is None else max(0.0, remaining)
+    if remaining is None or remaining > NO_DEADLINE_BEYOND_S:
+        return None
+    return max(0.0, remaining)
 
 
 def directory_of(request) -> str:
@@ -69,7 +75,7 @@ def _mapped(exc: BaseException) -> CheckpointAbort | None:
     return None
 
 
-def _call(sources: ActorSources, method: str, directory: str, timeout_s: float):
+def _call(sources: ActorSources, method: str, directory: str, timeout_s: float | None):
     try:
         return sources.call(method, directory, timeout_s=timeout_s)
     except Exception as exc:

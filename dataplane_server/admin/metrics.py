@@ -241,7 +241,9 @@ def _controller_families(pull: StatsPull) -> Iterable[Metric]:
         "dataplane_partition_samples", "Samples in the partition.", labels=["partition"]
     )
     p_bytes = GaugeMetricFamily(
-        "dataplane_partition_bytes", "Bytes held for the partition.", labels=["partition"]
+        "dataplane_partition_stored_bytes",
+        "Stored bytes of the partition's samples (their own bytes, as `dataplane partitions`).",
+        labels=["partition"],
     )
     for p in pull.partitions():
         p_samples.add_metric([p.partition_id], float(p.num_samples))
@@ -268,7 +270,18 @@ def _controller_families(pull: StatsPull) -> Iterable[Metric]:
 def _unit_families(pull: StatsPull) -> Iterable[Metric]:
     unit_labels = ["unit", "node_id"]
     u_up = GaugeMetricFamily("dataplane_unit_up", "1 if the unit answered.", labels=unit_labels)
-    u_bytes = GaugeMetricFamily("dataplane_unit_bytes", "Bytes held.", labels=unit_labels)
+    # Two figures, labelled: what the samples take (stored) and the memory set aside for
+    # them in whole chunks (allocated), which is what capacity limits.
+    u_stored = GaugeMetricFamily(
+        "dataplane_unit_stored_bytes",
+        "Stored bytes of the samples the unit holds (their own bytes).",
+        labels=unit_labels,
+    )
+    u_bytes = GaugeMetricFamily(
+        "dataplane_unit_allocated_bytes",
+        "Memory the unit has allocated for samples (whole chunks; what capacity limits).",
+        labels=unit_labels,
+    )
     u_samples = GaugeMetricFamily("dataplane_unit_samples", "Samples held.", labels=unit_labels)
     u_cap = GaugeMetricFamily(
         "dataplane_unit_capacity_bytes", "Capacity of the unit.", labels=unit_labels
@@ -294,6 +307,7 @@ def _unit_families(pull: StatsPull) -> Iterable[Metric]:
         unit = str(snap.index)
         labels = [unit, snap.node_id]
         u_up.add_metric(labels, 1)
+        u_stored.add_metric(labels, float(sum(snap.partition_bytes.values())))
         u_bytes.add_metric(labels, float(snap.bytes))
         u_samples.add_metric(labels, float(snap.samples))
         u_cap.add_metric(labels, float(snap.capacity_bytes))
@@ -306,7 +320,7 @@ def _unit_families(pull: StatsPull) -> Iterable[Metric]:
             family.add_metric([unit], _histogram_buckets(hist), float(hist["sum"]))
         for kind, n in (stats.get("errors") or {}).items():
             errors.add_metric([kind, f"unit-{unit}"], float(n))
-    yield from (u_up, u_bytes, u_samples, u_cap)
+    yield from (u_up, u_stored, u_bytes, u_samples, u_cap)
     yield from families
     yield errors
 

@@ -71,8 +71,9 @@ class ActorSources:
         self._client = None
         self._client_lock = threading.Lock()
 
-    def call(self, method: str, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
-        """Call a controller method and wait at most ``timeout_s``; errors come back unwrapped."""
+    def call(self, method: str, *args: Any, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> Any:
+        """Call a controller method and wait at most ``timeout_s`` (None: as long as it takes);
+        errors come back unwrapped."""
         ref = getattr(self.controller, method).remote(*args)
         try:
             return ray.get(ref, timeout=timeout_s)

@@ -56,7 +56,7 @@ def run(ep, args) -> None:
     if d["bytes_per_unit"]:
         say()
         rows = [[b["unit"], human_bytes(b["bytes"])] for b in d["bytes_per_unit"]]
-        say(table(["UNIT", "BYTES"], rows))
+        say(table(["UNIT", "STORED"], rows))
     if d.get("staleness"):
         say()
         _staleness(d["staleness"])

@@ -14,6 +14,7 @@ import ssl
 import grpc
 
 from dataplane_server.admin_pb import admin_pb2_grpc
+from dataplane_server.cli.argtypes import positive_seconds
 from dataplane_server.cli.exits import (
     EXIT_AUTH,
     EXIT_FAILED,
@@ -37,7 +38,7 @@ def endpoint_options() -> argparse.ArgumentParser:
     g.add_argument("--tls-server-name", help="name to verify in the server certificate")
     g.add_argument(
         "--timeout",
-        type=float,
+        type=positive_seconds,
         default=None,  # None: the command's own default_timeout, else DEFAULT_TIMEOUT_S
         help="seconds per request (default 5; checkpoint save/restore: 600)",
     )

@@ -30,4 +30,4 @@ def run(ep, args) -> None:
         ]
         for p in parts
     ]
-    say(table(["PARTITION", "SAMPLES", "BYTES", "FIELDS", "CONSUMERS", "CREATED"], rows))
+    say(table(["PARTITION", "SAMPLES", "STORED", "FIELDS", "CONSUMERS", "CREATED"], rows))

@@ -15,6 +15,8 @@ import signal
 import threading
 import time
 
+from dataplane_server.cli import preflight
+from dataplane_server.cli.argtypes import positive_int
 from dataplane_server.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CliError
 from dataplane_server.cli.render import say
 
@@ -33,7 +35,7 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--num-cpus",
-        type=int,
+        type=positive_int,
         default=DEFAULT_NUM_CPUS,
         help="logical CPUs of the embedded Ray (default %(default)s)",
     )
@@ -67,18 +69,34 @@ def token_auth_hint() -> str | None:
     else:
         where = "the token file ~/.ray/auth_token of this user (or RAY_AUTH_TOKEN)"
     return (
-        "Ray token auth is on: set RAY_AUTH_MODE=token in the connecting process (and for "
-        f"`ray job submit`), with the same token: {where}"
+        "Ray token auth is on: a connecting process (and `ray job submit`) needs "
+        f"RAY_AUTH_MODE=token before it imports ray, with the same token: {where}; on "
+        "another machine, a copy of it named by RAY_AUTH_TOKEN_PATH"
     )
 
 
-def connect_snippet(ray_address: str, name: str, namespace: str) -> list[str]:
-    return [
-        "connect from another process:",
-        "    import ray, dataplane_client",
-        f'    ray.init(address="{ray_address}")',
-        f'    client = dataplane_client.connect(name="{name}", namespace="{namespace}")',
+def connect_snippet(
+    ray_address: str, name: str, namespace: str, token_auth: bool = False
+) -> list[str]:
+    """Lines a trainer pastes, as printed, into another process to reach this service.
+
+    With token auth on, the snippet sets RAY_AUTH_MODE itself: Ray reads it only when
+    ``ray`` is first imported, so it comes before the import (and the token file named
+    by this process's RAY_AUTH_TOKEN_PATH, if any; never a token itself).
+    """
+    lines = ["connect from another process (paste as is):"]
+    if token_auth:
+        lines.append("    import os")
+        lines.append('    os.environ["RAY_AUTH_MODE"] = "token"  # before ray is imported')
+        if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+            path = os.environ["RAY_AUTH_TOKEN_PATH"]
+            lines.append(f'    os.environ["RAY_AUTH_TOKEN_PATH"] = "{path}"')
+    lines += [
+        "    import dataplane_client",
+        f'    client = dataplane_client.connect(name="{name}", namespace="{namespace}", '
+        f'address="{ray_address}")',
     ]
+    return lines
 
 
 def _init_ray(args, namespace: str) -> None:
@@ -88,9 +106,18 @@ def _init_ray(args, namespace: str) -> None:
 
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address:  # an existing cluster (inside `ray job submit`, RAY_ADDRESS is set)
-        ray.init(address=address, namespace=namespace, log_to_driver=args.ray_logs)
+        try:
+            ray.init(address=address, namespace=namespace, log_to_driver=args.ray_logs)
+        except (ConnectionError, RuntimeError) as exc:
+            raise CliError(
+                f"cannot join the Ray cluster at {address!r}: {_first_line(exc)}"
+            ) from None
     else:
         init_local_ray(args.num_cpus, namespace=namespace, log_to_driver=args.ray_logs)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def save_drain_checkpoint(handle, parent: str) -> bool:
@@ -112,10 +139,18 @@ def save_drain_checkpoint(handle, parent: str) -> bool:
 def run(args) -> int:
     # Imported here: dataplane_client pulls in Ray and torch, which the client commands skip.
     config = load_config(args.config)
+    # What can be checked before anything starts is checked here, each as one line.
+    preflight.check_files(config)
+    preflight.check_ports(config)
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        preflight.check_ray_address(address)
     _init_ray(args, config.namespace)
     import ray
+    from ray.exceptions import RayError
 
     from dataplane_client.errors import ConfigError
+    from dataplane_client.loopback import is_loopback
     from dataplane_server.service import start
 
     stop = threading.Event()
@@ -131,18 +166,25 @@ def run(args) -> int:
 
     try:
         handle = start(config)
-    except ConfigError as exc:  # settings only the actors check (TLS files, auth combos)
+    except ConfigError as exc:  # settings only the actors check (TLS contents, auth combos)
         raise CliError(f"config error: {exc}", EXIT_USAGE) from None
+    except (RayError, OSError, RuntimeError) as exc:  # e.g. a port taken since the check
+        raise CliError(f"the service did not start: {_first_line(exc)}") from None
     ray_address = ray.get_runtime_context().gcs_address
     say(f"dataplane: serving {config.name!r} in namespace {config.namespace!r}")
     say(f"ray_address={ray_address}")
     say(f"admin_address={handle.admin_address}")
     say(f"metrics_address={handle.metrics_address}")
-    for line in connect_snippet(ray_address, config.name, config.namespace):
-        say(line)
     hint = token_auth_hint()
+    for line in connect_snippet(ray_address, config.name, config.namespace, hint is not None):
+        say(line)
     if hint:
         say(hint)
+    if is_loopback(ray_address):
+        say(
+            "the embedded Ray listens on 127.0.0.1 (Ray's GCS port on every interface, "
+            "token-checked): join from this machine, or serve with --address on a cluster"
+        )
     while not stop.wait(0.5):  # timed, so the handler runs promptly on every platform
         pass
     say("dataplane: signal received, draining")

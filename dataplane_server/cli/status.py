@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import grpc
+
 from dataplane_server.admin_pb import admin_pb2
 from dataplane_server.cli.convert import to_builtin
 from dataplane_server.cli.render import (
@@ -21,18 +23,33 @@ def register(sub, endpoint_options) -> None:
     p.set_defaults(endpoint_cmd=run)
 
 
+def _stored_bytes(ep) -> str:
+    """What `partitions` and `watch` show: the samples' own bytes ("allocated", from
+    GetServiceInfo, is the units' memory set aside for them in whole chunks, which
+    capacity limits). Partitions are a read the admin token guards; status is not."""
+    try:
+        parts = to_builtin(ep.call("ListPartitions", admin_pb2.ListPartitionsRequest()))
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.UNAUTHENTICATED:
+            raise
+        return "? (needs the token)"
+    return human_bytes(sum(p["bytes"] for p in parts.get("partitions", [])))
+
+
 def run(ep, args) -> None:
     info = to_builtin(ep.call("GetServiceInfo", admin_pb2.GetServiceInfoRequest()))
     if args.json:
         return emit_json(info)
+    stored = _stored_bytes(ep)
     say(f"service    {info['name']} (namespace {info['namespace']}), version {info['version']}")
     say(
         f"uptime     {human_duration(info['uptime_s'])} (since {human_time(info['started_at'])})"
         f", draining: {'yes' if info['draining'] else 'no'}"
     )
     say(
-        f"holds      {info['num_partitions']} partitions, {info['num_samples']} samples, "
-        f"{human_bytes(info['bytes'])} of {human_bytes(info['capacity_bytes'])}"
+        f"holds      {info['num_partitions']} partitions, {info['num_samples']} samples: "
+        f"{stored} stored, {human_bytes(info['bytes'])} allocated of "
+        f"{human_bytes(info['capacity_bytes'])} capacity"
     )
     say()
     rows = [
@@ -47,4 +64,4 @@ def run(ep, args) -> None:
         ]
         for u in info["units"]
     ]
-    say(table(["UNIT", "NODE_IP", "NODE_ID", "ALIVE", "SAMPLES", "BYTES", "CAPACITY"], rows))
+    say(table(["UNIT", "NODE_IP", "NODE_ID", "ALIVE", "SAMPLES", "ALLOCATED", "CAPACITY"], rows))

@@ -253,8 +253,7 @@ class InProcessDataPlaneClient(DataPlaneService):
         return to_tensordict(decoded, len(ids), enums=codecs.enums)
 
     # ---- claims and consumption ---------------------------------------------------
-    # None is a non-blocking claim with nothing due (our extra; the ABC says KVBatchMeta).
-    def claim_meta(  # type: ignore[override]
+    def claim_meta(
         self,
         partition_id: str,
         task_name: str,
@@ -268,9 +267,10 @@ class InProcessDataPlaneClient(DataPlaneService):
         policy_options: Mapping[str, Any] | None = None,
         where: Any = None,
         max_staleness: int | None = None,
-    ) -> KVBatchMeta | None:
+    ) -> KVBatchMeta:
         """Claim up to ``batch_size`` ready samples the task has not consumed yet, as the
-        claim's policy (else the partition's) chooses them."""
+        claim's policy (else the partition's) chooses them (a non-blocking claim with
+        nothing due: an empty meta)."""
         # The caller's raw arguments; arguments.claim_request checks them and gives the
         # typed form the rest relies on.
         raw: Any = ClaimRequest
@@ -342,8 +342,9 @@ class InProcessDataPlaneClient(DataPlaneService):
                     dp_rank=request.dp_rank,
                     policy=policy,
                 )
-            if meta is not None:
-                self._notify()  # trained samples make room for waiting rollout admissions
+            if meta is None:
+                return request.nothing_due()
+            self._notify()  # trained samples make room for waiting rollout admissions
             return meta
 
     def ack(self, meta: KVBatchMeta) -> int:

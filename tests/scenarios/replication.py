@@ -70,7 +70,7 @@ def held_by(unit, partition: str) -> set[str]:
 def claim_all(client, partition: str) -> list[str]:
     """Every sample a task can claim now (all were committed before)."""
     claimed: list[str] = []
-    while (meta := client.claim_meta(partition, "t", ["x", "y"], 16, blocking=False)) is not None:
+    while meta := client.claim_meta(partition, "t", ["x", "y"], 16, blocking=False):
         claimed += meta.sample_ids
     return claimed
 
