@@ -4,12 +4,14 @@ Reads top to bottom, like a training recipe:
 
 1. a local Ray on loopback, the data-plane service (its admin endpoint printed);
 2. a TQPolicy: DP x TP workers running a tiny transformers model;
-3. async rollout actors that stream finished GRPO groups into one partition per
-   step, the next step's rollouts running while the current step trains;
+3. rollout actors that stream finished GRPO groups into one partition per step,
+   each group tagged with the policy version of the weights that generated it;
 4. per step, the driver claims complete groups (keys only), runs reference and
    policy logprob passes through the data plane, reads back only the rewards,
    writes one group-normalised advantage per sample, trains one step (clipped
-   policy gradient plus the reference-policy KL penalty), deletes the partition;
+   policy gradient plus the reference-policy KL penalty), deletes the partition,
+   and refits the rollout actors with the new weights (``policy_workers.refit``):
+   every step trains on samples of the policy it updates (on-policy);
 5. a table per step (80 columns) beside what the classic driver path would
    have moved, pass/fail checks and a summary; exit code 1 if any check fails.
    ``--keep-serving`` then keeps the service up for ``dataplane status``.
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from dataplane_server.local_ray import init_local_ray
+    from policy_workers.refit import refit_actors
 
     t_setup = time.perf_counter()
     own_ray = not ray.is_initialized()
@@ -99,22 +102,26 @@ def main(argv: list[str] | None = None) -> int:
 
     steps = range(first_step, args.steps)
     partitions = register_partitions(run, steps)
-    actors, rollout_refs = start_rollouts(run, partitions, model_cfg, dp_cfg)
+    actors = start_rollout_actors(run, model_cfg, dp_cfg)
     tally = Tally()
     try:
-        pending = list(rollout_refs)
+        if first_step:  # resumed: the actors generate with the restored weights
+            refit_actors(policy, actors, version=first_step)
         for k, pid in zip(steps, partitions):
-            pending = train_one_step(run, tally, k, pid, pending)
+            rollouts = generate_step_rollouts(run, actors, k, pid)
+            train_one_step(run, tally, k, pid, rollouts)
+            # the next step's rollouts come from the weights this step trained
+            tally.reports[-1].times["refit"] = refit_actors(policy, actors, version=k + 1)
             checkpoint_if_due(run, tally, k)
-        rollout_summaries = ray.get(rollout_refs)
+        backoffs = sum(s["backoffs"] for s in ray.get([a.stats.remote() for a in actors]))
     finally:
         policy.shutdown()
         for a in actors:
             ray.kill(a)
 
     samples_lost = len(steps) * run.per_step - len(tally.seen)
-    add_run_checks(tally, samples_lost, run.per_step)
-    print_report(tally, samples_lost, backoffs=sum(s["backoffs"] for s in rollout_summaries))
+    add_run_checks(tally, samples_lost, run.per_step, args.max_staleness)
+    print_report(tally, samples_lost, backoffs=backoffs)
     if args.json_out:
         write_json_report(args.json_out, tally, samples_lost, first_step, restored_samples)
     if args.keep_serving:
@@ -159,6 +166,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=0.01,
         help="reference-policy KL coefficient of the loss (0 = off)",
+    )
+    p.add_argument("--lr", type=float, default=1e-3, help="the policy's learning rate (AdamW)")
+    p.add_argument(
+        "--async",
+        dest="async_mode",
+        action="store_true",
+        help="rollout actors generate continuously, admitted by the store; the trainer "
+        "claims samples at most --max-staleness policy versions old",
+    )
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --async: the most policy versions a trained sample may lag (0 = on-policy)",
     )
     p.add_argument(
         "--model-path", default=None, help="local transformers checkpoint (default: tiny model)"
@@ -208,6 +230,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--min-new-tokens must be <= --max-new-tokens")
     if not args.kl_penalty >= 0:
         p.error("--kl-penalty must be >= 0")
+    if not args.lr > 0:
+        p.error("--lr must be > 0")
+    if args.max_staleness < 0:
+        p.error("--max-staleness must be >= 0")
+    if args.max_staleness and not args.async_mode:
+        p.error("--max-staleness needs --async (the synchronous demo is on-policy: 0)")
+    if args.async_mode and (args.checkpoint_dir or args.resume):
+        p.error("--async does not checkpoint or resume (the synchronous demo does)")
     if args.checkpoint_every < 1:
         p.error("--checkpoint-every must be >= 1")
     return args
@@ -266,6 +296,7 @@ def build_policy(args: argparse.Namespace, dp_cfg):
         DynamicBatchingConfig,
         LossConfig,
         ModelConfig,
+        OptimizerConfig,
         PolicyConfig,
         SequencePackingConfig,
     )
@@ -280,7 +311,12 @@ def build_policy(args: argparse.Namespace, dp_cfg):
         dp=args.dp,
         tp=args.tp,
         model=model_cfg,
-        loss=LossConfig(reference_policy_kl_penalty=args.kl_penalty),
+        optimizer=OptimizerConfig(lr=args.lr),
+        # The decoupled PPO objective: samples of an older policy (--async) are weighted
+        # by pi_prox / pi_behav; on-policy that weight is 1 up to the engines' numerics.
+        loss=LossConfig(
+            reference_policy_kl_penalty=args.kl_penalty, use_importance_sampling_correction=True
+        ),
         data_plane=dp_cfg,
         train_global_batch_size=per_step,
         train_micro_batch_size=max(1, per_step // args.dp // 2),
@@ -357,8 +393,8 @@ def register_partitions(run: Run, steps: range) -> list[str]:
     return partitions
 
 
-def start_rollouts(run: Run, partitions: list[str], model_cfg, dp_cfg) -> tuple[list, list]:
-    """The rollout actors, each handed every step's prompts; returns (actors, their runs)."""
+def start_rollout_actors(run: Run, model_cfg, dp_cfg) -> list:
+    """The rollout actors, each with the policy's initial weights (policy version 0)."""
     from policy_workers.rollout import RolloutActor, RolloutConfig
 
     args = run.args
@@ -368,37 +404,41 @@ def start_rollouts(run: Run, partitions: list[str], model_cfg, dp_cfg) -> tuple[
         min_new_tokens=args.min_new_tokens,
         max_new_tokens=args.max_new_tokens,
     )
-    actors = [
+    return [
         # @ray.remote made RolloutActor an ActorClass; mypy ignores class decorators
         RolloutActor.remote(  # type: ignore[attr-defined]
             i, model_cfg, rollout_cfg, dp_cfg.name, dp_cfg.namespace
         )
         for i in range(args.rollout_actors)
     ]
-    # Every actor is handed all steps up front, so it keeps streaming into the next
-    # step's partition while the driver trains on the current one. Prompt p goes to
-    # actor p mod n; groups a restored store already holds are not generated again.
+
+
+def generate_step_rollouts(run: Run, actors: list, k: int, pid: str) -> list:
+    """Step ``k``'s groups into partition ``pid``, with the actors' current weights; returns
+    the actors' runs. Prompt p goes to actor p mod n; it is the run's prompt number
+    k * prompts_per_step + p. Groups a restored store already holds are not generated again."""
+    args = run.args
+    prompts = list(range(args.prompts_per_step))
+    if args.resume_manifest:
+        prompts = missing_prompts(run.client, pid, prompts, args.generations)
+    first_index = k * args.prompts_per_step
     rollout_refs = []
-    for pid in partitions:
-        prompts = list(range(args.prompts_per_step))
-        if args.resume_manifest:
-            prompts = missing_prompts(run.client, pid, prompts, args.generations)
-        for a, actor in enumerate(actors):
-            mine = [q for q in prompts if q % len(actors) == a]
-            if mine:
-                rollout_refs.append(actor.run.remote(pid, mine))
-    return actors, rollout_refs
+    for a, actor in enumerate(actors):
+        mine = [q for q in prompts if q % len(actors) == a]
+        if mine:
+            rollout_refs.append(actor.run.remote(pid, mine, first_index))
+    return rollout_refs
 
 
 # ---- one training step ---------------------------------------------------------------
 
 
-def train_one_step(run: Run, tally: Tally, k: int, pid: str, pending: list) -> list:
-    """Step ``k`` on partition ``pid``: claim, logprob passes, advantages, train, check,
-    report, delete the partition. Returns the rollout runs still going."""
+def train_one_step(run: Run, tally: Tally, k: int, pid: str, rollouts: list) -> None:
+    """Step ``k`` on partition ``pid`` once ``rollouts`` wrote it: claim, logprob passes,
+    advantages, train, check, report, delete the partition."""
     store_before = _store_bytes(run.handle)
     times: dict[str, float] = {}
-    meta, pending = claim_step_batch(run, k, pid, pending, times)
+    meta = claim_step_batch(run, k, pid, rollouts, times)
     driver_bytes = _nbytes(meta)  # keys, lengths and tags (plus metrics, below)
     # The classic driver would have gathered the rollouts' fields: as stored, measured.
     classic_bytes = sum(run.client.describe_partition(pid).bytes_per_unit)
@@ -425,27 +465,27 @@ def train_one_step(run: Run, tally: Tally, k: int, pid: str, pending: list) -> l
             grad_norm=float(result["grad_norm"]),
             kl=sum(metrics["kl_sum"]) / max(sum(metrics["num_valid_tokens"]), 1.0),
             mean_reward=float(rewards.mean()),
+            **version_lag(meta, version=k),
         )
     )
     run.client.clear_samples(None, pid)  # the whole partition: its samples and declaration
-    return pending
 
 
-def claim_step_batch(run: Run, k: int, pid: str, pending: list, times: dict):
-    """Waits for the step's rollouts, then claims all of them (keys only), in id order.
-    Returns (the batch's meta, the rollout runs still going)."""
+def claim_step_batch(run: Run, k: int, pid: str, rollouts: list, times: dict):
+    """Waits for the step's rollouts, then claims all of them (keys only), in prompt order.
+    Returns the batch's meta."""
+    import ray
+
     from policy_workers.rollout import GRPO_FIELDS
 
     t0 = time.perf_counter()
     bar = run.progress.bar(run.per_step, f"step {k} rollouts")
-    pending = wait_for_rollouts(run.client, pid, run.per_step, pending, bar)
+    pending = wait_for_rollouts(run.client, pid, run.per_step, rollouts, bar)
     bar.close()
+    ray.get(pending)  # every group is in the store: the runs are returning
     meta = run.client.claim_meta(pid, "train", GRPO_FIELDS, run.per_step, timeout_s=60.0)
-    # Rollouts finish in any order; the batch in id order makes a step (and a
-    # resumed run) reproducible bit for bit.
-    meta = meta.subset(sorted(range(meta.size), key=meta.sample_ids.__getitem__))
     times["rollout_wait"] = time.perf_counter() - t0
-    return meta, pending
+    return in_prompt_order(meta)
 
 
 def run_passes(run: Run, k: int, meta, times: dict):
@@ -534,9 +574,12 @@ def checkpoint_if_due(run: Run, tally: Tally, k: int) -> None:
 # ---- the summary ---------------------------------------------------------------------
 
 
-def add_run_checks(tally: Tally, samples_lost: int, per_step: int) -> None:
+def add_run_checks(tally: Tally, samples_lost: int, per_step: int, max_staleness: int) -> None:
     """The pass/fail checks over the whole run (after the step-0 one)."""
     checks, reports = tally.checks, tally.reports
+    checks[f"no trained sample was more than {max_staleness} versions stale"] = all(
+        r.lag_max <= max_staleness for r in reports
+    )
     checks["reference logprobs equal a direct computation, every step"] = (
         tally.max_ref_diff <= TOLERANCE
     )
@@ -594,6 +637,22 @@ def keep_serving(handle) -> None:
 
 
 # ---- helpers -------------------------------------------------------------------------
+
+
+def in_prompt_order(meta):
+    """The batch sorted by (prompt number, sample id): rollouts finish in any order, a
+    batch in a fixed order makes a step (and a resumed run) reproducible bit for bit."""
+    order = sorted(range(meta.size), key=lambda i: (meta.tags[i]["prompt"], meta.sample_ids[i]))
+    return meta.subset(order)
+
+
+def version_lag(meta, version: int) -> dict[str, Any]:
+    """How many policy versions behind ``version`` the batch's samples were generated:
+    the StepReport's lag_max and lag_mean."""
+    from policy_workers.rollout import WEIGHT_VERSION
+
+    lags = [version - int(tag[WEIGHT_VERSION]) for tag in meta.tags]
+    return {"lag_max": max(lags), "lag_mean": sum(lags) / len(lags)}
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: list[str]) -> torch.Tensor:

@@ -43,6 +43,7 @@ RUN_FLAGS = (
     "packing",
     "mb_tokens",
     "kl_penalty",
+    "lr",
     "model_path",
     "num_storage_units",
 )

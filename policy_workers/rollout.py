@@ -1,16 +1,20 @@
 """Async rollout actors: generate GRPO groups and stream each into the store.
 
-Each actor owns a copy of the policy's initial weights (a generation engine;
-weight refit from the trainer is outside this demo), samples ``generations``
-completions per prompt with ``generate()``, scores them with a verifiable
-reward, and writes every finished group with ``put_samples_async`` at once,
-not batched at the end. Before each write it looks at the service's fill level
-and backs off while the store is nearly full.
+Each actor owns a generation model: the policy's initial weights, replaced by
+the trainer's after every training step (``load_weights``, see
+``policy_workers.refit``), each load numbered with the policy version it holds.
+It samples ``generations`` completions per prompt with ``generate()``, scores
+them with a verifiable reward, and writes every finished group with
+``put_samples_async`` at once, not batched at the end, tagged with the version
+that generated it (``weight_version``) and the prompt's index. Before each
+write it looks at the service's fill level and backs off while the store is
+nearly full.
 
-A group depends only on (seed, partition, prompt): its prompt, lengths and
-sampling seed come from an RNG seeded by those, not from the actor's history.
-So any actor, in any order, writes the same bytes for a prompt, and a run
-resumed from a checkpoint regenerates exactly the groups it is missing.
+A group depends only on (seed, prompt index, the weights): its prompt, lengths
+and sampling seed come from an RNG seeded by the first two, not from the
+actor's history. So any actor, in any order, writes the same bytes for a
+prompt under the same weights, and a run resumed from a checkpoint regenerates
+exactly the groups it is missing.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from dataplane_client.client import connect
 from dataplane_client.errors import CapacityExceeded
 from policy_workers.config import ModelConfig
 from policy_workers.model import build_hf_model, reference_logprobs
+from policy_workers.refit import load_weights
+
+WEIGHT_VERSION = "weight_version"  # the tag naming the policy version a group was generated with
 
 GRPO_FIELDS = [
     "input_ids",
@@ -78,6 +85,7 @@ class RolloutActor:
         self.vocab = model_cfg.vocab_size
         self.model = build_hf_model(model_cfg).eval()
         self.client = connect(service_name, namespace)
+        self.version = 0  # the policy version of self.model's weights
         self.backoffs = 0
         self.groups_written = 0
 
@@ -131,31 +139,50 @@ class RolloutActor:
             "rewards": torch.tensor(rewards, dtype=torch.float32),
         }
 
-    async def run(self, partition_id: str, prompt_ids: list[int]) -> dict:
-        """Generate one group per prompt id and stream each to ``partition_id`` as it finishes."""
-        for pid in prompt_ids:
-            # a str seed is hashed with SHA-512: the same stream in every process
-            rng = random.Random(f"{self.cfg.seed}/{partition_id}/{pid}")
-            prompt = torch.tensor(
-                [rng.randrange(3, self.vocab) for _ in range(self.cfg.prompt_len)]
-            )
-            fields = self._generate_group(prompt, rng)
-            ids = group_sample_ids(partition_id, pid, self.cfg.generations)
-            tags = [{"group_id": f"prompt{pid}", "actor": self.index}] * self.cfg.generations
-            for attempt in range(self.cfg.max_put_attempts):
-                await self._wait_for_room()
-                try:
-                    await self.client.put_samples_async(ids, partition_id, fields, tags=tags)
-                    break
-                except CapacityExceeded:
-                    # Another writer took the room first (or one unit is full): pace, look again.
-                    self.backoffs += 1
-                    if attempt == self.cfg.max_put_attempts - 1:
-                        raise
-                    await asyncio.sleep(self.cfg.backoff_s)
-            self.groups_written += 1
+    def load_weights(self, version: int, params: dict[str, torch.Tensor]) -> int:
+        """The trainer's weights (``policy_workers.refit``) as policy ``version``: every
+        group generated from now on carries that version. Returns it."""
+        load_weights(self.model, params)
+        self.version = version
+        return version
+
+    async def run(self, partition_id: str, prompt_ids: list[int], first_index: int = 0) -> dict:
+        """Generate one group per prompt id and stream each to ``partition_id`` as it finishes.
+
+        Prompt ``p`` is the run's prompt number ``first_index + p`` (its RNG's seed)."""
+        for p in prompt_ids:
+            ids = group_sample_ids(partition_id, p, self.cfg.generations)
+            await self.write_group(partition_id, ids, first_index + p)
             await asyncio.sleep(0)  # let other coroutines of this actor run between groups
         return {"actor": self.index, "groups": len(prompt_ids), "backoffs": self.backoffs}
+
+    async def write_group(self, partition_id: str, ids: list[str], prompt_index: int) -> None:
+        """Generates prompt ``prompt_index``'s group with the current weights and puts it
+        as ``ids``, tagged with its group, prompt index and weight version."""
+        # a str seed is hashed with SHA-512: the same stream in every process
+        rng = random.Random(f"{self.cfg.seed}/prompt{prompt_index}")
+        prompt = torch.tensor([rng.randrange(3, self.vocab) for _ in range(self.cfg.prompt_len)])
+        version = self.version  # the weights this group is generated with
+        fields = self._generate_group(prompt, rng)
+        tag = {
+            "group_id": f"prompt{prompt_index}",
+            "prompt": prompt_index,
+            "actor": self.index,
+            WEIGHT_VERSION: version,
+        }
+        tags = [tag] * self.cfg.generations
+        for attempt in range(self.cfg.max_put_attempts):
+            await self._wait_for_room()
+            try:
+                await self.client.put_samples_async(ids, partition_id, fields, tags=tags)
+                break
+            except CapacityExceeded:
+                # Another writer took the room first (or one unit is full): pace, look again.
+                self.backoffs += 1
+                if attempt == self.cfg.max_put_attempts - 1:
+                    raise
+                await asyncio.sleep(self.cfg.backoff_s)
+        self.groups_written += 1
 
     def stats(self) -> dict:
         """Back-offs so far (full store) and groups written, over every ``run`` of this actor

@@ -114,6 +114,9 @@ def test_small_demo_runs_keeps_serving_and_its_checks_pass(tmp_path, runs):
     # the KL term is on: after the first update the policy has moved from the reference
     assert report["steps"][0]["kl"] == pytest.approx(0.0, abs=1e-9)
     assert report["steps"][1]["kl"] > 0
+    # refit after every step: each step trained on samples of the policy it updated
+    assert [(s["lag_max"], s["lag_mean"]) for s in report["steps"]] == [(0, 0.0), (0, 0.0)]
+    assert all(s["times"]["refit"] > 0 for s in report["steps"])
     for step in report["steps"]:
         # the driver moved 8 bytes of tensors per sample (reward + advantage), nothing per token
         assert step["driver_tensor_bytes"] == 8 * step["samples"]
@@ -192,7 +195,15 @@ def test_small_flag_and_bad_flags():
     )
     assert args.kl_penalty > 0  # the demo trains with the KL term on by default
     assert not args.keep_serving
-    for bad in (["--dp", "0"], ["--kl-penalty", "-1"], ["--kl-penalty", "nan"]):
+    bad_flags = (
+        ["--dp", "0"],
+        ["--kl-penalty", "-1"],
+        ["--kl-penalty", "nan"],
+        ["--lr", "0"],
+        ["--max-staleness", "1"],  # without --async: the synchronous demo is on-policy
+        ["--async", "--max-staleness", "-1"],
+    )
+    for bad in bad_flags:
         with pytest.raises(SystemExit) as e:
             parse_args(bad)
         assert e.value.code == 2
