@@ -44,6 +44,8 @@ RUN_FLAGS = (
     "mb_tokens",
     "kl_penalty",
     "lr",
+    "minibatches",
+    "vocab_size",
     "model_path",
     "num_storage_units",
 )

@@ -202,6 +202,9 @@ def test_small_flag_and_bad_flags():
         ["--lr", "0"],
         ["--max-staleness", "1"],  # without --async: the synchronous demo is on-policy
         ["--async", "--max-staleness", "-1"],
+        ["--minibatches", "3"],  # 16 samples do not split into 3 equal minibatches
+        ["--small", "--learn"],
+        ["--vocab-size", "4"],
     )
     for bad in bad_flags:
         with pytest.raises(SystemExit) as e:
@@ -337,3 +340,19 @@ def test_long_lines_are_cut_in_the_middle_to_80_columns():
     assert cut.startswith("checkpoint after step 3:")
     assert cut.endswith("step-4")
     assert fit("short") == "short"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # ~80 s alone on 2 cores; a bound on a hang
+def test_the_learn_configuration_learns_the_parity_task(tmp_path):
+    """With refit after every step the policy is trained on its own samples: the mean
+    reward rises from a random policy's ~0.5 to the --learn check's bound."""
+    from policy_workers.demo import LEARN_STEPS, LEARNED_OVER, LEARNED_REWARD
+
+    report, lines = _run_demo(["--learn"], tmp_path, "learn")
+    rewards = [s["mean_reward"] for s in report["steps"]]
+    assert len(rewards) == LEARN_STEPS
+    assert rewards[0] < 0.6  # it starts as a random policy
+    assert sum(rewards[-LEARNED_OVER:]) / LEARNED_OVER >= LEARNED_REWARD
+    assert any(line.startswith("[PASS] it learned: mean reward") for line in lines)
+    print(f"\n--learn mean rewards: {[round(r, 2) for r in rewards]}")
