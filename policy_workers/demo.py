@@ -34,6 +34,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from dataplane_server.local_ray import init_local_ray
-    from policy_workers.refit import refit_actors
 
     t_setup = time.perf_counter()
     own_ray = not ray.is_initialized()
@@ -104,18 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"set up in {time.perf_counter() - t_setup:.1f}s (Ray, service, policy workers)")
 
     steps = range(first_step, args.steps)
-    partitions = register_partitions(run, steps)
     actors = start_rollout_actors(run, model_cfg, dp_cfg)
     tally = Tally()
     try:
-        if first_step:  # resumed: the actors generate with the restored weights
-            refit_actors(policy, actors, version=first_step)
-        for k, pid in zip(steps, partitions):
-            rollouts = generate_step_rollouts(run, actors, k, pid)
-            train_one_step(run, tally, k, pid, rollouts)
-            # the next step's rollouts come from the weights this step trained
-            tally.reports[-1].times["refit"] = refit_actors(policy, actors, version=k + 1)
-            checkpoint_if_due(run, tally, k)
+        if args.async_mode:
+            from policy_workers.demo_async import train_async
+
+            train_async(run, tally, actors, steps)
+        else:
+            train_synchronously(run, tally, actors, steps)
         backoffs = sum(s["backoffs"] for s in ray.get([a.stats.remote() for a in actors]))
     finally:
         policy.shutdown()
@@ -380,8 +377,9 @@ def build_policy(args: argparse.Namespace, dp_cfg):
         f"policy: {args.dp * args.tp} workers (DP={args.dp} x TP={args.tp}), "
         f"packing={args.packing}, KL penalty {args.kl_penalty:g}"
     )
+    mode = f"async, max staleness {args.max_staleness}" if args.async_mode else "synchronous"
     print(
-        f"rollouts: {args.rollout_actors} async actors, {args.prompts_per_step} prompts x "
+        f"rollouts: {args.rollout_actors} actors ({mode}), {args.prompts_per_step} prompts x "
         f"{args.generations} generations per step, {args.steps} steps"
     )
     # The demo inspects what the driver shipped and received (at most one step's worth).
@@ -475,18 +473,53 @@ def generate_step_rollouts(run: Run, actors: list, k: int, pid: str) -> list:
     return rollout_refs
 
 
+# ---- the synchronous loop -------------------------------------------------------------
+
+
+def train_synchronously(run: Run, tally: Tally, actors: list, steps: range) -> None:
+    """Per step: its rollouts with the current weights, one training step on them, the
+    new weights into the rollout actors (every sample trained is on-policy)."""
+    from policy_workers.refit import refit_actors
+
+    partitions = register_partitions(run, steps)
+    if steps.start:  # resumed: the actors generate with the restored weights
+        refit_actors(run.policy, actors, version=steps.start)
+    for k, pid in zip(steps, partitions):
+        rollouts = generate_step_rollouts(run, actors, k, pid)
+        train_one_step(
+            run,
+            tally,
+            k,
+            claim=lambda times: claim_step_batch(run, k, pid, rollouts, times),
+            # the whole partition: its samples and declaration
+            finish=lambda _meta: run.client.clear_samples(None, pid),
+        )
+        # the next step's rollouts come from the weights this step trained
+        tally.reports[-1].times["refit"] = refit_actors(run.policy, actors, version=k + 1)
+        checkpoint_if_due(run, tally, k)
+
+
 # ---- one training step ---------------------------------------------------------------
 
 
-def train_one_step(run: Run, tally: Tally, k: int, pid: str, rollouts: list) -> None:
-    """Step ``k`` on partition ``pid`` once ``rollouts`` wrote it: claim, logprob passes,
-    advantages, train, check, report, delete the partition."""
+def train_one_step(
+    run: Run,
+    tally: Tally,
+    k: int,
+    claim: Callable[[dict[str, float]], Any],
+    finish: Callable[[Any], Any],
+) -> None:
+    """Step ``k`` (policy version k): ``claim`` the batch (timing its wait), logprob
+    passes, advantages, train, check, report, ``finish`` with the batch's samples."""
     store_before = _store_bytes(run.handle)
     times: dict[str, float] = {}
-    meta = claim_step_batch(run, k, pid, rollouts, times)
+    meta = claim(times)
     driver_bytes = _nbytes(meta)  # keys, lengths and tags (plus metrics, below)
-    # The classic driver would have gathered the rollouts' fields: as stored, measured.
-    classic_bytes = sum(run.client.describe_partition(pid).bytes_per_unit)
+    # The classic driver would have gathered the rollouts' fields: as stored, measured
+    # (the partition's bytes per sample before the passes add theirs, times the batch's
+    # samples: exactly the partition's bytes when it holds only the batch).
+    described = run.client.describe_partition(meta.partition_id)
+    classic_bytes = sum(described.bytes_per_unit) * meta.size // max(described.num_samples, 1)
     tally.duplicates += len(tally.seen & set(meta.sample_ids))
     tally.seen |= set(meta.sample_ids)
 
@@ -513,7 +546,7 @@ def train_one_step(run: Run, tally: Tally, k: int, pid: str, rollouts: list) -> 
             **version_lag(meta, version=k),
         )
     )
-    run.client.clear_samples(None, pid)  # the whole partition: its samples and declaration
+    finish(meta)
 
 
 def claim_step_batch(run: Run, k: int, pid: str, rollouts: list, times: dict):

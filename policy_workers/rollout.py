@@ -27,7 +27,7 @@ import ray
 import torch
 
 from dataplane_client.client import connect
-from dataplane_client.errors import CapacityExceeded
+from dataplane_client.errors import AdmissionTimeout, CapacityExceeded
 from policy_workers.config import ModelConfig
 from policy_workers.model import build_hf_model, reference_logprobs
 from policy_workers.refit import load_weights
@@ -54,6 +54,7 @@ class RolloutConfig:
     high_watermark: float = 0.9  # back off while the store is fuller than this
     backoff_s: float = 0.05
     max_put_attempts: int = 600  # ~30 s of back-off before a full store is reported as an error
+    admission_timeout_s: float = 30.0  # produce(): one wait for admission, then ask again
     seed: int = 0
 
 
@@ -86,6 +87,10 @@ class RolloutActor:
         self.model = build_hf_model(model_cfg).eval()
         self.client = connect(service_name, namespace)
         self.version = 0  # the policy version of self.model's weights
+        self._new_weights: tuple[int, dict] | None = None  # a refit not applied yet
+        # One generation at a time (they seed torch's global RNG); it runs in a thread so
+        # that a refit, a stats call or another coroutine is answered meanwhile.
+        self._generating = asyncio.Lock()
         self.backoffs = 0
         self.groups_written = 0
 
@@ -141,10 +146,18 @@ class RolloutActor:
 
     def load_weights(self, version: int, params: dict[str, torch.Tensor]) -> int:
         """The trainer's weights (``policy_workers.refit``) as policy ``version``: every
-        group generated from now on carries that version. Returns it."""
-        load_weights(self.model, params)
-        self.version = version
+        group whose generation starts from now on uses them and carries that version (a
+        generation already running finishes with the weights it started with). Returns it."""
+        self._new_weights = (version, params)
+        if not self._generating.locked():
+            self._take_new_weights()
         return version
+
+    def _take_new_weights(self) -> None:
+        if self._new_weights is not None:
+            version, params = self._new_weights
+            load_weights(self.model, params)
+            self.version, self._new_weights = version, None
 
     async def run(self, partition_id: str, prompt_ids: list[int], first_index: int = 0) -> dict:
         """Generate one group per prompt id and stream each to ``partition_id`` as it finishes.
@@ -162,8 +175,10 @@ class RolloutActor:
         # a str seed is hashed with SHA-512: the same stream in every process
         rng = random.Random(f"{self.cfg.seed}/prompt{prompt_index}")
         prompt = torch.tensor([rng.randrange(3, self.vocab) for _ in range(self.cfg.prompt_len)])
-        version = self.version  # the weights this group is generated with
-        fields = self._generate_group(prompt, rng)
+        async with self._generating:
+            self._take_new_weights()
+            version = self.version  # the weights this group is generated with
+            fields = await asyncio.to_thread(self._generate_group, prompt, rng)
         tag = {
             "group_id": f"prompt{prompt_index}",
             "prompt": prompt_index,
@@ -184,7 +199,40 @@ class RolloutActor:
                 await asyncio.sleep(self.cfg.backoff_s)
         self.groups_written += 1
 
+    async def produce(self, partition_id: str, counter) -> None:
+        """``dataplane demo --async``: until the actor is killed, ask the store to admit
+        one group (waiting while the samples started and not trained fill the staleness
+        window), take the next prompt number from ``counter``, generate the group with
+        the newest weights loaded, put it, release the grant."""
+        g = self.cfg.generations
+        while True:
+            try:
+                grant = await self.client.admit_rollouts_async(
+                    partition_id, g, wait=True, timeout_s=self.cfg.admission_timeout_s
+                )
+            except AdmissionTimeout:
+                continue  # the trainer is slow (a long step): still no room, ask again
+            try:
+                index = await counter.take.remote()
+                ids = [f"{partition_id}/prompt{index}/gen{j}" for j in range(g)]
+                await self.write_group(partition_id, ids, index)
+            finally:
+                await self.client.release_rollouts_async(grant)
+
     def stats(self) -> dict:
         """Back-offs so far (full store) and groups written, over every ``run`` of this actor
         (a ``run`` that raised returns nothing, so its counts are read here)."""
         return {"backoffs": self.backoffs, "groups_written": self.groups_written}
+
+
+@ray.remote(num_cpus=0)
+class PromptCounter:
+    """Hands out prompt numbers 0, 1, 2, ... to the producing actors (``--async``): a
+    group's prompt is a function of its number, whichever actor generates it."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+
+    def take(self) -> int:
+        self.taken += 1
+        return self.taken - 1
