@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from dataplane_client.client import RayDataPlaneClient, connect
     from dataplane_client.config import DataPlaneConfig
     from dataplane_client.interface import DataPlaneClient
+    from dataplane_client.messages import RolloutGrant, StalenessSpec, TagFilter
     from dataplane_client.meta import KVBatchMeta
 
 # Public name -> the module that defines it.
@@ -28,9 +29,21 @@ _LAZY = {
     "DataPlaneConfig": "dataplane_client.config",
     "DataPlaneClient": "dataplane_client.interface",
     "KVBatchMeta": "dataplane_client.meta",
+    "RolloutGrant": "dataplane_client.messages",
+    "StalenessSpec": "dataplane_client.messages",
+    "TagFilter": "dataplane_client.messages",
 }
 
-__all__ = ["DataPlaneClient", "DataPlaneConfig", "KVBatchMeta", "RayDataPlaneClient", "connect"]
+__all__ = [
+    "DataPlaneClient",
+    "DataPlaneConfig",
+    "KVBatchMeta",
+    "RayDataPlaneClient",
+    "RolloutGrant",
+    "StalenessSpec",
+    "TagFilter",
+    "connect",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -14,9 +14,15 @@ from typing import Any
 
 import msgpack
 
-from dataplane_client import enum_codes
+from dataplane_client import enum_codes, tag_filters
 from dataplane_client.errors import InvalidBatch
-from dataplane_client.messages import ClaimRequest, FieldCodecs, PartitionSpec
+from dataplane_client.messages import (
+    ClaimRequest,
+    FieldCodecs,
+    PartitionSpec,
+    RolloutGrant,
+    StalenessSpec,
+)
 from dataplane_client.meta import KVBatchMeta, duplicated
 
 MAX_ID_BYTES = 1024
@@ -328,6 +334,54 @@ def numeric_tag_types(value: Any) -> dict[str, str]:
     return types
 
 
+def rollout_grant(grant: Any) -> RolloutGrant:
+    if not isinstance(grant, RolloutGrant):
+        raise InvalidBatch(
+            f"a grant is the RolloutGrant admit_rollouts returned, got {grant!r:.80}"
+        )
+    return grant
+
+
+STALE_SAMPLES = ("drop", "keep")
+
+
+def staleness_spec(value: Any) -> StalenessSpec | None:
+    """A partition's async-RL options checked (None: none); which tasks a per-task bound may
+    name is checked with the whole declaration, in the key space."""
+    if value is None:
+        return None
+    if not isinstance(value, StalenessSpec):
+        raise InvalidBatch(f"staleness must be a StalenessSpec, got {type(value).__name__}")
+    bound = value.max_staleness
+    if isinstance(bound, Mapping):
+        name_list(list(bound), "max_staleness' tasks")
+        bound = {task: count(n, f"max_staleness[{task!r}]", minimum=0) for task, n in bound.items()}
+    else:
+        bound = optional_count(bound, "max_staleness", minimum=0)
+    if value.stale_samples not in STALE_SAMPLES:
+        raise InvalidBatch(
+            f"stale_samples must be one of {STALE_SAMPLES}, got {value.stale_samples!r:.40}"
+        )
+    ratio = value.oversample_ratio
+    if ratio is not None and (
+        isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio >= 1.0
+    ):
+        raise InvalidBatch(f"oversample_ratio must be a number >= 1, got {ratio!r:.40}")
+    admission_batch = optional_count(value.admission_batch, "admission_batch", minimum=1)
+    if admission_batch is not None and bound is None:
+        raise InvalidBatch("admission_batch needs max_staleness: the bound is (N + 1) x batch")
+    if ratio is not None and admission_batch is None:
+        raise InvalidBatch("oversample_ratio needs admission_batch")
+    return StalenessSpec(
+        version_tag=name(value.version_tag, "version_tag"),
+        max_staleness=bound,
+        stale_samples=value.stale_samples,
+        admission_batch=admission_batch,
+        oversample_ratio=None if ratio is None else float(ratio),
+        evict_stale=flag(value.evict_stale, "evict_stale"),
+    )
+
+
 def partition_spec(spec: Any) -> PartitionSpec:
     """A registration checked in full (each error names its argument), as plain lists and
     dicts. The one check both clients run before anything is forgotten or sent, and the
@@ -351,6 +405,7 @@ def partition_spec(spec: Any) -> PartitionSpec:
         claim_policy=policy_name(spec.claim_policy),
         policy_options=policy_options(spec.policy_options),
         numeric_tags=numeric_tag_types(spec.numeric_tags),
+        staleness=staleness_spec(spec.staleness),
     )
 
 
@@ -370,4 +425,6 @@ def claim_request(request: Any) -> ClaimRequest:
         timeout_s=seconds(request.timeout_s, "timeout_s"),
         claim_policy=policy_name(request.claim_policy),
         policy_options=policy_options(request.policy_options),
+        where=tag_filters.parse(request.where),
+        max_staleness=optional_count(request.max_staleness, "max_staleness", minimum=0),
     )

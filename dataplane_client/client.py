@@ -51,6 +51,7 @@ from dataplane_client.assembly import assemble
 from dataplane_client.claim_batcher import ClaimBatcher
 from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import (
+    CapacityExceeded,
     CodecsChanged,
     DataPlaneError,
     RoutingUnstable,
@@ -60,8 +61,9 @@ from dataplane_client.errors import (
     UnknownPartition,
 )
 from dataplane_client.interface import DataPlaneClient as DataPlaneClient  # re-exported
-from dataplane_client.interface import DataPlaneService
+from dataplane_client.interface import DataPlaneService, service_verbs
 from dataplane_client.messages import (
+    Capabilities,
     ClaimOutcome,
     ClaimRequest,
     ClearResult,
@@ -69,7 +71,9 @@ from dataplane_client.messages import (
     FieldCodecs,
     PartitionDescription,
     PartitionSpec,
+    RolloutGrant,
     ServiceInfo,
+    StalenessSpec,
     TaskConsumption,
 )
 from dataplane_client.meta import KVBatchMeta
@@ -78,6 +82,7 @@ from dataplane_client.transport import SharedMemoryUnavailable, StagedRegionGone
 
 Flow = Generator[list, list, Any]
 _MAX_REROUTES = 3
+_MAX_EVICTION_ROUNDS = 8  # a full unit: evict the oldest version at most this often per put
 _ROUTE_CACHE_LIMIT = 4_000_000
 
 
@@ -443,6 +448,7 @@ class RayDataPlaneClient(DataPlaneService):
         claim_policy: str | None = None,
         policy_options: Mapping[str, Any] | None = None,
         numeric_tags: Mapping[str, str] | None = None,
+        staleness: StalenessSpec | None = None,
     ) -> Flow:
         """Declare a partition; one of the same id is replaced (its samples deleted).
 
@@ -455,7 +461,8 @@ class RayDataPlaneClient(DataPlaneService):
         samples (default ``"sequential"``, or ``"grpo_groups"`` with a group
         size; also ``"seqlen_balanced"``), ``policy_options`` its options (e.g.
         ``{"dp_size": 4}``); ``numeric_tags`` declares tags kept as typed
-        columns (e.g. ``{"policy_version": "int64"}``).
+        columns (e.g. ``{"policy_version": "int64"}``); ``staleness`` makes the partition
+        versioned (async RL: ``StalenessSpec``).
         """
         # Every argument checked (in the controller's order) before anything is forgotten or sent.
         spec = arguments.partition_spec(
@@ -471,6 +478,7 @@ class RayDataPlaneClient(DataPlaneService):
                 claim_policy=claim_policy,
                 policy_options=policy_options,
                 numeric_tags=numeric_tags,
+                staleness=staleness,
             )
         )
         codecs = arguments.field_codecs(spec.enums, spec.object_fields)
@@ -502,13 +510,26 @@ class RayDataPlaneClient(DataPlaneService):
         codecs = yield from self._codecs_of(partition_id)
         w = prepare.write(sample_ids, partition_id, fields, tags, overwrite, codecs)
         try:
-            return (yield from self._put_flow(partition_id, w, codecs.key))
+            return (yield from self._put_making_room(partition_id, w, codecs.key))
         except CodecsChanged:
             # Registered again with another vocabulary since we cached it: encode anew.
             self._codecs.pop(partition_id, None)
             codecs = yield from self._codecs_of(partition_id)
             w = prepare.write(sample_ids, partition_id, fields, tags, overwrite, codecs)
-            return (yield from self._put_flow(partition_id, w, codecs.key))
+            return (yield from self._put_making_room(partition_id, w, codecs.key))
+
+    def _put_making_room(self, partition_id: str, w: prepare.Write, codecs_key: str) -> Flow:
+        """``_put_flow``; a put that finds a unit full asks the controller to evict the oldest
+        version's unclaimed groups (a partition registered with ``evict_stale``) and tries
+        again while that freed something; otherwise CapacityExceeded stands."""
+        for _round in range(_MAX_EVICTION_ROUNDS):
+            try:
+                return (yield from self._put_flow(partition_id, w, codecs_key))
+            except CapacityExceeded:
+                evicted = _one((yield [self._open_controller().make_room.remote(partition_id)]))
+                if not evicted:
+                    raise
+        return (yield from self._put_flow(partition_id, w, codecs_key))
 
     def _put_flow(self, partition_id: str, w: prepare.Write, codecs_key: str) -> Flow:
         """The put of checked and encoded rows: staged on the units, then committed."""
@@ -743,11 +764,15 @@ class RayDataPlaneClient(DataPlaneService):
         *,
         claim_policy: str | None = None,
         policy_options: Mapping[str, Any] | None = None,
+        where: Any = None,
+        max_staleness: int | None = None,
     ) -> KVBatchMeta | None:
         """Claim up to ``batch_size`` ready samples the task has not consumed yet.
 
         ``claim_policy`` overrides the partition's for this claim (``policy_options``:
         its options, over the partition's when it is the partition's own policy).
+        ``where`` keeps only samples whose numeric tags pass every comparison (e.g.
+        ``"reward_std > 0"``); ``max_staleness`` tightens a versioned partition's window.
         Concurrent claims of this client (threads and coroutines alike) share one
         controller call (``ClaimBatcher``); each still gets its own answer, error and
         timeout.
@@ -763,6 +788,8 @@ class RayDataPlaneClient(DataPlaneService):
             timeout_s=timeout_s,
             claim_policy=claim_policy,
             policy_options=policy_options,
+            where=where,
+            max_staleness=max_staleness,
         )
         outcome = self._claims().submit(request).result()
         if outcome.must_wait:
@@ -781,6 +808,8 @@ class RayDataPlaneClient(DataPlaneService):
         *,
         claim_policy: str | None = None,
         policy_options: Mapping[str, Any] | None = None,
+        where: Any = None,
+        max_staleness: int | None = None,
     ) -> KVBatchMeta | None:
         """``claim_meta``, awaitable: it never blocks the event loop."""
         started = time.monotonic()
@@ -794,6 +823,8 @@ class RayDataPlaneClient(DataPlaneService):
             timeout_s=timeout_s,
             claim_policy=claim_policy,
             policy_options=policy_options,
+            where=where,
+            max_staleness=max_staleness,
         )
         outcome = await asyncio.wrap_future(self._claims().submit(request))
         if outcome.must_wait:
@@ -843,7 +874,99 @@ class RayDataPlaneClient(DataPlaneService):
         """Units, bytes held and capacity (rollout actors back off on this)."""
         return self._open_controller().service_info.remote()
 
+    # ---- async RL: versions, admission, introspection ------------------------------
+    @_rpc_verb
+    def set_policy_version(self, partition_id: str, version: int) -> int:
+        """Publish the trainer's policy version (never backwards: VersionRegression)."""
+        return self._open_controller().set_policy_version.remote(
+            arguments.partition_name(partition_id), version
+        )
+
+    @_rpc_verb
+    def policy_version(self, partition_id: str) -> int:
+        return self._open_controller().policy_version.remote(arguments.partition_name(partition_id))
+
+    @_rpc_verb
+    def admit_rollouts(
+        self,
+        partition_id: str,
+        n: int,
+        *,
+        wait: bool = False,
+        timeout_s: float = 60.0,
+        lease_s: float = 300.0,
+    ) -> RolloutGrant | None:
+        """Ask to start ``n`` trajectories at the current version (see ``StalenessSpec``):
+        a grant, None when there is no room and ``wait`` is False, AdmissionTimeout when
+        waiting ran out. Release it with ``release_rollouts`` once its samples are put."""
+        return self._open_controller().admit_rollouts.remote(
+            arguments.partition_name(partition_id), n, wait, timeout_s, lease_s
+        )
+
+    @_rpc_verb
+    def release_rollouts(self, grant: RolloutGrant) -> bool:
+        grant = arguments.rollout_grant(grant)
+        return self._open_controller().release_rollouts.remote(grant.partition_id, grant.grant_id)
+
+    @_rpc_verb
+    def evict_samples(self, sample_ids: Sequence[str], partition_id: str) -> int:
+        """Evict samples by id: cleared, counted as evicted and listed as recently dropped."""
+        ids = arguments.id_list(sample_ids, partition_id=arguments.partition_name(partition_id))
+        self._forget(partition_id, ids)
+        return self._open_controller().evict_samples.remote(partition_id, ids)
+
+    @_rpc_verb
+    def peek_meta(
+        self,
+        partition_id: str,
+        task_name: str,
+        required_fields: Sequence[str],
+        batch_size: int,
+        *,
+        where: Any = None,
+        max_staleness: int | None = None,
+    ) -> KVBatchMeta:
+        """The batch ``claim_meta`` would hand out now, without claiming it (empty: none)."""
+        raw: Any = ClaimRequest  # the caller's raw arguments; claim_request checks them
+        request = raw(
+            partition_id,
+            task_name,
+            required_fields,
+            batch_size,
+            None,
+            False,
+            where=where,
+            max_staleness=max_staleness,
+        )
+        return self._open_controller().peek_meta.remote(arguments.claim_request(request))
+
+    @_rpc_verb
+    def ready_depth(
+        self, partition_id: str, task_names: Sequence[str], required_fields: Sequence[str] = ()
+    ) -> dict[str, int]:
+        """Per task: samples it could claim now (within its staleness window)."""
+        return self._open_controller().ready_depth.remote(
+            arguments.partition_name(partition_id),
+            arguments.name_list(task_names, "task_names"),
+            arguments.name_list(required_fields, "required_fields", allow_empty=True),
+        )
+
+    @_rpc_verb
+    def capabilities(self) -> Capabilities:
+        return self._open_controller().capabilities.remote(service_verbs(type(self)))
+
+    @_rpc_verb
+    def ping(self) -> bool:
+        return self._open_controller().ping.remote()
+
     # ---- clear --------------------------------------------------------------------
+    @_rpc_verb
+    def clear_versions(self, partition_id: str, lowest: int, highest: int) -> ClearResult:
+        """Retire whole generations: every sample whose version is in [lowest, highest]."""
+        pid = arguments.partition_name(partition_id)
+        self._routes.forget(pid, None)
+        return self._open_controller().clear_versions.remote(pid, lowest, highest)
+
     @_rpc_verb
     def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> ClearResult:
         """Forget samples and free their bytes; ``None`` deletes the whole partition."""

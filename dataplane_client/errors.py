@@ -123,6 +123,16 @@ class ClaimTimeout(DataPlaneError, TimeoutError):
     """A blocking claim_meta found too few ready samples within its timeout."""
 
 
+class VersionRegression(InvalidBatch):
+    """``set_policy_version`` with a version below the partition's current one: a policy
+    version never goes backwards (the call changed nothing)."""
+
+
+class AdmissionTimeout(DataPlaneError, TimeoutError):
+    """``admit_rollouts(wait=True)`` found no room within its timeout: the samples started
+    but not yet trained stay at the partition's staleness bound."""
+
+
 class LeaseExpired(DataPlaneError, TimeoutError):
     """An ack for leased samples that another claim holds now (the lease ran out first)."""
 

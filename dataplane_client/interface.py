@@ -16,8 +16,10 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dataplane_client.messages import (
+    Capabilities,
     ClearResult,
     PartitionDescription,
+    RolloutGrant,
     ServiceInfo,
     TaskConsumption,
 )
@@ -174,6 +176,70 @@ class DataPlaneService(DataPlaneClient):
     def service_info(self) -> ServiceInfo:
         """The service's storage units (alive, bytes, samples, capacity) and totals."""
 
+    # ---- async RL (a partition registered with a StalenessSpec) ---------------------
+    @abstractmethod
+    def set_policy_version(self, partition_id: str, version: int) -> int:
+        """Publish the trainer's policy version; below the current one: VersionRegression.
+        Samples now older than a task's window are dropped (when the partition drops them)."""
+
+    @abstractmethod
+    def policy_version(self, partition_id: str) -> int:
+        """The partition's current policy version (0 until set)."""
+
+    @abstractmethod
+    def admit_rollouts(
+        self,
+        partition_id: str,
+        n: int,
+        *,
+        wait: bool = False,
+        timeout_s: float = 60.0,
+        lease_s: float = 300.0,
+    ) -> RolloutGrant | None:
+        """Leave to start ``n`` trajectories now, while samples started and not trained stay
+        within ``(max_staleness + 1) * admission_batch``: a grant; None when there is no room
+        and ``wait`` is False; AdmissionTimeout when waiting ran out."""
+
+    @abstractmethod
+    def release_rollouts(self, grant: RolloutGrant) -> bool:
+        """The grant's samples are put (or abandoned): it stops counting. False: it had
+        expired or was released already."""
+
+    @abstractmethod
+    def evict_samples(self, sample_ids: Sequence[str], partition_id: str) -> int:
+        """Evict samples by id (counted as evicted); returns how many."""
+
+    @abstractmethod
+    def clear_versions(self, partition_id: str, lowest: int, highest: int) -> ClearResult:
+        """Retire whole generations: every sample whose version is in [lowest, highest]."""
+
+    @abstractmethod
+    def peek_meta(
+        self,
+        partition_id: str,
+        task_name: str,
+        required_fields: Sequence[str],
+        batch_size: int,
+        *,
+        where: Any = None,
+        max_staleness: int | None = None,
+    ) -> KVBatchMeta:
+        """The batch ``claim_meta`` would hand out now, claiming nothing (empty: none)."""
+
+    @abstractmethod
+    def ready_depth(
+        self, partition_id: str, task_names: Sequence[str], required_fields: Sequence[str] = ()
+    ) -> dict[str, int]:
+        """Per task: how many samples it could claim now (within its staleness window)."""
+
+    @abstractmethod
+    def capabilities(self) -> Capabilities:
+        """What this implementation supports: verbs, claim policies, filter operators."""
+
+    @abstractmethod
+    def ping(self) -> bool:
+        """True when the service answers."""
+
     # ---- awaitable twins of the extras ---------------------------------------------
     async def delete_partition_async(self, partition_id: str) -> ClearResult:
         return await asyncio.to_thread(self.delete_partition, partition_id)
@@ -194,6 +260,36 @@ class DataPlaneService(DataPlaneClient):
 
     async def service_info_async(self) -> ServiceInfo:
         return await asyncio.to_thread(self.service_info)
+
+    async def set_policy_version_async(self, partition_id: str, version: int) -> int:
+        return await asyncio.to_thread(self.set_policy_version, partition_id, version)
+
+    async def policy_version_async(self, partition_id: str) -> int:
+        return await asyncio.to_thread(self.policy_version, partition_id)
+
+    async def admit_rollouts_async(self, *args: Any, **kwargs: Any) -> RolloutGrant | None:
+        return await asyncio.to_thread(self.admit_rollouts, *args, **kwargs)
+
+    async def release_rollouts_async(self, grant: RolloutGrant) -> bool:
+        return await asyncio.to_thread(self.release_rollouts, grant)
+
+    async def evict_samples_async(self, sample_ids: Sequence[str], partition_id: str) -> int:
+        return await asyncio.to_thread(self.evict_samples, sample_ids, partition_id)
+
+    async def clear_versions_async(self, partition_id: str, lowest: int, highest: int) -> Any:
+        return await asyncio.to_thread(self.clear_versions, partition_id, lowest, highest)
+
+    async def peek_meta_async(self, *args: Any, **kwargs: Any) -> KVBatchMeta:
+        return await asyncio.to_thread(self.peek_meta, *args, **kwargs)
+
+    async def ready_depth_async(self, *args: Any, **kwargs: Any) -> dict[str, int]:
+        return await asyncio.to_thread(self.ready_depth, *args, **kwargs)
+
+    async def capabilities_async(self) -> Capabilities:
+        return await asyncio.to_thread(self.capabilities)
+
+    async def ping_async(self) -> bool:
+        return await asyncio.to_thread(self.ping)
 
     # ---- awaitable twins of the contract verbs (arguments passed on as given) -------
     async def register_partition_async(self, *args: Any, **kwargs: Any) -> None:
@@ -218,3 +314,9 @@ class DataPlaneService(DataPlaneClient):
     # Ours return a ClearResult (what was freed); the contract's clear_samples says None.
     async def clear_samples_async(self, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.to_thread(self.clear_samples, *args, **kwargs)
+
+
+def service_verbs(cls: type) -> list[str]:
+    """The public verbs of ``DataPlaneService`` that ``cls`` has (its capabilities' list)."""
+    names = {n for n in dir(DataPlaneService) if not n.startswith("_")}
+    return sorted(n for n in names if callable(getattr(cls, n, None)))

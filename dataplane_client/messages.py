@@ -156,6 +156,98 @@ class PartitionSpec:
     claim_policy: Any = None
     policy_options: Any = None
     numeric_tags: Any = None
+    staleness: Any = None  # StalenessSpec | None: a versioned partition (async RL)
+
+
+@dataclass(frozen=True)
+class StalenessSpec:
+    """A partition's async-RL options (opt in: a partition without one behaves as before).
+
+    ``version_tag`` names the integer tag every put carries: the policy version the
+    sample was generated under (kept as an int64 column). ``max_staleness``
+    bounds, per task (a dict) or for every task (an int), how many versions
+    behind the current one (``set_policy_version``) a claimed sample may be; a
+    GRPO group is as old as its oldest member. ``stale_samples``: "drop"
+    (cleared, counted, ids listed for a while) or "keep" (left for other tasks).
+    ``admission_batch`` (the trainer's batch, in samples) turns on
+    ``admit_rollouts``: grants only while samples started but not trained stay
+    within ``(max_staleness + 1) * admission_batch``, and, with
+    ``oversample_ratio``, while samples granted at one version stay within
+    ``ratio * admission_batch``. ``evict_stale``: a put that finds a unit full
+    evicts whole unclaimed groups of the oldest version instead of failing.
+    """
+
+    version_tag: str = "weight_version"
+    max_staleness: Any = None  # int (every task) | {task: int} | None (no bound)
+    stale_samples: str = "drop"
+    admission_batch: Any = None
+    oversample_ratio: Any = None
+    evict_stale: bool = False
+
+    def bound(self, task: str) -> int | None:
+        """The task's staleness bound (None: unbounded); only on a checked spec."""
+        if isinstance(self.max_staleness, dict):
+            return self.max_staleness.get(task)
+        return self.max_staleness
+
+
+@dataclass(frozen=True)
+class TagFilter:
+    """One comparison of a claim's ``where``: ``tag op value`` on a numeric tag column."""
+
+    tag: str
+    op: str  # one of TAG_FILTER_OPS
+    value: float
+
+
+TAG_FILTER_OPS = ("<", "<=", ">", ">=", "==", "!=")
+
+
+@dataclass(frozen=True)
+class RolloutGrant:
+    """Leave to start ``n`` trajectories at policy ``version`` (``admit_rollouts``).
+
+    Counted against the partition's admission bound until ``release_rollouts``
+    or until ``expires_at`` (wall clock): a producer that dies gives it back then.
+    """
+
+    grant_id: int
+    partition_id: str
+    n: int
+    version: int
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class StalenessInfo:
+    """A versioned partition's async-RL state: what ``describe_partition`` and the admin
+    endpoint show and metrics export."""
+
+    version: int
+    version_tag: str
+    max_staleness: dict[str, int]  # bounded tasks only
+    stale_samples: str
+    ready_by_version: dict[int, int]  # live samples per version tag
+    dropped_stale: dict[str, int]  # per task whose bound made them stale
+    evicted: int
+    granted_in_flight: int  # samples of live grants
+    grants: int  # live grants
+    untrained: int  # live samples some bounded task has not consumed
+    admission_limit: int | None  # (max_staleness + 1) * admission_batch
+    admission_waits: int
+    recently_dropped: list[str]  # the newest ids dropped or evicted (bounded)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What this implementation supports (``capabilities``): a trainer checks before use."""
+
+    implementation: str
+    version: str
+    claim_policies: list[str]
+    tag_filter_ops: list[str]
+    verbs: list[str]
+    async_rl: bool = True
 
 
 @dataclass(frozen=True)
@@ -178,6 +270,8 @@ class ClaimRequest:
     timeout_s: float = 60.0  # a blocking claim's wait (claim_many never waits)
     claim_policy: str | None = None  # None: the partition's
     policy_options: dict[str, Any] | None = None  # over the partition's, for its policy
+    where: tuple[TagFilter, ...] = ()  # numeric-tag comparisons, all must hold
+    max_staleness: int | None = None  # tighter than the partition's bound for this claim
 
 
 @dataclass(frozen=True)
@@ -282,6 +376,7 @@ class PartitionDescription:
     consumption: list[TaskConsumption]
     pending_claims: int
     bytes_per_unit: list[int]  # index = unit
+    staleness: StalenessInfo | None = None  # a versioned partition's async-RL state
 
 
 @dataclass(frozen=True)

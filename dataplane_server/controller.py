@@ -46,6 +46,7 @@ from dataplane_client.messages import (
 )
 from dataplane_client.meta import KVBatchMeta
 from dataplane_server import claim_wait, liveness, publish, store_checkpoint, unit_lookup
+from dataplane_server.async_rl_verbs import AsyncRLVerbs, Changes
 from dataplane_server.core import recovery, unit_calls
 from dataplane_server.core.journal import Journal
 from dataplane_server.core.keyspace import CommitPlan, KeySpace, Partition, PolicyCall, declare
@@ -56,7 +57,7 @@ from dataplane_server.verbs import served
 
 
 @ray.remote
-class Controller(Inspection):
+class Controller(Inspection, AsyncRLVerbs):
     def __init__(
         self, config: DataPlaneConfig, units: list | None = None, state_dir: str | None = None
     ):
@@ -80,6 +81,7 @@ class Controller(Inspection):
         self.draining = False
         self.stats = Stats()
         self._waits = claim_wait.ClaimWaits()  # blocking claims wait here, per partition
+        self.changes = Changes()  # rollout admissions wait here, per partition
         self._lifecycle = asyncio.Lock()  # register / delete of one id never interleave
 
     # ---- wiring -------------------------------------------------------------------
@@ -266,6 +268,7 @@ class Controller(Inspection):
         self._emptied.forget(partition_id)
         await self._waits.wake(partition_id)
         self._waits.drop(partition_id)
+        self.changes.notify(partition_id)
         freed = await unit_calls.free(
             self.units, partition_id, dict.fromkeys(self.keys.live_units())
         )
@@ -335,6 +338,7 @@ class Controller(Inspection):
         and raises ClaimTimeout otherwise. A claim whose ``request_id`` was
         answered before (a retry after a controller restart) gets that answer.
         """
+        await self._drop_stale_before_claim(request)
         request, part, policy, meta = self._claim_now(request)
         if meta is None and request.blocking:
             t0 = time.monotonic()
@@ -344,6 +348,14 @@ class Controller(Inspection):
             finally:
                 self.stats.observe("claim_wait_seconds", time.monotonic() - t0)
         return meta
+
+    async def _drop_stale_before_claim(self, request: ClaimRequest) -> None:
+        """A versioned partition that drops stale samples drops them before a claim chooses
+        (a sample put with an old version is stale on arrival); what the claim may see is
+        bounded by its window either way, so this is housekeeping, not the bound."""
+        part = self.keys.partitions.get(arguments.claim_request(request).partition_id)
+        if part is not None and part.versions is not None:
+            await self._drop_stale(part)
 
     @served
     def claim_many(self, requests: list[ClaimRequest]) -> list[ClaimOutcome]:
@@ -375,7 +387,9 @@ class Controller(Inspection):
         request = arguments.claim_request(request)
         part = self.keys.partition(request.partition_id)
         task = self.keys.task_of(part, request.task_name)
-        policy = self.keys.claim_policy(part, request.claim_policy, request.policy_options)
+        policy = self.keys.claim_policy(
+            part, request.claim_policy, request.policy_options, request.where, request.max_staleness
+        )
         meta = self._claim(part, request, policy, not request.blocking)
         if meta is None and request.blocking:
             claim_wait.raise_if_unsatisfiable(self.keys, part, task)
@@ -417,6 +431,7 @@ class Controller(Inspection):
         )
         meta = self.keys.grant(choice)
         self._compact_if_due()
+        self.changes.notify(part.partition_id)
         self.stats.inc("claims_total")
         self.stats.inc("claimed_samples_total", meta.size)
         failpoints.die_once_if_armed(failpoints.CLAIM_ANSWER_LOST)  # journaled, not answered
@@ -430,6 +445,7 @@ class Controller(Inspection):
         self._log("ack", partition_id, task_name, ids)
         done = self.keys.apply_ack(part, task_name, rows)
         self._compact_if_due()
+        self.changes.notify(partition_id)
         self.stats.inc("acked_samples_total", done)
         return done
 
@@ -465,6 +481,7 @@ class Controller(Inspection):
         targets = self.keys.clear_samples(partition_id, ids)
         if not self.keys.partition(partition_id).num_samples:
             self._emptied.emptied(partition_id)
+        self.changes.notify(partition_id)
         freed = await unit_calls.free(self.units, partition_id, targets)
         self.stats.inc("cleared_samples_total", len(ids))
         await self._apply_retention()

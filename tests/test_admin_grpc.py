@@ -169,6 +169,29 @@ def test_describe_partition(stub, filled):
     assert sum(b.bytes for b in d.bytes_per_unit) > 0
 
 
+def test_describe_a_versioned_partition_shows_its_async_rl_state(stub, client, filled):
+    from dataplane_client import StalenessSpec
+
+    pid = _pid("admin-async")
+    spec = StalenessSpec(max_staleness=0, stale_samples="keep", admission_batch=2)
+    client.register_partition(pid, fields=["x"], consumer_tasks=["train"], staleness=spec)
+    client.put_samples(["a", "b"], pid, {"x": torch.zeros(2)}, tags=[{"weight_version": 0}] * 2)
+    client.set_policy_version(pid, 1)
+    d = stub.DescribePartition(
+        admin_pb2.DescribePartitionRequest(partition_id=pid), timeout=TIMEOUT
+    )
+    assert d.HasField("staleness")
+    st = d.staleness
+    assert (st.version, st.version_tag, st.stale_samples) == (1, "weight_version", "keep")
+    assert dict(st.max_staleness) == {"train": 0}
+    assert dict(st.ready_by_version) == {0: 2}
+    assert (st.untrained, st.admission_limit, st.evicted) == (2, 2, 0)
+    plain = stub.DescribePartition(
+        admin_pb2.DescribePartitionRequest(partition_id=filled["pid"]), timeout=TIMEOUT
+    )
+    assert not plain.HasField("staleness")
+
+
 def test_unknown_partition_is_not_found_and_names_it(stub):
     with pytest.raises(grpc.RpcError) as info:
         stub.DescribePartition(

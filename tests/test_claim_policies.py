@@ -143,7 +143,7 @@ def _compare_with_the_rule_before_policies(done: Counter, steps, group_size, per
         else:
             _, groups, name = step
             size = groups * (group_size or 1)
-            ready = ks._claimable(part, "t", [name])
+            ready = ks.claimable(part, "t", [name])
             expected = _rule_before_policies(part, ready, size)
             choice = ks.choose(part, "t", [name], size, partial_ok=True)
             got = np.zeros(0, dtype=np.int64) if choice is None else choice.rows
@@ -224,17 +224,17 @@ def test_seqlen_balanced_claims_hand_every_row_out_once_and_shard_meta_for_dp_sp
 
 # ---- numeric tags --------------------------------------------------------------------------
 @pytest.fixture
-def freshest_first(monkeypatch):
+def newest_tagged_first(monkeypatch):
     """A policy of this test only: rows of at least ``min_version`` (a numeric tag),
     newest version first. Registered for the test, gone after it."""
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
 
-    @claim_policies.register("freshest_first")
+    @claim_policies.register("newest_tagged_first")
     class FreshestFirst:
         def check_options(self, options, traits):
-            base.only_options("freshest_first", options, ("min_version",))
+            base.only_options("newest_tagged_first", options, ("min_version",))
             if "policy_version" not in traits.numeric_tags:
-                raise InvalidBatch("freshest_first needs the numeric tag 'policy_version'")
+                raise InvalidBatch("newest_tagged_first needs the numeric tag 'policy_version'")
             return {"min_version": int(options.get("min_version", 0))}
 
         def choose(self, ready, batch_size, options):
@@ -244,10 +244,12 @@ def freshest_first(monkeypatch):
             )[0]
             return fresh[np.argsort(-version[fresh], kind="stable")][:batch_size]
 
-    return "freshest_first"
+    return "newest_tagged_first"
 
 
-def test_numeric_tags_are_typed_columns_a_policy_filters_as_one_vector_operation(freshest_first):
+def test_numeric_tags_are_typed_columns_a_policy_filters_as_one_vector_operation(
+    newest_tagged_first,
+):
     ks = _space()
     ks.register("p", declaration("p", ["x"], None, ["t"], numeric_tags={"policy_version": "int64"}))
     part = ks.partition("p")
@@ -265,12 +267,12 @@ def test_numeric_tags_are_typed_columns_a_policy_filters_as_one_vector_operation
         ["x"],
         3,
         partial_ok=True,
-        policy=ks.claim_policy(part, freshest_first, {"min_version": 4}),
+        policy=ks.claim_policy(part, newest_tagged_first, {"min_version": 4}),
     )
     assert meta.sample_ids == ["s5", "s7", "s4"]  # versions 9, 6, 5
     assert meta.tags[0] == {"policy_version": 9, "note": "kept"}  # tags as given, still
     with pytest.raises(InvalidBatch, match="needs the numeric tag"):
-        ks.register("q", declaration("q", ["x"], None, ["t"], claim_policy=freshest_first))
+        ks.register("q", declaration("q", ["x"], None, ["t"], claim_policy=newest_tagged_first))
 
 
 @pytest.mark.parametrize("value", ["7", 1.5, True, 2**63, None, [1]])

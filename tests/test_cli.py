@@ -320,3 +320,32 @@ def test_no_address_given():
     proc = dataplane("partitions")
     assert proc.returncode == 2
     assert "DATAPLANE_ADMIN_ADDRESS" in proc.stderr
+
+
+def test_describe_shows_a_versioned_partitions_async_rl_state(addr, client):
+    from dataplane_client import StalenessSpec
+
+    pid = f"cli-async-{uuid.uuid4().hex[:8]}"
+    spec = StalenessSpec(max_staleness={"train": 1}, admission_batch=4)
+    client.register_partition(pid, fields=["x"], consumer_tasks=["train"], staleness=spec)
+    for v in range(3):
+        client.put_samples([f"v{v}"], pid, {"x": torch.zeros(1)}, tags=[{"weight_version": v}])
+    client.set_policy_version(pid, 2)
+    assert client.admit_rollouts(pid, 3) is not None
+    out = ok(dataplane("describe", pid, "--address", addr))
+    assert "policy version  2 (tag weight_version)" in out
+    assert "dropped stale   train: 1; evicted 0" in out
+    assert "3 granted in flight (1 grants), 2 untrained, bound 8" in out
+    d = json.loads(ok(dataplane("describe", pid, "--json", "--address", addr)))
+    st = d["staleness"]
+    assert (st["version"], st["dropped_stale"], st["recently_dropped"]) == (2, {"train": 1}, ["v0"])
+    assert {int(v): n for v, n in st["ready_by_version"].items()} == {1: 1, 2: 1}
+    plain = json.loads(ok(dataplane("describe", "--json", "--address", addr, part_of(client))))
+    assert plain.get("staleness") is None
+
+
+def part_of(client):
+    """A partition registered without versions (describe shows no async-RL state)."""
+    pid = f"cli-plain-{uuid.uuid4().hex[:8]}"
+    client.register_partition(pid, fields=["x"], consumer_tasks=["train"])
+    return pid

@@ -45,6 +45,9 @@ CORE_MODULES = (
     "dataplane_server.core.inprocess",
     "dataplane_server.core.stats",
     "dataplane_server.core.views",
+    "dataplane_server.core.staleness",
+    "dataplane_server.core.staleness_journal",
+    "dataplane_server.core.async_rl",
     # a storage unit's bytes (the actor around them is not core)
     "dataplane_server.core.unit_store",
     "dataplane_server.core.unit_partition",
@@ -59,6 +62,7 @@ CORE_MODULES = (
     "dataplane_client.atomic_dir",
     "dataplane_client.batched_data_dict",
     "dataplane_client.byte_format",
+    "dataplane_client.tag_filters",
     "dataplane_client.claim_batcher",
     "dataplane_client.codec",
     "dataplane_client.config",

@@ -50,6 +50,30 @@ CONTROLLER_COUNTERS = {
         "dataplane_claims_replayed",
         "Claims answered again by request id (a retry after a lost answer), not twice.",
     ),
+    "policy_version_bumps_total": (
+        "dataplane_policy_version_bumps",
+        "set_policy_version calls that moved a versioned partition's policy version.",
+    ),
+    "stale_samples_dropped_total": (
+        "dataplane_stale_samples_dropped",
+        "Samples dropped because they fell out of a task's staleness window.",
+    ),
+    "samples_evicted_total": (
+        "dataplane_samples_evicted",
+        "Samples evicted (oldest unclaimed version first, or by id) to make room.",
+    ),
+    "rollouts_admitted_total": (
+        "dataplane_rollouts_admitted",
+        "Trajectories admit_rollouts granted (leave to start).",
+    ),
+    "rollouts_refused_total": (
+        "dataplane_rollouts_refused",
+        "Trajectories admit_rollouts did not grant (no room within the staleness bound).",
+    ),
+    "admission_waits_total": (
+        "dataplane_admission_waits",
+        "admit_rollouts calls that had to wait for room within the staleness bound.",
+    ),
     "journal_write_errors_total": (
         "dataplane_journal_write_errors",
         "Journal writes or compactions that failed (the verb changed nothing).",

@@ -285,6 +285,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             bytes_per_unit=[
                 admin_pb2.UnitBytes(unit=i, bytes=b) for i, b in enumerate(d.bytes_per_unit)
             ],
+            staleness=None if d.staleness is None else _proto(admin_pb2.Staleness, d.staleness),
         )
 
     @_unary

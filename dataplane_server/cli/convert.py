@@ -2,7 +2,7 @@
 
 Generic over the descriptor, so a field added to the proto shows up without
 touching the CLI: int64 stays a number, enums become lower-case names without
-their prefix ("jagged", "ready"), unset optional scalars become None.
+their prefix ("jagged", "ready"), unset optional scalars and messages become None.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def to_builtin(message) -> dict[str, Any]:
     for fd in message.DESCRIPTOR.fields:
         value = getattr(message, fd.name)
         message_type = fd.message_type
-        if fd.has_presence and message_type is None and not message.HasField(fd.name):
+        # An unset optional scalar, or an unset (non-repeated) message, is None.
+        if fd.has_presence and not fd.is_repeated and not message.HasField(fd.name):
             out[fd.name] = None
         elif message_type is not None and message_type.GetOptions().map_entry:
             nested = message_type.fields_by_name["value"].message_type is not None

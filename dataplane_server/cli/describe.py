@@ -57,3 +57,24 @@ def run(ep, args) -> None:
         say()
         rows = [[b["unit"], human_bytes(b["bytes"])] for b in d["bytes_per_unit"]]
         say(table(["UNIT", "BYTES"], rows))
+    if d.get("staleness"):
+        say()
+        _staleness(d["staleness"])
+
+
+def _staleness(st: dict) -> None:
+    """A versioned partition's async-RL state: version, window, drops, admission."""
+    bounds = ", ".join(f"{t}: {n}" for t, n in sorted(st["max_staleness"].items())) or "-"
+    say(f"policy version  {st['version']} (tag {st['version_tag']})")
+    say(f"max staleness   {bounds}; stale samples {st['stale_samples']}")
+    dropped = ", ".join(f"{t}: {n}" for t, n in sorted(st["dropped_stale"].items())) or "0"
+    say(f"dropped stale   {dropped}; evicted {st['evicted']}")
+    limit = st.get("admission_limit")
+    say(
+        f"admission       {st['granted_in_flight']} granted in flight ({st['grants']} grants), "
+        f"{st['untrained']} untrained, bound {limit if limit is not None else '-'}, "
+        f"{st['admission_waits']} waits"
+    )
+    by_version = sorted((int(v), n) for v, n in st["ready_by_version"].items())
+    if by_version:
+        say(table(["VERSION", "LIVE_SAMPLES"], [[v, n] for v, n in by_version]))

@@ -32,16 +32,24 @@ import numpy as np
 from dataplane_client import arguments, prepare
 from dataplane_client.assembly import assemble
 from dataplane_client.codec import EncodedField, row_byte_offsets
-from dataplane_client.errors import ClaimTimeout, ServiceUnavailable, UnknownPartition
-from dataplane_client.interface import DataPlaneService
+from dataplane_client.errors import (
+    AdmissionTimeout,
+    ClaimTimeout,
+    ServiceUnavailable,
+    UnknownPartition,
+)
+from dataplane_client.interface import DataPlaneService, service_verbs
 from dataplane_client.messages import (
+    Capabilities,
     ClaimRequest,
     ClearResult,
     CommitRequest,
     FieldCodecs,
     PartitionDescription,
     PartitionSpec,
+    RolloutGrant,
     ServiceInfo,
+    StalenessSpec,
     TaskConsumption,
     UnitInfo,
     UnitSnapshot,
@@ -49,7 +57,7 @@ from dataplane_client.messages import (
 from dataplane_client.meta import KVBatchMeta
 from dataplane_client.tensordict_io import to_tensordict
 from dataplane_client.version import __version__
-from dataplane_server.core import views
+from dataplane_server.core import async_rl, views
 from dataplane_server.core.keyspace import CommitPlan, KeySpace, declare
 
 _UNIT = 0  # the one in-memory "storage unit" every sample lives on
@@ -119,6 +127,7 @@ class InProcessDataPlaneClient(DataPlaneService):
         claim_policy: str | None = None,
         policy_options: Mapping[str, Any] | None = None,
         numeric_tags: Mapping[str, str] | None = None,
+        staleness: StalenessSpec | None = None,
     ) -> None:
         """Declare a partition; one of the same id is replaced (its samples deleted). The
         extras as the Ray client's: leases, claim policy and options, numeric tags."""
@@ -135,6 +144,7 @@ class InProcessDataPlaneClient(DataPlaneService):
                 claim_policy=claim_policy,
                 policy_options=policy_options,
                 numeric_tags=numeric_tags,
+                staleness=staleness,
             )
         )
         with self._changed:
@@ -257,6 +267,8 @@ class InProcessDataPlaneClient(DataPlaneService):
         *,
         claim_policy: str | None = None,
         policy_options: Mapping[str, Any] | None = None,
+        where: Any = None,
+        max_staleness: int | None = None,
     ) -> KVBatchMeta | None:
         """Claim up to ``batch_size`` ready samples the task has not consumed yet, as the
         claim's policy (else the partition's) chooses them."""
@@ -274,6 +286,8 @@ class InProcessDataPlaneClient(DataPlaneService):
                 timeout_s=timeout_s,
                 claim_policy=claim_policy,
                 policy_options=policy_options,
+                where=where,
+                max_staleness=max_staleness,
             )
         )
         task_name, required = request.task_name, request.required_fields
@@ -283,7 +297,14 @@ class InProcessDataPlaneClient(DataPlaneService):
             keys = self._open()
             part = keys.partition(partition_id)
             keys.task_of(part, task_name)
-            policy = keys.claim_policy(part, request.claim_policy, request.policy_options)
+            policy = keys.claim_policy(
+                part,
+                request.claim_policy,
+                request.policy_options,
+                request.where,
+                request.max_staleness,
+            )
+            self._remove(keys, async_rl.stale_removal(keys, part))
             meta = keys.claim(
                 part,
                 task_name,
@@ -322,13 +343,17 @@ class InProcessDataPlaneClient(DataPlaneService):
                     dp_rank=request.dp_rank,
                     policy=policy,
                 )
+            if meta is not None:
+                self._notify()  # trained samples make room for waiting rollout admissions
             return meta
 
     def ack(self, meta: KVBatchMeta) -> int:
         """Acknowledge a leased claim (or a slice of it): its samples are done for its task."""
         partition_id, task, ids, lease_id = arguments.lease_ack(meta)
         with self._changed:
-            return self._open().ack(partition_id, task, ids, lease_id)
+            done = self._open().ack(partition_id, task, ids, lease_id)
+            self._notify()
+            return done
 
     def reset_consumption(self, partition_id: str, task_name: str) -> None:
         """Make every sample of the partition claimable again by the task."""
@@ -412,6 +437,139 @@ class InProcessDataPlaneClient(DataPlaneService):
             freed = self._nbytes(store.pop(s) for s in ids if s in store)
             self._notify()
         return ClearResult(cleared=len(ids), bytes_freed=freed)
+
+    # ---- async RL: versions, admission, introspection ------------------------------
+    def _remove(self, keys: KeySpace, removal: async_rl.Removal | None) -> int:
+        """Forget a removal's samples and their bytes (call under the lock)."""
+        if removal is None:
+            return 0
+        store = self._store[removal.part.partition_id]
+        for ids in async_rl.apply_removal(keys, removal).values():
+            for sid in ids:
+                store.pop(sid, None)
+        self._notify()
+        return len(removal.rows)
+
+    def set_policy_version(self, partition_id: str, version: int) -> int:
+        arguments.partition_name(partition_id)
+        with self._changed:
+            keys = self._open()
+            part, versions = keys.versioned(partition_id)
+            versions.set_version(versions.check_version(version))
+            self._remove(keys, async_rl.stale_removal(keys, part))
+            self._notify()
+            return versions.version
+
+    def policy_version(self, partition_id: str) -> int:
+        arguments.partition_name(partition_id)
+        with self._changed:
+            return self._open().versioned(partition_id)[1].version
+
+    def admit_rollouts(
+        self,
+        partition_id: str,
+        n: int,
+        *,
+        wait: bool = False,
+        timeout_s: float = 60.0,
+        lease_s: float = 300.0,
+    ) -> RolloutGrant | None:
+        arguments.partition_name(partition_id)
+        n, timeout_s, lease_s = async_rl.check_admission(n, timeout_s, lease_s)
+        wait = arguments.flag(wait, "wait")
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            keys = self._open()
+            part, versions = keys.versioned(partition_id)
+            counted = False
+            while True:
+                if keys.partitions.get(partition_id) is not part:
+                    raise UnknownPartition("partition deleted while the rollouts waited")
+                self._remove(keys, async_rl.stale_removal(keys, part))
+                why = async_rl.refusal(keys, part, n)
+                if why is None:
+                    grant = versions.new_grant(partition_id, n, lease_s)
+                    versions.add_grant(grant.grant_id, n, grant.version, grant.expires_at)
+                    return grant
+                if not wait:
+                    return None
+                if not counted:
+                    versions.admission_waits += 1
+                    counted = True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AdmissionTimeout(
+                        f"{n} trajectories not admitted within {timeout_s}s: {why}",
+                        partition_id=partition_id,
+                    )
+                grants = versions.live_grants()
+                if grants:  # an expiring grant makes room too
+                    soonest = min(g.expires_at for g in grants.values()) - time.time()
+                    remaining = min(remaining, soonest + 0.001)
+                self._changed.wait(remaining)
+                keys = self._open()
+
+    def release_rollouts(self, grant: RolloutGrant) -> bool:
+        grant = arguments.rollout_grant(grant)
+        with self._changed:
+            _, versions = self._open().versioned(grant.partition_id)
+            released = versions.release(grant.grant_id)
+            self._notify()
+            return released
+
+    def evict_samples(self, sample_ids: Sequence[str], partition_id: str) -> int:
+        arguments.partition_name(partition_id)
+        with self._changed:
+            keys = self._open()
+            return self._remove(keys, async_rl.evict_ids(keys, partition_id, sample_ids))
+
+    def clear_versions(self, partition_id: str, lowest: int, highest: int) -> ClearResult:
+        arguments.partition_name(partition_id)
+        with self._changed:
+            keys = self._open()
+            part, rows = async_rl.versions_range(keys, partition_id, lowest, highest)
+            store = self._store[partition_id]
+            gone = [store.pop(sid) for ids in keys.clear_rows(part, rows).values() for sid in ids]
+            self._notify()
+            return ClearResult(cleared=len(rows), bytes_freed=self._nbytes(gone))
+
+    def peek_meta(
+        self,
+        partition_id: str,
+        task_name: str,
+        required_fields: Sequence[str],
+        batch_size: int,
+        *,
+        where: Any = None,
+        max_staleness: int | None = None,
+    ) -> KVBatchMeta:
+        raw: Any = ClaimRequest
+        request = raw(
+            partition_id,
+            task_name,
+            required_fields,
+            batch_size,
+            None,
+            False,
+            where=where,
+            max_staleness=max_staleness,
+        )
+        with self._changed:
+            return async_rl.peek(self._open(), request)
+
+    def ready_depth(
+        self, partition_id: str, task_names: Sequence[str], required_fields: Sequence[str] = ()
+    ) -> dict[str, int]:
+        arguments.partition_name(partition_id)
+        with self._changed:
+            return async_rl.ready_depth(self._open(), partition_id, task_names, required_fields)
+
+    def capabilities(self) -> Capabilities:
+        return async_rl.capabilities("in-process", service_verbs(type(self)))
+
+    def ping(self) -> bool:
+        self._open()
+        return True
 
     def close(self) -> None:
         """Drop everything held; idempotent."""

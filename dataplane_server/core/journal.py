@@ -26,6 +26,7 @@ from typing import Any
 import msgpack
 
 from dataplane_client import failpoints
+from dataplane_server.core import staleness_journal
 from dataplane_server.core.claim_answers import ClaimAnswer, ClaimAnswers
 
 SNAPSHOT = "snapshot.msgpack"
@@ -154,7 +155,12 @@ def _internal(p: dict) -> dict:
         tasks[task] = t
     answers = ClaimAnswers()
     answers.restore(p.get("answers", ()))
-    return {"declaration": p["declaration"], "tasks": tasks, "answers": answers}
+    return {
+        "declaration": p["declaration"],
+        "tasks": tasks,
+        "answers": answers,
+        "staleness": staleness_journal.folded(p.get("staleness")),
+    }
 
 
 def _external(p: dict) -> dict:
@@ -169,19 +175,28 @@ def _external(p: dict) -> dict:
             for task, t in p["tasks"].items()
         },
         "answers": p["answers"].export(),
+        "staleness": p["staleness"].export(),
     }
 
 
 def _replay(state: dict, record: list) -> None:
     op, pid, *rest = record
     if op == "register":
-        state[pid] = {"declaration": rest[0], "tasks": {}, "answers": ClaimAnswers()}
+        state[pid] = {
+            "declaration": rest[0],
+            "tasks": {},
+            "answers": ClaimAnswers(),
+            "staleness": staleness_journal.folded(None),
+        }
         return
     if op == "delete":
         state.pop(pid, None)
         return
     part = state.get(pid)
     if part is None:
+        return
+    if op in staleness_journal.OPS:
+        staleness_journal.replay(part["staleness"], op, rest)
         return
     task = part["tasks"].setdefault(rest[0], _task())
     if op == "claim":  # task, ids, lease deadline (wall clock) or None, holder, answer

@@ -47,6 +47,8 @@ from dataplane_client.messages import (
     FieldCodecs,
     Location,
     PartitionSpec,
+    StalenessSpec,
+    TagFilter,
     TaskConsumption,
 )
 from dataplane_client.meta import KVBatchMeta
@@ -55,6 +57,9 @@ from dataplane_server.core.claim_answers import ClaimAnswer, ClaimAnswers, new_l
 from dataplane_server.core.claim_policies import ClaimPolicy, PartitionTraits, ReadyRows, RowColumns
 from dataplane_server.core.columns import grown
 from dataplane_server.core.recovery_messages import StoredRows
+from dataplane_server.core.staleness import VersionState, matching
+
+NO_VERSION = np.iinfo(np.int64).max  # a group's oldest version before any member has one
 
 NO_LEASE = 0  # holder id of a row nobody holds
 
@@ -79,14 +84,33 @@ class Declaration:
     claim_policy: str = ""
     policy_options: dict[str, Any] = field(default_factory=dict)
     numeric_tags: dict[str, str] = field(default_factory=dict)  # tag -> dtype of its column
+    staleness: StalenessSpec | None = None  # async RL: versions, the window, admission
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.task_leases) - set(self.consumer_tasks))
         if unknown:
             raise UnknownTask(f"task_leases names tasks that are not consumer tasks: {unknown}")
+        if self.staleness is not None:
+            self._declare_version_tag(self.staleness)
         if not self.claim_policy:  # groups are never split unless a policy says otherwise
             default = "grpo_groups" if self.group_size is not None else "sequential"
             object.__setattr__(self, "claim_policy", default)
+
+    def _declare_version_tag(self, spec: StalenessSpec) -> None:
+        """The version tag is an integer column; per-task bounds name consumer tasks."""
+        if isinstance(spec.max_staleness, dict):
+            unknown = sorted(set(spec.max_staleness) - set(self.consumer_tasks))
+            if unknown:
+                raise UnknownTask(
+                    f"max_staleness names tasks that are not consumer tasks: {unknown}"
+                )
+        dtype = self.numeric_tags.get(spec.version_tag, "int64")
+        if dtype not in ("int64", "int32"):
+            raise InvalidBatch(
+                f"version_tag {spec.version_tag!r} is declared a numeric tag of dtype {dtype}; "
+                "a version is an integer"
+            )
+        self.numeric_tags[spec.version_tag] = dtype
 
     @functools.cached_property
     def codecs(self) -> FieldCodecs:
@@ -94,7 +118,11 @@ class Declaration:
 
     @property
     def traits(self) -> PartitionTraits:
-        return PartitionTraits(group_size=self.group_size, numeric_tags=dict(self.numeric_tags))
+        return PartitionTraits(
+            group_size=self.group_size,
+            numeric_tags=dict(self.numeric_tags),
+            version_tag=None if self.staleness is None else self.staleness.version_tag,
+        )
 
     def to_record(self) -> dict[str, Any]:
         """Plain lists and dicts (msgpack has no tuples or sets): journal and checkpoint."""
@@ -109,6 +137,7 @@ class Declaration:
             "claim_policy": self.claim_policy,
             "policy_options": dict(self.policy_options),
             "numeric_tags": dict(self.numeric_tags),
+            "staleness": None if self.staleness is None else dataclasses.asdict(self.staleness),
         }
 
     @classmethod
@@ -126,6 +155,7 @@ class Declaration:
             claim_policy=record.get("claim_policy") or "",
             policy_options=dict(record.get("policy_options") or {}),
             numeric_tags=dict(record.get("numeric_tags") or {}),
+            staleness=None if not record.get("staleness") else StalenessSpec(**record["staleness"]),
         )
 
 
@@ -144,7 +174,8 @@ def declare(spec: Any) -> Declaration:
         object_fields=frozenset(spec.object_fields),
         claim_policy=spec.claim_policy or "",
         policy_options=spec.policy_options,
-        numeric_tags=spec.numeric_tags,
+        numeric_tags=dict(spec.numeric_tags),
+        staleness=spec.staleness,
     )
     policy = claim_policies.get(declared.claim_policy)
     options = policy.check_options(declared.policy_options, declared.traits)
@@ -163,6 +194,10 @@ class PolicyCall:
     name: str
     policy: ClaimPolicy
     options: dict[str, Any]
+    # What the claim may see at all, before its policy chooses: numeric-tag comparisons and
+    # a staleness bound tighter than the partition's (both checked against the partition).
+    where: tuple[TagFilter, ...] = ()
+    max_staleness: int | None = None
 
 
 class Partition:
@@ -181,6 +216,10 @@ class Partition:
         self.group_code = np.zeros(0, dtype=np.int64)
         self.group_index: dict[Any, int] = {}  # group_id -> code
         self.group_live = np.zeros(0, dtype=np.int64)
+        self.group_version = np.zeros(0, dtype=np.int64)  # per code: oldest member's version
+        spec = declaration.staleness
+        self.versions = None if spec is None else VersionState(spec)
+        self.version_tag = None if spec is None else spec.version_tag
         # Declared numeric tags: a typed column each, and which rows carry the tag.
         self.tag_values: dict[str, np.ndarray] = {
             name: np.zeros(0, dtype=dtype) for name, dtype in declaration.numeric_tags.items()
@@ -294,14 +333,36 @@ class Partition:
             return
         code = self.group_index.setdefault(group_id, len(self.group_index))
         self.group_live = grown(self.group_live, code + 1, 0)
+        self.group_version = grown(self.group_version, code + 1, NO_VERSION)
         self.group_code[row] = code
         self.group_live[code] += 1
+        self._age_group(row)
 
     def set_numeric_tags(self, row: int, tag: dict) -> None:
         for name, column in self.tag_values.items():
             if name in tag:
                 column[row] = tag[name]
                 self.tag_present[name][row] = True
+        if self.version_tag in tag:
+            self._age_group(row)
+
+    def _age_group(self, row: int) -> None:
+        """A group is as old as its oldest member (kept as members are tagged)."""
+        code = self.group_code[row]
+        if self.version_tag is None or code < 0 or not self.tag_present[self.version_tag][row]:
+            return
+        version = self.tag_values[self.version_tag][row]
+        self.group_version[code] = min(self.group_version[code], version)
+
+    def versions_of(self, rows: np.ndarray) -> np.ndarray:
+        """Each row's version for the staleness window: its group's oldest, else its own."""
+        assert self.version_tag is not None
+        own = self.tag_values[self.version_tag][rows].astype(np.int64, copy=False)
+        code = self.group_code[rows]
+        grouped = code >= 0
+        if not grouped.any():
+            return own
+        return np.where(grouped, np.minimum(own, self.group_version[np.maximum(code, 0)]), own)
 
     def columns(self) -> RowColumns:
         """Views of this partition's columns, as a claim policy reads them."""
@@ -313,6 +374,7 @@ class Partition:
             tags={name: col[:n] for name, col in self.tag_values.items()},
             tag_present={name: col[:n] for name, col in self.tag_present.items()},
             ids=self.ids,
+            versions_of=None if self.version_tag is None else self.versions_of,
         )
 
     def metadata_bytes(self) -> int:
@@ -408,6 +470,22 @@ def _check_numeric_tags(part: Partition, req: CommitRequest) -> None:
                 "each value must be a number that fits it",
                 ids=bad,
                 partition_id=part.partition_id,
+            )
+
+
+def _check_new_samples_tagged(part: Partition, req: CommitRequest, old: np.ndarray) -> None:
+    """A new sample of a grouped partition needs its group_id, of a versioned one its version."""
+    needed = [("group_id", "partition has group_size")] if part.group_size is not None else []
+    if part.version_tag is not None:
+        needed.append((part.version_tag, "partition is versioned (StalenessSpec)"))
+    tags = req.tags or [{}] * len(req.sample_ids)
+    for tag, why in needed:
+        missing = [s for i, s in enumerate(req.sample_ids) if not old[i] and tag not in tags[i]]
+        if missing:
+            raise InvalidBatch(
+                f"{why}: every new sample needs a {tag} tag",
+                ids=missing,
+                partition_id=req.partition_id,
             )
 
 
@@ -549,15 +627,7 @@ class KeySpace:
                 fields=names,
                 partition_id=pid,
             )
-        if part.group_size is not None:
-            tags = req.tags or [{}] * len(ids)
-            ungrouped = [s for i, s in enumerate(ids) if not old[i] and "group_id" not in tags[i]]
-            if ungrouped:
-                raise InvalidBatch(
-                    "partition has group_size: every new sample needs a group_id tag",
-                    ids=ungrouped,
-                    partition_id=pid,
-                )
+        _check_new_samples_tagged(part, req, old)
         self._in_flight.setdefault(pid, []).append(plan)
         return plan
 
@@ -696,7 +766,31 @@ class KeySpace:
         return [int(part.unit[r]) if r >= 0 else -1 for r in part.rows_of(sample_ids)]
 
     # ---- claims -------------------------------------------------------------------
-    def _claimable(self, part: Partition, task: str, required: list[str]) -> np.ndarray:
+    def claimable(
+        self, part: Partition, task: str, required: list[str], policy: PolicyCall | None = None
+    ) -> np.ndarray:
+        """Rows ready for the task, within its staleness window and the claim's ``where``."""
+        rows = self._ready(part, task, required)
+        if not len(rows) or policy is None:
+            return self._within_window(part, task, rows, None)
+        rows = self._within_window(part, task, rows, policy.max_staleness)
+        if policy.where:
+            columns = part.tag_values
+            rows = rows[matching(columns, part.tag_present, rows, policy.where, part.partition_id)]
+        return rows
+
+    @staticmethod
+    def _within_window(
+        part: Partition, task: str, rows: np.ndarray, tighter: int | None
+    ) -> np.ndarray:
+        if part.versions is None or not len(rows):
+            return rows
+        bound = part.versions.bound(task, tighter)
+        if bound is None:
+            return rows
+        return rows[part.versions_of(rows) >= part.versions.oldest_allowed(bound)]
+
+    def _ready(self, part: Partition, task: str, required: list[str]) -> np.ndarray:
         n = part.n_rows
         ok = part.live[:n].copy()
         for name in required:
@@ -712,19 +806,37 @@ class KeySpace:
 
     @staticmethod
     def claim_policy(
-        part: Partition, name: str | None = None, options: dict[str, Any] | None = None
+        part: Partition,
+        name: str | None = None,
+        options: dict[str, Any] | None = None,
+        where: tuple[TagFilter, ...] = (),
+        max_staleness: int | None = None,
     ) -> PolicyCall:
         """The policy a claim runs: ``name``, else the partition's. Options given for the
         partition's own policy go over its declared ones. InvalidBatch, changing nothing,
-        for an unknown policy or options it refuses."""
+        for an unknown policy or options it refuses, a ``where`` on a tag that is not a
+        numeric tag, or a ``max_staleness`` on a partition without versions."""
         decl = part.declaration
         if name is None or name == decl.claim_policy:
             name, options = decl.claim_policy, {**decl.policy_options, **(options or {})}
+        unknown = sorted({f.tag for f in where} - set(part.tag_values))
+        if unknown:
+            raise InvalidBatch(
+                f"where names tags that are not numeric tags of this partition: {unknown} "
+                f"(declared: {sorted(part.tag_values)})",
+                partition_id=part.partition_id,
+            )
+        if max_staleness is not None and part.versions is None:
+            raise InvalidBatch(
+                "max_staleness needs a partition registered with a StalenessSpec",
+                partition_id=part.partition_id,
+            )
         try:
             policy = claim_policies.get(name)
-            return PolicyCall(name, policy, policy.check_options(options or {}, decl.traits))
+            checked = policy.check_options(options or {}, decl.traits)
         except InvalidBatch as e:
             raise InvalidBatch(e.message, partition_id=part.partition_id) from None
+        return PolicyCall(name, policy, checked, tuple(where), max_staleness)
 
     def _pick(
         self, part: Partition, ready: np.ndarray, batch_size: int, policy: PolicyCall | None
@@ -759,7 +871,8 @@ class KeySpace:
         batch_size: int,
         policy: PolicyCall | None = None,
     ) -> int:
-        return len(self._pick(part, self._claimable(part, task, required), batch_size, policy))
+        ready = self.claimable(part, task, required, policy)
+        return len(self._pick(part, ready, batch_size, policy))
 
     def choose(
         self,
@@ -787,7 +900,7 @@ class KeySpace:
                 f"{part.group_size}; groups are never split",
                 partition_id=part.partition_id,
             )
-        rows = self._pick(part, self._claimable(part, task, required), batch_size, policy)
+        rows = self._pick(part, self.claimable(part, task, required, policy), batch_size, policy)
         expected = part.declaration.expected_samples
         left = None
         if expected is not None:  # samples of a lost unit will never come: not waited for
@@ -990,13 +1103,102 @@ class KeySpace:
         """Forget samples (clearing acknowledges them); returns their ids per live unit."""
         part = self.partition(partition_id)
         rows = part.existing_rows(sample_ids, "cannot clear unknown samples")
+        return self.clear_rows(part, rows)
+
+    def clear_rows(self, part: Partition, rows: np.ndarray) -> dict[int, list[str]]:
+        """Forget live rows; returns their ids per live unit (whose bytes to free)."""
         by_unit: dict[int, list[str]] = {}
-        for s, r in zip(sample_ids, rows.tolist()):
-            by_unit.setdefault(int(part.unit[r]), []).append(s)
+        for r in rows.tolist():
+            sid = part.ids[r]
+            by_unit.setdefault(int(part.unit[r]), []).append(sid)
             if part.replica[r] >= 0:
-                by_unit.setdefault(int(part.replica[r]), []).append(s)
+                by_unit.setdefault(int(part.replica[r]), []).append(sid)
         part.forget(rows.tolist())
         return {u: ids for u, ids in by_unit.items() if self.unit_alive[u]}
+
+    # ---- versions (async RL): which rows are stale, evictable, of a generation ----------
+    def versioned(self, partition_id: str) -> tuple[Partition, VersionState]:
+        part = self.partition(partition_id)
+        if part.versions is None:
+            raise InvalidBatch(
+                "the partition has no policy versions: register it with a StalenessSpec",
+                partition_id=partition_id,
+            )
+        return part, part.versions
+
+    def _taken(self, part: Partition, task: str) -> np.ndarray:
+        """Per row: consumed by the task, or held by one of its live leases."""
+        n = part.n_rows
+        taken = part.column(part.consumed, task)[:n].copy()
+        if task in part.declaration.task_leases:
+            taken |= part.column(part.lease_until, task, np.float64, 0.0)[:n] > self.clock()
+        return taken
+
+    def stale_rows(self, part: Partition) -> tuple[np.ndarray, dict[str, int]]:
+        """Live rows some bounded task still needs and may never claim (older than its
+        window), and how many per task; a partition that keeps stale samples has none."""
+        versions = part.versions
+        n = part.n_rows
+        if versions is None or versions.spec.stale_samples != "drop" or not n:
+            return np.zeros(0, dtype=np.int64), {}
+        live = np.nonzero(part.live[:n])[0]
+        row_versions = part.versions_of(live)
+        stale = np.zeros(len(live), dtype=bool)
+        per_task: dict[str, int] = {}
+        for task, bound in versions.bounded_tasks(part.tasks).items():
+            mine = (row_versions < versions.oldest_allowed(bound)) & ~self._taken(part, task)[live]
+            if mine.any():
+                per_task[task] = int(mine.sum())
+                stale |= mine
+        return live[stale], per_task
+
+    def evictable_rows(self, part: Partition) -> np.ndarray:
+        """Whole groups (or single rows) of the oldest version no task has claimed: what
+        makes room when a unit is full (empty: nothing may go)."""
+        n = part.n_rows
+        if part.versions is None or not part.versions.spec.evict_stale or not n:
+            return np.zeros(0, dtype=np.int64)
+        live = part.live[:n]
+        claimed = np.zeros(n, dtype=bool)
+        for task in part.tasks:
+            claimed |= self._taken(part, task)
+        # A group with any member claimed stays whole: none of it is evictable.
+        grouped = part.group_code[:n] >= 0
+        if grouped.any():
+            touched = np.zeros(len(part.group_live), dtype=bool)
+            touched[part.group_code[:n][grouped & claimed & live]] = True
+            claimed |= grouped & touched[np.maximum(part.group_code[:n], 0)]
+        candidates = np.nonzero(live & ~claimed)[0]
+        if not len(candidates):
+            return candidates
+        versions = part.versions_of(candidates)
+        return candidates[versions == versions.min()]
+
+    def rows_of_versions(self, part: Partition, lowest: int, highest: int) -> np.ndarray:
+        """Live rows whose version tag is within [lowest, highest] (their own, not their
+        group's: a generation is retired by what each sample was generated under)."""
+        assert part.version_tag is not None
+        n = part.n_rows
+        own = part.tag_values[part.version_tag][:n]
+        keep = part.live[:n] & part.tag_present[part.version_tag][:n]
+        return np.nonzero(keep & (own >= lowest) & (own <= highest))[0]
+
+    def untrained(self, part: Partition) -> int:
+        """Live samples some bounded task has not consumed yet (admission counts them)."""
+        assert part.versions is not None
+        n = part.n_rows
+        needed = np.zeros(n, dtype=bool)
+        for task in part.versions.bounded_tasks(part.tasks):
+            needed |= ~part.column(part.consumed, task)[:n]
+        return int((needed & part.live[:n]).sum())
+
+    def ready_by_version(self, part: Partition) -> dict[int, int]:
+        """Live samples per version tag."""
+        assert part.version_tag is not None
+        n = part.n_rows
+        keep = part.live[:n] & part.tag_present[part.version_tag][:n]
+        values, counts = np.unique(part.tag_values[part.version_tag][:n][keep], return_counts=True)
+        return dict(zip(values.tolist(), counts.tolist()))
 
     def live_units(self) -> list[int]:
         return [u for u, ok in enumerate(self.unit_alive) if ok]
@@ -1074,6 +1276,7 @@ class KeySpace:
                 "declaration": p.declaration.to_record(),
                 "tasks": self.export_consumption(p),
                 "answers": p.answers.export(),
+                "staleness": None if p.versions is None else p.versions.export(),
             }
             for pid, p in self.partitions.items()
         }

@@ -130,6 +130,8 @@ def rebuild(keys: KeySpace, state: dict[str, dict], views: list[UnitRecovery | N
         )
         keys.restore_consumption(part, p["tasks"])
         part.answers.restore(p.get("answers", ()))
+        if part.versions is not None:
+            part.versions.restore(p.get("staleness"))
     return {pid: [u for u, _ in got] for pid, got in held.items() if pid not in state}
 
 

@@ -18,6 +18,7 @@ from dataplane_client.messages import (
     SamplePage,
     SampleStatus,
     ServiceInfo,
+    StalenessInfo,
     UnitInfo,
     UnitSnapshot,
     UnitStatus,
@@ -115,6 +116,29 @@ def describe_partition(
         consumption=[ks.consumption(part, t) for t in part.tasks],
         pending_claims=part.waiting_claims,
         bytes_per_unit=_partition_bytes(snaps, partition_id),
+        staleness=staleness_info(ks, part),
+    )
+
+
+def staleness_info(keys: KeySpace, part: Partition) -> StalenessInfo | None:
+    versions = part.versions
+    if versions is None or part.version_tag is None:
+        return None
+    grants = versions.live_grants()
+    return StalenessInfo(
+        version=versions.version,
+        version_tag=part.version_tag,
+        max_staleness=versions.bounded_tasks(part.tasks),
+        stale_samples=versions.spec.stale_samples,
+        ready_by_version=keys.ready_by_version(part),
+        dropped_stale=dict(versions.dropped),
+        evicted=versions.evicted,
+        granted_in_flight=sum(g.n for g in grants.values()),
+        grants=len(grants),
+        untrained=keys.untrained(part),
+        admission_limit=versions.admission_limit(part.tasks),
+        admission_waits=versions.admission_waits,
+        recently_dropped=list(versions.recent)[-64:],
     )
 
 

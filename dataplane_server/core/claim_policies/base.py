@@ -29,6 +29,7 @@ class PartitionTraits:
 
     group_size: int | None = None
     numeric_tags: Mapping[str, str] = field(default_factory=dict)  # tag -> dtype name
+    version_tag: str | None = None  # a versioned partition's (StalenessSpec)
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,6 +43,8 @@ class RowColumns:
     tags: Mapping[str, np.ndarray] = field(default_factory=dict)  # declared numeric tags
     tag_present: Mapping[str, np.ndarray] = field(default_factory=dict)
     ids: Sequence[str | None] = ()
+    # rows -> each row's policy version (a group's oldest member's); None: not versioned.
+    versions_of: Callable[[np.ndarray], np.ndarray] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,6 +87,14 @@ class ReadyRows:
         ids = self.columns.ids
         return [ids[r] for r in self.rows.tolist()]
 
+    @functools.cached_property
+    def versions(self) -> np.ndarray:
+        """Each row's policy version, a group's being its oldest member's (int64).
+        InvalidBatch on a partition without versions."""
+        if self.columns.versions_of is None:
+            raise InvalidBatch("this claim policy needs a partition registered with versions")
+        return self.columns.versions_of(self.rows)
+
     @property
     def tag_names(self) -> list[str]:
         return list(self.columns.tags)
@@ -105,6 +116,7 @@ class ReadyRows:
         group: Sequence[int] | np.ndarray | None = None,
         group_size: int | None = None,
         tags: Mapping[str, Sequence[Any] | np.ndarray] | None = None,
+        versions: Sequence[int] | np.ndarray | None = None,
     ) -> ReadyRows:
         """Every row ready, from plain columns: for testing a policy without a key space.
         Groups count their members among these rows; every given tag is present."""
@@ -123,6 +135,9 @@ class ReadyRows:
                 tags=given,
                 tag_present={name: np.ones(n, dtype=bool) for name in given},
                 ids=[f"row-{i}" for i in range(n)],
+                versions_of=None
+                if versions is None
+                else np.asarray(versions, dtype=np.int64).__getitem__,
             ),
         )
 

@@ -1,0 +1,142 @@
+"""The async-RL verbs' decisions, shared by the controller and the in-process client.
+
+Each function checks its arguments against the key space and returns what the
+calling shell then journals (the controller) and applies, so both clients
+decide alike; none of them awaits, journals or frees bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from dataplane_client import arguments
+from dataplane_client.errors import InvalidBatch
+from dataplane_client.messages import (
+    TAG_FILTER_OPS,
+    Capabilities,
+    ClaimRequest,
+)
+from dataplane_client.meta import KVBatchMeta
+from dataplane_client.version import __version__
+from dataplane_server.core import claim_policies
+from dataplane_server.core.keyspace import KeySpace, Partition
+from dataplane_server.core.staleness import VersionState
+
+MAX_GRANT_LEASE_S = 7 * 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class Removal:
+    """Rows to forget as stale (``per_task``: for which bounded task) or as evicted."""
+
+    part: Partition
+    rows: np.ndarray
+    per_task: dict[str, int]
+    evicted: int
+
+    @property
+    def ids(self) -> list[str]:
+        return [self.part.ids[r] or "" for r in self.rows.tolist()]
+
+    def journal_args(self) -> tuple:
+        """The ("dropped", ...) record's arguments (the newest ids only, as kept)."""
+        return (dict(self.per_task), self.evicted, self.ids[-4096:])
+
+
+def stale_removal(keys: KeySpace, part: Partition) -> Removal | None:
+    rows, per_task = keys.stale_rows(part)
+    return Removal(part, rows, per_task, 0) if len(rows) else None
+
+
+def eviction(keys: KeySpace, part: Partition) -> Removal | None:
+    rows = keys.evictable_rows(part)
+    return Removal(part, rows, {}, len(rows)) if len(rows) else None
+
+
+def evict_ids(keys: KeySpace, partition_id: str, sample_ids: object) -> Removal:
+    part = keys.partition(partition_id)
+    ids = arguments.id_list(sample_ids, partition_id=partition_id)
+    rows = part.existing_rows(ids, "cannot evict unknown samples")
+    return Removal(part, rows, {}, len(rows))
+
+
+def apply_removal(keys: KeySpace, removal: Removal) -> dict[int, list[str]]:
+    """Forget the rows and count them; returns their ids per live unit (bytes to free)."""
+    ids = removal.ids
+    targets = keys.clear_rows(removal.part, removal.rows)
+    if removal.part.versions is not None:
+        removal.part.versions.count_dropped(removal.per_task, removal.evicted, ids)
+    return targets
+
+
+def versions_range(keys: KeySpace, partition_id: str, lowest: object, highest: object):
+    """The live rows whose version is within [lowest, highest] (retiring generations)."""
+    part, _ = keys.versioned(partition_id)
+    low = arguments.count(lowest, "lowest", minimum=0)
+    high = arguments.count(highest, "highest", minimum=0)
+    if high < low:
+        raise InvalidBatch(f"version range [{low}, {high}] is empty", partition_id=partition_id)
+    return part, keys.rows_of_versions(part, low, high)
+
+
+def check_admission(n: object, timeout_s: object, lease_s: object) -> tuple[int, float, float]:
+    n = arguments.count(n, "n", minimum=1)
+    timeout = arguments.seconds(timeout_s, "timeout_s")
+    lease = arguments.seconds(lease_s, "lease_s")
+    if not 0 < lease <= MAX_GRANT_LEASE_S:
+        raise InvalidBatch(f"lease_s must be in (0, {MAX_GRANT_LEASE_S:.0f}], got {lease}")
+    return n, timeout, lease
+
+
+def refusal(keys: KeySpace, part: Partition, n: int) -> str | None:
+    """Why ``n`` trajectories may not start now (None: they may)."""
+    versions = _versions(part)
+    return versions.refusal(n, keys.untrained(part), part.tasks)
+
+
+def peek(keys: KeySpace, request: ClaimRequest) -> KVBatchMeta:
+    """The batch a claim would get now, handing nothing out (empty meta: none ready)."""
+    request = arguments.claim_request(request)
+    part = keys.partition(request.partition_id)
+    task = keys.task_of(part, request.task_name)
+    policy = keys.claim_policy(
+        part, request.claim_policy, request.policy_options, request.where, request.max_staleness
+    )
+    choice = keys.choose(
+        part, task, request.required_fields, request.batch_size, partial_ok=True, policy=policy
+    )
+    if choice is None:
+        return KVBatchMeta(partition_id=part.partition_id, task_name=task, sample_ids=[])
+    return keys.meta_of(part, dataclasses.replace(choice.answer, lease_id=None))
+
+
+def ready_depth(
+    keys: KeySpace, partition_id: str, task_names: object, required_fields: object
+) -> dict[str, int]:
+    """Per task: samples it could claim now (within its staleness window)."""
+    part = keys.partition(partition_id)
+    tasks = arguments.name_list(task_names, "task_names")
+    required = arguments.name_list(required_fields, "required_fields", allow_empty=True)
+    return {t: len(keys.claimable(part, keys.task_of(part, t), required)) for t in tasks}
+
+
+def capabilities(implementation: str, verbs: list[str]) -> Capabilities:
+    return Capabilities(
+        implementation=implementation,
+        version=__version__,
+        claim_policies=claim_policies.names(),
+        tag_filter_ops=list(TAG_FILTER_OPS),
+        verbs=sorted(verbs),
+    )
+
+
+def _versions(part: Partition) -> VersionState:
+    if part.versions is None:
+        raise InvalidBatch(
+            "the partition has no policy versions: register it with a StalenessSpec",
+            partition_id=part.partition_id,
+        )
+    return part.versions

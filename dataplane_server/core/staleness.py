@@ -1,0 +1,205 @@
+"""Async RL in the key space: policy versions, the staleness window, rollout grants.
+
+A partition registered with a ``StalenessSpec`` keeps here what only it knows
+about versions: the current policy version (never goes backwards), the live
+rollout grants, and the counts of stale samples dropped and evicted. Each
+sample's version is its ``version_tag`` column (``Partition.tag_values``); a
+GRPO group's version is its oldest member's (``Partition.group_version``, kept
+as rows are tagged), so a group is stale as soon as its oldest member is.
+
+Pure and Ray-free: the controller journals each change (``record_*``) before
+applying it, and a restart puts the state back from the journal's snapshot
+(``export`` / ``restore``).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dataplane_client.errors import InvalidBatch, VersionRegression
+from dataplane_client.messages import RolloutGrant, StalenessSpec, TagFilter
+from dataplane_server.core.claim_answers import new_lease_id
+
+RECENTLY_DROPPED = 4_096  # ids of dropped or evicted samples kept for listing
+
+_COMPARE = {
+    "<": np.less,
+    "<=": np.less_equal,
+    ">": np.greater,
+    ">=": np.greater_equal,
+    "==": np.equal,
+    "!=": np.not_equal,
+}
+
+
+@dataclass(frozen=True)
+class Grant:
+    n: int
+    version: int
+    expires_at: float  # wall clock: survives a restart as it is
+
+
+class VersionState:
+    """One versioned partition's async-RL state (see the module docstring)."""
+
+    def __init__(self, spec: StalenessSpec | None):
+        self.spec = spec if spec is not None else StalenessSpec()  # None: replaying a journal
+        self.version = 0
+        self.grants: dict[int, Grant] = {}
+        self.granted_at: collections.Counter[int] = collections.Counter()  # version -> samples
+        self.dropped: collections.Counter[str] = collections.Counter()  # task -> samples
+        self.evicted = 0
+        self.admission_waits = 0
+        self.recent: collections.deque[str] = collections.deque(maxlen=RECENTLY_DROPPED)
+
+    # ---- the bound ----------------------------------------------------------------
+    def bound(self, task: str, tighter: int | None = None) -> int | None:
+        """How many versions behind the current one a sample claimed by ``task`` may be
+        (None: any); a claim's own ``max_staleness`` may only tighten the partition's."""
+        declared = self.spec.bound(task)
+        if tighter is None:
+            return declared
+        return tighter if declared is None else min(declared, tighter)
+
+    def bounded_tasks(self, tasks: list[str]) -> dict[str, int]:
+        return {t: b for t in tasks if (b := self.spec.bound(t)) is not None}
+
+    def oldest_allowed(self, bound: int) -> int:
+        return self.version - bound
+
+    # ---- versions ------------------------------------------------------------------
+    def check_version(self, version: Any) -> int:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise InvalidBatch(f"a policy version is an int >= 0, got {version!r:.40}")
+        if version < self.version:
+            raise VersionRegression(
+                f"policy version {version} is below the current {self.version}: "
+                "a version never goes backwards"
+            )
+        if version >= 2**62:
+            raise InvalidBatch(f"policy version {version} is out of range")
+        return version
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+        for v in [v for v in self.granted_at if v < version]:
+            del self.granted_at[v]  # the over-sampling cap counts the current version only
+
+    # ---- admission -----------------------------------------------------------------
+    def admission_limit(self, tasks: list[str]) -> int | None:
+        bounds = self.bounded_tasks(tasks)
+        if self.spec.admission_batch is None or not bounds:
+            return None
+        return (min(bounds.values()) + 1) * self.spec.admission_batch
+
+    def live_grants(self, now: float | None = None) -> dict[int, Grant]:
+        """Grants not released and not expired (expired ones are forgotten here)."""
+        now = time.time() if now is None else now
+        for gid in [g for g, grant in self.grants.items() if grant.expires_at <= now]:
+            del self.grants[gid]
+        return self.grants
+
+    def in_flight(self) -> int:
+        return sum(g.n for g in self.live_grants().values())
+
+    def refusal(self, n: int, untrained: int, tasks: list[str]) -> str | None:
+        """Why ``n`` more trajectories may not start now (None: they may). InvalidBatch when
+        they never could (more than the bound itself, or admission not declared)."""
+        limit = self.admission_limit(tasks)
+        if limit is None:
+            raise InvalidBatch(
+                "admit_rollouts needs a partition registered with "
+                "StalenessSpec(max_staleness=..., admission_batch=...)"
+            )
+        cap = self.spec.oversample_ratio
+        per_version = None if cap is None else int(cap * self.spec.admission_batch)
+        if n > limit or (per_version is not None and n > per_version):
+            raise InvalidBatch(
+                f"{n} trajectories can never be admitted: the bound is {limit} samples"
+                + ("" if per_version is None else f" and {per_version} per version")
+            )
+        started = self.in_flight() + untrained
+        if started + n > limit:
+            return f"{started} samples started and not trained, bound {limit}"
+        if per_version is not None and self.granted_at[self.version] + n > per_version:
+            return (
+                f"{self.granted_at[self.version]} samples already granted at version "
+                f"{self.version}, over-sampling cap {per_version}"
+            )
+        return None
+
+    def new_grant(self, partition_id: str, n: int, lease_s: float) -> RolloutGrant:
+        """A grant not yet recorded (``add_grant`` records it, after the journal)."""
+        return RolloutGrant(new_lease_id(), partition_id, n, self.version, time.time() + lease_s)
+
+    def add_grant(self, grant_id: int, n: int, version: int, expires_at: float) -> None:
+        self.grants[grant_id] = Grant(n, version, expires_at)
+        if version >= self.version:
+            self.granted_at[version] += n
+
+    def release(self, grant_id: int) -> bool:
+        return self.grants.pop(grant_id, None) is not None
+
+    # ---- drops and evictions ----------------------------------------------------------
+    def count_dropped(self, per_task: dict[str, int], evicted: int, ids: list[str]) -> None:
+        self.dropped.update(per_task)
+        self.evicted += evicted
+        self.recent.extend(ids)
+
+    # ---- journal snapshot ------------------------------------------------------------
+    def export(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "grants": [[gid, g.n, g.version, g.expires_at] for gid, g in self.grants.items()],
+            "granted_at": [[v, n] for v, n in self.granted_at.items()],
+            "dropped": dict(self.dropped),
+            "evicted": self.evicted,
+            "admission_waits": self.admission_waits,
+            "recent": list(self.recent),
+        }
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        if not state:
+            return
+        self.version = int(state.get("version", 0))
+        self.grants = {
+            int(gid): Grant(int(n), int(v), float(e)) for gid, n, v, e in state["grants"]
+        }
+        self.granted_at = collections.Counter({int(v): int(n) for v, n in state["granted_at"]})
+        self.dropped = collections.Counter(state.get("dropped") or {})
+        self.evicted = int(state.get("evicted", 0))
+        self.admission_waits = int(state.get("admission_waits", 0))
+        self.recent.clear()  # replaced, not appended to: a restore is the whole state
+        self.recent.extend(state.get("recent") or ())
+
+
+def fresh(versions: np.ndarray, oldest_allowed: int) -> np.ndarray:
+    """Which of these versions are within the window (a mask)."""
+    return versions >= oldest_allowed
+
+
+def matching(
+    tags: dict[str, np.ndarray],
+    present: dict[str, np.ndarray],
+    rows: np.ndarray,
+    where: tuple[TagFilter, ...],
+    partition_id: str,
+) -> np.ndarray:
+    """Mask over ``rows``: every comparison of ``where`` holds on the row's numeric tags
+    (a row without the tag matches no comparison on it)."""
+    keep = np.ones(len(rows), dtype=bool)
+    for f in where:
+        column = tags.get(f.tag)
+        if column is None:
+            raise InvalidBatch(
+                f"where names tag {f.tag!r}, which is not a numeric tag of this partition "
+                f"(declared: {sorted(tags)})",
+                partition_id=partition_id,
+            )
+        keep &= present[f.tag][rows] & _COMPARE[f.op](column[rows], f.value)
+    return keep
