@@ -89,7 +89,9 @@ class LossConfig:
         if cap is not None and (
             isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0
         ):
-            raise ConfigError(f"loss.behaviour_weight_cap must be a number > 0 or None, got {cap!r}")
+            raise ConfigError(
+                f"loss.behaviour_weight_cap must be a number > 0 or None, got {cap!r}"
+            )
         for name in ("ratio_clip_min", "ratio_clip_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:

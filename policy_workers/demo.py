@@ -27,6 +27,7 @@ regenerated identically, and each step trains on its samples sorted by id.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pickle
@@ -252,7 +253,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.resume_manifest = None
     if args.resume:
         _take_saved_flags(p, args)
-    names = ("steps", "prompts_per_step", "generations", "dp", "tp", "rollout_actors", "minibatches")
+    names = (
+        "steps",
+        "prompts_per_step",
+        "generations",
+        "dp",
+        "tp",
+        "rollout_actors",
+        "minibatches",
+    )
     for name in names:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -377,11 +386,14 @@ def build_policy(args: argparse.Namespace, dp_cfg):
         f"policy: {args.dp * args.tp} workers (DP={args.dp} x TP={args.tp}), "
         f"packing={args.packing}, KL penalty {args.kl_penalty:g}"
     )
-    mode = f"async, max staleness {args.max_staleness}" if args.async_mode else "synchronous"
     print(
-        f"rollouts: {args.rollout_actors} actors ({mode}), {args.prompts_per_step} prompts x "
+        f"rollouts: {args.rollout_actors} actors, {args.prompts_per_step} prompts x "
         f"{args.generations} generations per step, {args.steps} steps"
     )
+    if args.async_mode:
+        print(f"  async: generating continuously, at most {args.max_staleness} versions stale")
+    else:
+        print("  synchronous: each step's rollouts after the previous step's refit")
     # The demo inspects what the driver shipped and received (at most one step's worth).
     recorder = DispatchRecorder(keep_last=8)
     return model_cfg, TQPolicy(policy_cfg, recorder=recorder), recorder
@@ -490,9 +502,8 @@ def train_synchronously(run: Run, tally: Tally, actors: list, steps: range) -> N
             run,
             tally,
             k,
-            claim=lambda times: claim_step_batch(run, k, pid, rollouts, times),
-            # the whole partition: its samples and declaration
-            finish=lambda _meta: run.client.clear_samples(None, pid),
+            claim=functools.partial(claim_step_batch, run, k, pid, rollouts),
+            finish=functools.partial(delete_partition, run.client),
         )
         # the next step's rollouts come from the weights this step trained
         tally.reports[-1].times["refit"] = refit_actors(run.policy, actors, version=k + 1)
@@ -717,6 +728,11 @@ def keep_serving(handle) -> None:
 # ---- helpers -------------------------------------------------------------------------
 
 
+def delete_partition(client, meta) -> None:
+    """After a synchronous step: its partition goes, samples and declaration."""
+    client.clear_samples(None, meta.partition_id)
+
+
 def in_prompt_order(meta):
     """The batch sorted by (prompt number, sample id): rollouts finish in any order, a
     batch in a fixed order makes a step (and a resumed run) reproducible bit for bit."""
@@ -726,11 +742,14 @@ def in_prompt_order(meta):
 
 def version_lag(meta, version: int) -> dict[str, Any]:
     """How many policy versions behind ``version`` the batch's samples were generated:
-    the StepReport's lag_max and lag_mean."""
+    the StepReport's lag_max, lag_mean and lag_counts (samples per lag)."""
     from policy_workers.rollout import WEIGHT_VERSION
 
     lags = [version - int(tag[WEIGHT_VERSION]) for tag in meta.tags]
-    return {"lag_max": max(lags), "lag_mean": sum(lags) / len(lags)}
+    counts = [0] * (max(lags) + 1)
+    for lag in lags:
+        counts[lag] += 1
+    return {"lag_max": max(lags), "lag_mean": sum(lags) / len(lags), "lag_counts": counts}
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: list[str]) -> torch.Tensor:

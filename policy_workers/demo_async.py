@@ -21,6 +21,7 @@ the synchronous demo trains (``tests/test_demo.py``).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -47,8 +48,8 @@ def train_async(run: Any, tally: Any, actors: list, steps: range) -> None:
                 run,
                 tally,
                 k,
-                claim=lambda times: claim_async_batch(run, k, pid, producing, times),
-                finish=lambda meta: run.client.clear_samples(meta.sample_ids, pid),
+                claim=functools.partial(claim_async_batch, run, k, pid, producing),
+                finish=functools.partial(clear_batch, run.client),
             )
             report = tally.reports[-1]
             # the weights first, then the version: a group admitted at k + 1 uses them
@@ -105,6 +106,11 @@ def claim_async_batch(run: Any, k: int, pid: str, producing: list, times: dict):
     meta = run.client.claim_meta(pid, TASK, GRPO_FIELDS, run.per_step, timeout_s=60.0)
     times["rollout_wait"] = time.perf_counter() - t0
     return in_prompt_order(meta)
+
+
+def clear_batch(client: Any, meta: Any) -> None:
+    """After an async step: its samples go (the partition stays for the next ones)."""
+    client.clear_samples(meta.sample_ids, meta.partition_id)
 
 
 def store_counts(client: Any, pid: str) -> dict[str, int]:

@@ -68,6 +68,7 @@ class StepReport:
     mean_reward: float = float("nan")
     lag_max: int = 0  # policy versions behind, over the batch's samples
     lag_mean: float = 0.0
+    lag_counts: list[int] = field(default_factory=list)  # samples per lag (0, 1, ...)
     stale_dropped: int = 0  # samples the store dropped as too stale during this step
     admission_waits: int = 0  # rollout starts that waited for admission during this step
 

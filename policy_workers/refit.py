@@ -47,7 +47,9 @@ def load_weights(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
     missing = sorted(set(want) - set(params))
     unknown = sorted(set(params) - set(want))
     if missing or unknown:
-        raise ValueError(f"refit weights do not fit the model: missing {missing}, unknown {unknown}")
+        raise ValueError(
+            f"refit weights do not fit the model: missing {missing}, unknown {unknown}"
+        )
     for name, target in want.items():
         if params[name].shape != target.shape:
             raise ValueError(

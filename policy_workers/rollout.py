@@ -212,6 +212,7 @@ class RolloutActor:
                 )
             except AdmissionTimeout:
                 continue  # the trainer is slow (a long step): still no room, ask again
+            assert grant is not None  # wait=True: a grant or AdmissionTimeout, never None
             try:
                 index = await counter.take.remote()
                 ids = [f"{partition_id}/prompt{index}/gen{j}" for j in range(g)]

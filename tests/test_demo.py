@@ -356,3 +356,38 @@ def test_the_learn_configuration_learns_the_parity_task(tmp_path):
     assert sum(rewards[-LEARNED_OVER:]) / LEARNED_OVER >= LEARNED_REWARD
     assert any(line.startswith("[PASS] it learned: mean reward") for line in lines)
     print(f"\n--learn mean rewards: {[round(r, 2) for r in rewards]}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # up to two demo runs on a loaded 2-core machine
+def test_async_with_max_staleness_0_trains_exactly_what_the_synchronous_demo_trains(tmp_path, runs):
+    """One group admitted per prompt and version, after the refit: the same batches, the
+    same updates, bit for bit (and the bound's check passes, every lag 0)."""
+    if (runs / "straight.json").exists():  # the serving test above made it (--small)
+        sync = json.loads((runs / "straight.json").read_text())
+    else:  # run alone (-k)
+        sync, _ = _run_demo(["--small"], runs, "straight")
+    async0, lines = _run_demo(["--small", "--async", "--max-staleness", "0"], tmp_path, "async0")
+    keys = ("samples", "tokens", "loss", "grad_norm", "kl", "mean_reward", "classic_bytes")
+    assert [[s[k] for k in keys] for s in async0["steps"]] == [
+        [s[k] for k in keys] for s in sync["steps"]
+    ]
+    assert [s["lag_max"] for s in async0["steps"]] == [0, 0]
+    assert async0["checks"]["no trained sample was more than 0 versions stale"]
+    assert "  async: generating continuously, at most 0 versions stale" in lines
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_async_with_max_staleness_1_never_trains_a_sample_more_than_1_version_stale(tmp_path):
+    report, lines = _run_demo(
+        ["--small", "--steps", "4", "--async", "--max-staleness", "1"], tmp_path, "async1"
+    )
+    lags = [s["lag_max"] for s in report["steps"]]
+    assert len(lags) == 4
+    assert max(lags) <= 1, lags
+    assert "[PASS] no trained sample was more than 1 versions stale" in lines
+    print(
+        f"\n--async --max-staleness 1: lag max per step {lags}, stale dropped "
+        f"{[s['stale_dropped'] for s in report['steps']]}"
+    )
