@@ -44,6 +44,8 @@ SECTIONS = {
 OPT_IN_SECTIONS = {
     "replication": "benchmarks.replication",
     "crossnode": "benchmarks.cross_node",
+    # three demo runs (sync, --async N=1, N=2), each its own local Ray: minutes
+    "asyncrl": "benchmarks.async_rl",
 }
 RAY_NUM_CPUS = 16  # logical slots: 4 policy workers + TransferQueue's 3 + helpers; 2 real cores
 

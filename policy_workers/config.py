@@ -67,8 +67,12 @@ class LossConfig:
     ratio_clip_min: float = 0.2  # eps_low: ratio is clipped to [1 - eps_low, 1 + eps_high]
     ratio_clip_max: float = 0.2  # eps_high
     # Multiply each token's loss by exp(prev_logprobs - generation_logprobs) (detached):
+    # the decoupled PPO objective (AReaL) for samples from an older policy; on-policy it
     # corrects for the generation engine's numerics differing from the trainer's.
     use_importance_sampling_correction: bool = False
+    # Tokens whose weight above exceeds this are left out of the policy-gradient term
+    # (AReaL's behav_imp_weight_cap); None = no cap.
+    behaviour_weight_cap: float | None = None
     # beta of the reference-policy KL term (k3 estimator); 0 = off, no reference logprobs read.
     reference_policy_kl_penalty: float = 0.0
     # True: every valid token weighs the same; False: each sample's tokens are averaged
@@ -80,6 +84,13 @@ class LossConfig:
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta >= 0:
             raise ConfigError(
                 f"loss.reference_policy_kl_penalty must be a number >= 0, got {beta!r}"
+            )
+        cap = self.behaviour_weight_cap
+        if cap is not None and (
+            isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0
+        ):
+            raise ConfigError(
+                f"loss.behaviour_weight_cap must be a number > 0 or None, got {cap!r}"
             )
         for name in ("ratio_clip_min", "ratio_clip_max"):
             value = getattr(self, name)

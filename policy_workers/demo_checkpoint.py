@@ -43,6 +43,9 @@ RUN_FLAGS = (
     "packing",
     "mb_tokens",
     "kl_penalty",
+    "lr",
+    "minibatches",
+    "vocab_size",
     "model_path",
     "num_storage_units",
 )

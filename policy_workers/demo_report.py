@@ -24,6 +24,18 @@ _COLUMNS = (
     ("reward", 6, "{:.3f}"),
 )
 
+# The training loop: weight refit, throughput and how off-policy each batch was.
+_LOOP_COLUMNS = (
+    ("step", 4, "{:d}"),
+    ("refit s", 7, "{:.3f}"),
+    ("step s", 6, "{:.2f}"),
+    ("samples/s", 9, "{:.1f}"),
+    ("lag max", 7, "{:d}"),
+    ("lag mean", 8, "{:.2f}"),
+    ("stale dropped", 13, "{:d}"),
+    ("admit waits", 11, "{:d}"),
+)
+
 LEGEND = (
     "classic KB: tensors the classic driver would have gathered and scattered this",
     "  step, measured on this step's tensors (rollout fields, each DP rank's batch,",
@@ -32,6 +44,13 @@ LEGEND = (
     "  sample and classic KB grows with tokens, so a run as small as --small can",
     "  show driver KB above classic KB; the summary counts the tensors alone.",
     "wait s: waiting for rollouts; pass s: logprob passes, advantages, train step.",
+)
+
+LOOP_LEGEND = (
+    "refit s: the new weights into every rollout actor; step s: wait + pass + refit.",
+    "lag: policy versions between a trained sample's generation and its training",
+    "  step (0 = on-policy). stale dropped: samples the store dropped as too stale;",
+    "  admit waits: rollout starts that waited for the store's admission.",
 )
 
 
@@ -49,10 +68,28 @@ class StepReport:
     grad_norm: float = float("nan")
     kl: float = float("nan")  # mean per-token KL(policy || reference) of the train step
     mean_reward: float = float("nan")
+    lag_max: int = 0  # policy versions behind, over the batch's samples
+    lag_mean: float = 0.0
+    lag_counts: list[int] = field(default_factory=list)  # samples per lag (0, 1, ...)
+    stale_dropped: int = 0  # samples the store dropped as too stale during this step
+    admission_waits: int = 0  # rollout starts that waited for admission during this step
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.times.values())
 
 
-def _row(values: list[str]) -> str:
-    return " ".join(v.rjust(w) for v, (_, w, _) in zip(values, _COLUMNS))
+def _passes_s(times: dict[str, float]) -> float:
+    """The logprob passes, advantages and train step: everything but waiting and refitting."""
+    return sum(v for k, v in times.items() if k not in ("rollout_wait", "refit"))
+
+
+def _row(values: list[str], columns=_COLUMNS) -> str:
+    return " ".join(v.rjust(w) for v, (_, w, _) in zip(values, columns))
+
+
+def _formatted(values, columns) -> str:
+    return _row([fmt.format(v) for v, (_, _, fmt) in zip(values, columns)], columns)
 
 
 def header_line() -> str:
@@ -68,7 +105,7 @@ def row_line(r: StepReport) -> str:
         r.classic_bytes / 1e3,
         r.driver_bytes / 1e3,
         r.times["rollout_wait"],
-        sum(v for k, v in r.times.items() if k != "rollout_wait"),
+        _passes_s(r.times),
         r.loss,
         r.kl,
         r.mean_reward,
@@ -78,6 +115,23 @@ def row_line(r: StepReport) -> str:
 
 def table_lines(reports: list[StepReport]) -> list[str]:
     return [header_line(), *map(row_line, reports)]
+
+
+def loop_table_lines(reports: list[StepReport]) -> list[str]:
+    lines = [_row([name for name, _, _ in _LOOP_COLUMNS], _LOOP_COLUMNS)]
+    for r in reports:
+        values = (
+            r.step,
+            r.times.get("refit", 0.0),
+            r.step_s,
+            r.samples / r.step_s if r.step_s > 0 else float("nan"),
+            r.lag_max,
+            r.lag_mean,
+            r.stale_dropped,
+            r.admission_waits,
+        )
+        lines.append(_formatted(values, _LOOP_COLUMNS))
+    return lines
 
 
 def summary_lines(
@@ -113,6 +167,7 @@ def report_lines(
     """Everything after the run; ``with_table=False`` when the rows went out live."""
     lines = ["", *table_lines(reports)] if with_table else []
     lines += ["", *LEGEND, ""]
+    lines += [*loop_table_lines(reports), "", *LOOP_LEGEND, ""]
     lines.append(f"rollout back-offs on a full store: {backoffs}")
     lines += [f"[{'PASS' if ok else 'FAIL'}] {name}" for name, ok in checks.items()]
     lines += ["", *summary_lines(reports, max_logprob_diff, tolerance, samples_lost)]

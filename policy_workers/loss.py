@@ -4,7 +4,9 @@ For every token ``t`` of sample ``i``::
 
     ratio    = exp(logprob - prev_logprob)
     pg       = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
-    pg      *= exp(prev_logprob - generation_logprob)      # only with importance correction
+    w        = exp(prev_logprob - generation_logprob)      # only with importance correction
+    w        = 0 where w > behaviour_weight_cap             # only with a cap
+    pg      *= w                                            # (w detached)
     r        = reference_logprob - logprob
     kl       = beta * (exp(r) - r - 1)                       # k3 estimator, >= 0; beta = 0: off
     per_tok  = pg + kl
@@ -24,11 +26,25 @@ summed over all DP ranks (the caller all-reduces them), so the sum of the
 per-rank losses is the loss of the global batch whatever the DP split is, and
 summing gradients over DP gives its exact gradient.
 
-Importance correction (``use_importance_sampling_correction``): the rollout
-engine's logprobs (``generation_logprobs``) can differ from the trainer's
-(``prev_logprobs``) for the same weights (kernels, precision). The detached
-weight ``exp(prev - generation)`` reweights each token's policy-gradient term
-from the sampling distribution to the trainer's. Off by default.
+Importance correction (``use_importance_sampling_correction``) is the
+decoupled PPO objective for off-policy samples (AReaL, arXiv 2505.24298, its
+eq. 5): three policies, the behaviour policy ``pi_behav`` that generated the
+sample (``generation_logprobs``, written by the rollout engine, possibly some
+policy versions old), the proximal policy ``pi_prox`` (``prev_logprobs``: the
+trainer's current weights before this update, computed by the logprob pass)
+and the policy being trained ``pi_theta`` (``logprobs``)::
+
+    J = E_{pi_behav}[ pi_prox / pi_behav * min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) ],
+    r = pi_theta / pi_prox
+
+PPO's trust region is centred on the recent ``pi_prox``, not on the stale
+``pi_behav``; the detached weight ``w = pi_prox / pi_behav`` corrects for the
+samples coming from ``pi_behav``. When behaviour and proximal are the same
+policy (on-policy; up to the engines' numerics) ``w = 1`` and this is the
+standard PPO-clip loss. ``behaviour_weight_cap`` (AReaL's
+``behav_imp_weight_cap``) leaves out of the policy-gradient term the tokens
+whose weight exceeds it (they still count in the normaliser), so a sample far
+off-policy cannot dominate a step. Off by default.
 """
 
 from __future__ import annotations
@@ -116,8 +132,14 @@ class ClippedPGLoss:
         ratio = torch.exp(logprobs - prev)
         clipped = ratio.clamp(1.0 - self.cfg.ratio_clip_min, 1.0 + self.cfg.ratio_clip_max)
         pg = torch.maximum(-ratio * adv, -clipped * adv)
+        behaviour_weight = None
         if self.cfg.use_importance_sampling_correction:
-            pg = pg * torch.exp(prev - per_token("generation_logprobs")).detach()
+            # pi_prox / pi_behav: the decoupled objective's importance weight
+            behaviour_weight = torch.exp(prev - per_token("generation_logprobs")).detach()
+            cap = self.cfg.behaviour_weight_cap
+            if cap is not None:
+                behaviour_weight = behaviour_weight.masked_fill(behaviour_weight > cap, 0.0)
+            pg = pg * behaviour_weight
         beta = float(self.cfg.reference_policy_kl_penalty)
         kl = None
         if beta != 0:
@@ -140,4 +162,7 @@ class ClippedPGLoss:
                 # unscaled KL summed over valid tokens; / num_valid_tokens = mean per token
                 "kl_sum": float((kl * mask).sum()) if kl is not None else 0.0,
             }
+            if behaviour_weight is not None:
+                # / num_valid_tokens: the mean pi_prox / pi_behav (capped tokens count as 0)
+                metrics["behaviour_weight_sum"] = float((behaviour_weight * mask).sum())
         return loss, metrics

@@ -1,16 +1,20 @@
 """Async rollout actors: generate GRPO groups and stream each into the store.
 
-Each actor owns a copy of the policy's initial weights (a generation engine;
-weight refit from the trainer is outside this demo), samples ``generations``
-completions per prompt with ``generate()``, scores them with a verifiable
-reward, and writes every finished group with ``put_samples_async`` at once,
-not batched at the end. Before each write it looks at the service's fill level
-and backs off while the store is nearly full.
+Each actor owns a generation model: the policy's initial weights, replaced by
+the trainer's after every training step (``load_weights``, see
+``policy_workers.refit``), each load numbered with the policy version it holds.
+It samples ``generations`` completions per prompt with ``generate()``, scores
+them with a verifiable reward, and writes every finished group with
+``put_samples_async`` at once, not batched at the end, tagged with the version
+that generated it (``weight_version``) and the prompt's index. Before each
+write it looks at the service's fill level and backs off while the store is
+nearly full.
 
-A group depends only on (seed, partition, prompt): its prompt, lengths and
-sampling seed come from an RNG seeded by those, not from the actor's history.
-So any actor, in any order, writes the same bytes for a prompt, and a run
-resumed from a checkpoint regenerates exactly the groups it is missing.
+A group depends only on (seed, prompt index, the weights): its prompt, lengths
+and sampling seed come from an RNG seeded by the first two, not from the
+actor's history. So any actor, in any order, writes the same bytes for a
+prompt under the same weights, and a run resumed from a checkpoint regenerates
+exactly the groups it is missing.
 """
 
 from __future__ import annotations
@@ -23,9 +27,12 @@ import ray
 import torch
 
 from dataplane_client.client import connect
-from dataplane_client.errors import CapacityExceeded
+from dataplane_client.errors import AdmissionTimeout, CapacityExceeded
 from policy_workers.config import ModelConfig
 from policy_workers.model import build_hf_model, reference_logprobs
+from policy_workers.refit import load_weights
+
+WEIGHT_VERSION = "weight_version"  # the tag naming the policy version a group was generated with
 
 GRPO_FIELDS = [
     "input_ids",
@@ -47,6 +54,7 @@ class RolloutConfig:
     high_watermark: float = 0.9  # back off while the store is fuller than this
     backoff_s: float = 0.05
     max_put_attempts: int = 600  # ~30 s of back-off before a full store is reported as an error
+    admission_timeout_s: float = 30.0  # produce(): one wait for admission, then ask again
     seed: int = 0
 
 
@@ -78,6 +86,11 @@ class RolloutActor:
         self.vocab = model_cfg.vocab_size
         self.model = build_hf_model(model_cfg).eval()
         self.client = connect(service_name, namespace)
+        self.version = 0  # the policy version of self.model's weights
+        self._new_weights: tuple[int, dict] | None = None  # a refit not applied yet
+        # One generation at a time (they seed torch's global RNG); it runs in a thread so
+        # that a refit, a stats call or another coroutine is answered meanwhile.
+        self._generating = asyncio.Lock()
         self.backoffs = 0
         self.groups_written = 0
 
@@ -131,33 +144,96 @@ class RolloutActor:
             "rewards": torch.tensor(rewards, dtype=torch.float32),
         }
 
-    async def run(self, partition_id: str, prompt_ids: list[int]) -> dict:
-        """Generate one group per prompt id and stream each to ``partition_id`` as it finishes."""
-        for pid in prompt_ids:
-            # a str seed is hashed with SHA-512: the same stream in every process
-            rng = random.Random(f"{self.cfg.seed}/{partition_id}/{pid}")
-            prompt = torch.tensor(
-                [rng.randrange(3, self.vocab) for _ in range(self.cfg.prompt_len)]
-            )
-            fields = self._generate_group(prompt, rng)
-            ids = group_sample_ids(partition_id, pid, self.cfg.generations)
-            tags = [{"group_id": f"prompt{pid}", "actor": self.index}] * self.cfg.generations
-            for attempt in range(self.cfg.max_put_attempts):
-                await self._wait_for_room()
-                try:
-                    await self.client.put_samples_async(ids, partition_id, fields, tags=tags)
-                    break
-                except CapacityExceeded:
-                    # Another writer took the room first (or one unit is full): pace, look again.
-                    self.backoffs += 1
-                    if attempt == self.cfg.max_put_attempts - 1:
-                        raise
-                    await asyncio.sleep(self.cfg.backoff_s)
-            self.groups_written += 1
+    def load_weights(self, version: int, params: dict[str, torch.Tensor]) -> int:
+        """The trainer's weights (``policy_workers.refit``) as policy ``version``: every
+        group whose generation starts from now on uses them and carries that version (a
+        generation already running finishes with the weights it started with). Returns it."""
+        self._new_weights = (version, params)
+        if not self._generating.locked():
+            self._take_new_weights()
+        return version
+
+    def _take_new_weights(self) -> None:
+        if self._new_weights is not None:
+            version, params = self._new_weights
+            load_weights(self.model, params)
+            self.version, self._new_weights = version, None
+
+    async def run(self, partition_id: str, prompt_ids: list[int], first_index: int = 0) -> dict:
+        """Generate one group per prompt id and stream each to ``partition_id`` as it finishes.
+
+        Prompt ``p`` is the run's prompt number ``first_index + p`` (its RNG's seed)."""
+        for p in prompt_ids:
+            ids = group_sample_ids(partition_id, p, self.cfg.generations)
+            await self.write_group(partition_id, ids, first_index + p)
             await asyncio.sleep(0)  # let other coroutines of this actor run between groups
         return {"actor": self.index, "groups": len(prompt_ids), "backoffs": self.backoffs}
+
+    async def write_group(self, partition_id: str, ids: list[str], prompt_index: int) -> None:
+        """Generates prompt ``prompt_index``'s group with the current weights and puts it
+        as ``ids``, tagged with its group, prompt index and weight version."""
+        # a str seed is hashed with SHA-512: the same stream in every process
+        rng = random.Random(f"{self.cfg.seed}/prompt{prompt_index}")
+        prompt = torch.tensor([rng.randrange(3, self.vocab) for _ in range(self.cfg.prompt_len)])
+        async with self._generating:
+            self._take_new_weights()
+            version = self.version  # the weights this group is generated with
+            fields = await asyncio.to_thread(self._generate_group, prompt, rng)
+        tag = {
+            "group_id": f"prompt{prompt_index}",
+            "prompt": prompt_index,
+            "actor": self.index,
+            WEIGHT_VERSION: version,
+        }
+        tags = [tag] * self.cfg.generations
+        for attempt in range(self.cfg.max_put_attempts):
+            await self._wait_for_room()
+            try:
+                await self.client.put_samples_async(ids, partition_id, fields, tags=tags)
+                break
+            except CapacityExceeded:
+                # Another writer took the room first (or one unit is full): pace, look again.
+                self.backoffs += 1
+                if attempt == self.cfg.max_put_attempts - 1:
+                    raise
+                await asyncio.sleep(self.cfg.backoff_s)
+        self.groups_written += 1
+
+    async def produce(self, partition_id: str, counter) -> None:
+        """``dataplane demo --async``: until the actor is killed, ask the store to admit
+        one group (waiting while the samples started and not trained fill the staleness
+        window), take the next prompt number from ``counter``, generate the group with
+        the newest weights loaded, put it, release the grant."""
+        g = self.cfg.generations
+        while True:
+            try:
+                grant = await self.client.admit_rollouts_async(
+                    partition_id, g, wait=True, timeout_s=self.cfg.admission_timeout_s
+                )
+            except AdmissionTimeout:
+                continue  # the trainer is slow (a long step): still no room, ask again
+            assert grant is not None  # wait=True: a grant or AdmissionTimeout, never None
+            try:
+                index = await counter.take.remote()
+                ids = [f"{partition_id}/prompt{index}/gen{j}" for j in range(g)]
+                await self.write_group(partition_id, ids, index)
+            finally:
+                await self.client.release_rollouts_async(grant)
 
     def stats(self) -> dict:
         """Back-offs so far (full store) and groups written, over every ``run`` of this actor
         (a ``run`` that raised returns nothing, so its counts are read here)."""
         return {"backoffs": self.backoffs, "groups_written": self.groups_written}
+
+
+@ray.remote(num_cpus=0)
+class PromptCounter:
+    """Hands out prompt numbers 0, 1, 2, ... to the producing actors (``--async``): a
+    group's prompt is a function of its number, whichever actor generates it."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+
+    def take(self) -> int:
+        self.taken += 1
+        return self.taken - 1

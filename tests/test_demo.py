@@ -122,6 +122,9 @@ def test_small_demo_runs_keeps_serving_and_its_checks_pass(tmp_path, runs):
     # the KL term is on: after the first update the policy has moved from the reference
     assert report["steps"][0]["kl"] == pytest.approx(0.0, abs=1e-9)
     assert report["steps"][1]["kl"] > 0
+    # refit after every step: each step trained on samples of the policy it updated
+    assert [(s["lag_max"], s["lag_mean"]) for s in report["steps"]] == [(0, 0.0), (0, 0.0)]
+    assert all(s["times"]["refit"] > 0 for s in report["steps"])
     for step in report["steps"]:
         # the driver moved 8 bytes of tensors per sample (reward + advantage), nothing per token
         assert step["driver_tensor_bytes"] == 8 * step["samples"]
@@ -232,7 +235,18 @@ def test_small_flag_and_bad_flags():
     )
     assert args.kl_penalty > 0  # the demo trains with the KL term on by default
     assert not args.keep_serving
-    for bad in (["--dp", "0"], ["--kl-penalty", "-1"], ["--kl-penalty", "nan"]):
+    bad_flags = (
+        ["--dp", "0"],
+        ["--kl-penalty", "-1"],
+        ["--kl-penalty", "nan"],
+        ["--lr", "0"],
+        ["--max-staleness", "1"],  # without --async: the synchronous demo is on-policy
+        ["--async", "--max-staleness", "-1"],
+        ["--minibatches", "3"],  # 16 samples do not split into 3 equal minibatches
+        ["--small", "--learn"],
+        ["--vocab-size", "4"],
+    )
+    for bad in bad_flags:
         with pytest.raises(SystemExit) as e:
             parse_args(bad)
         assert e.value.code == 2
@@ -366,3 +380,52 @@ def test_long_lines_are_cut_in_the_middle_to_80_columns():
     assert cut.startswith("checkpoint after step 3:")
     assert cut.endswith("step-4")
     assert fit("short") == "short"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # ~80 s alone on 2 cores; a bound on a hang
+def test_the_learn_configuration_learns_the_parity_task(tmp_path):
+    """With refit after every step the policy is trained on its own samples: the mean
+    reward rises from a random policy's ~0.5 to the --learn check's bound."""
+    from policy_workers.demo import LEARN_STEPS, LEARNED_OVER, LEARNED_REWARD
+
+    report, lines = _run_demo(["--learn"], tmp_path, "learn")
+    rewards = [s["mean_reward"] for s in report["steps"]]
+    assert len(rewards) == LEARN_STEPS
+    assert rewards[0] < 0.6  # it starts as a random policy
+    assert sum(rewards[-LEARNED_OVER:]) / LEARNED_OVER >= LEARNED_REWARD
+    assert any(line.startswith("[PASS] it learned: mean reward") for line in lines)
+    print(f"\n--learn mean rewards: {[round(r, 2) for r in rewards]}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # up to two demo runs on a loaded 2-core machine
+def test_async_with_max_staleness_0_trains_exactly_what_the_synchronous_demo_trains(tmp_path, runs):
+    """One group admitted per prompt and version, after the refit: the same batches, the
+    same updates, bit for bit (and the bound's check passes, every lag 0)."""
+    if (runs / "straight.json").exists():  # the serving test above made it (--small)
+        sync = json.loads((runs / "straight.json").read_text())
+    else:  # run alone (-k)
+        sync, _ = _run_demo(["--small"], runs, "straight")
+    async0, lines = _run_demo(["--small", "--async", "--max-staleness", "0"], tmp_path, "async0")
+    keys = ("samples", "tokens", "loss", "grad_norm", "kl", "mean_reward", "classic_bytes")
+    assert [[s[k] for k in keys] for s in async0["steps"]] == [
+        [s[k] for k in keys] for s in sync["steps"]
+    ]
+    assert [s["lag_max"] for s in async0["steps"]] == [0, 0]
+    assert async0["checks"]["no trained sample was more than 0 versions stale"]
+    assert "  async: generating continuously, at most 0 versions stale" in lines
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_async_with_max_staleness_1_never_trains_a_sample_more_than_1_version_stale(tmp_path):
+    report, lines = _run_demo(["--small", "--async", "--max-staleness", "1"], tmp_path, "async1")
+    lags = [s["lag_max"] for s in report["steps"]]
+    assert len(lags) == 2  # --small: 2 steps
+    assert max(lags) <= 1, lags
+    assert "[PASS] no trained sample was more than 1 versions stale" in lines
+    print(
+        f"\n--async --max-staleness 1: lag max per step {lags}, stale dropped "
+        f"{[s['stale_dropped'] for s in report['steps']]}"
+    )

@@ -146,3 +146,90 @@ def test_kl_term_k3_and_its_switch():
 def test_bad_loss_config_names_the_key(field, value):
     with pytest.raises(ConfigError, match=f"loss.{field}"):
         LossConfig(**{field: value})
+
+
+# ---- the decoupled PPO objective (AReaL, arXiv 2505.24298) for off-policy samples ----------
+
+
+def decoupled_ppo_direct(logprobs, batch, eps: float, cap: float | None, n_toks: float) -> float:
+    """AReaL's eq. 5 as written, token by token in probabilities (float64):
+    -(pi_prox / pi_behav) * min(r A, clip(r, 1 - eps, 1 + eps) A), r = pi_theta / pi_prox,
+    a token with pi_prox / pi_behav over ``cap`` left out; summed, over ``n_toks``."""
+    total = 0.0
+    for i in range(B):
+        for t in range(1, LENGTHS[i]):
+            if not batch["token_mask"][i, t] or not batch["sample_mask"][i]:
+                continue
+            pi_theta = math.exp(float(logprobs[i, t]))
+            pi_prox = math.exp(float(batch["prev_logprobs"][i, t]))
+            pi_behav = math.exp(float(batch["generation_logprobs"][i, t]))
+            a = float(batch["advantages"][i])
+            r = pi_theta / pi_prox
+            weight = pi_prox / pi_behav
+            if cap is not None and weight > cap:
+                weight = 0.0
+            total -= weight * min(r * a, min(max(r, 1 - eps), 1 + eps) * a)
+    return total / n_toks
+
+
+def stale_batch() -> tuple[torch.Tensor, dict]:
+    """A batch whose behaviour policy is far from the proximal one (several versions old)."""
+    logprobs, batch = make_batch(per_token_advantages=False)
+    g = torch.Generator().manual_seed(11)
+    batch["generation_logprobs"] = batch["prev_logprobs"] + 0.8 * torch.randn(
+        B, S, generator=g, dtype=torch.float64
+    )
+    return logprobs, batch
+
+
+@pytest.mark.parametrize("cap", [None, 1.5], ids=["no_cap", "cap"])
+def test_decoupled_ppo_equals_areal_objective_for_stale_samples(cap):
+    logprobs, batch = stale_batch()
+    cfg = LossConfig(use_importance_sampling_correction=True, behaviour_weight_cap=cap)
+    n_toks = float(valid_token_mask(batch).sum()) + 5
+    weights = torch.exp(batch["prev_logprobs"] - batch["generation_logprobs"])
+    valid = valid_token_mask(batch) > 0
+    assert (weights[valid] > 1.5).any()  # really off-policy, both ways
+    assert (weights[valid] < 0.5).any()
+    lp = logprobs.clone().requires_grad_(True)
+    loss, metrics = ClippedPGLoss(cfg)(lp, batch, 1.0, n_toks)
+    want = decoupled_ppo_direct(logprobs, batch, 0.2, cap, n_toks)
+    assert abs(float(loss.detach()) - want) <= 1e-6  # the loss computes in float32
+    kept = weights if cap is None else weights.masked_fill(weights > cap, 0.0)
+    assert metrics["behaviour_weight_sum"] == pytest.approx(float((kept * valid).sum()), rel=1e-6)
+    loss.backward()
+    for i, t in [(0, 3), (1, 4), (3, 5), (0, 6)]:
+        plus, minus = logprobs.clone(), logprobs.clone()
+        plus[i, t] += 1e-6
+        minus[i, t] -= 1e-6
+        numeric = (
+            decoupled_ppo_direct(plus, batch, 0.2, cap, n_toks)
+            - decoupled_ppo_direct(minus, batch, 0.2, cap, n_toks)
+        ) / 2e-6
+        assert abs(float(lp.grad[i, t]) - numeric) <= 1e-6, (i, t)
+
+
+def test_decoupled_ppo_is_standard_ppo_clip_when_behaviour_is_proximal():
+    logprobs, batch = make_batch(per_token_advantages=False)
+    batch["generation_logprobs"] = batch["prev_logprobs"].clone()
+    n_toks = float(valid_token_mask(batch).sum())
+    decoupled, _ = ClippedPGLoss(LossConfig(use_importance_sampling_correction=True))(
+        logprobs, batch, 1.0, n_toks
+    )
+    ppo, _ = ClippedPGLoss(LossConfig())(logprobs, batch, 1.0, n_toks)
+    # standard PPO-clip, written out: -min(r A, clip(r) A) with r = pi_theta / pi_old
+    ppo_direct = 0.0
+    for i in range(B):
+        for t in range(1, LENGTHS[i]):
+            if batch["token_mask"][i, t] and batch["sample_mask"][i]:
+                r = math.exp(float(logprobs[i, t] - batch["prev_logprobs"][i, t]))
+                a = float(batch["advantages"][i])
+                ppo_direct -= min(r * a, min(max(r, 0.8), 1.2) * a)
+    assert float(decoupled) == pytest.approx(ppo_direct / n_toks, abs=1e-6)
+    assert torch.equal(decoupled, ppo)  # a weight of exactly 1
+
+
+@pytest.mark.parametrize("cap", [0, -1.0, True, "2"])
+def test_bad_behaviour_weight_cap_is_a_config_error(cap):
+    with pytest.raises(ConfigError, match="loss.behaviour_weight_cap"):
+        LossConfig(use_importance_sampling_correction=True, behaviour_weight_cap=cap)

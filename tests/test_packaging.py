@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Only the demo and the benchmarks use these; a plain install must not pull them.
-NOT_CORE = {"transformers", "tqdm", "psutil"}
+NOT_CORE = {"transformers", "tqdm", "psutil", "matplotlib"}
 # Package data a user of the wheel needs: the admin API schema, the example config
 # and the PEP 561 marker that makes type checkers read the client's annotations.
 PACKAGE_DATA = {
@@ -102,7 +102,7 @@ def test_core_dependencies_are_lean_and_extras_hold_the_rest(wheel):
         return {_requirement_name(r) for r in requires if f'extra == "{name}"' in r}
 
     assert {"transformers", "tqdm"} <= extra("demo")
-    assert "psutil" in extra("bench")
+    assert {"psutil", "matplotlib"} <= extra("bench")
     assert set(meta.get_all("Provides-Extra")) >= {"demo", "bench", "dev"}
 
 

@@ -1,0 +1,119 @@
+"""`dataplane demo --async --max-staleness N`: rollouts and training overlap; the store
+bounds how stale a trained sample may be.
+
+One versioned partition holds every group (``StalenessSpec``: the version tag
+``weight_version``, the window ``max_staleness``, admission for one training
+batch). Each rollout actor generates continuously (``RolloutActor.produce``):
+it asks the store to admit one group, takes the next prompt number, generates
+with the newest weights it was given and puts the group tagged with their
+version. The store admits a group only while the samples started and not yet
+trained stay within ``(N + 1)`` batches, and at most ``N + 1`` batches per
+version, so no compute goes into rollouts that would arrive too stale.
+
+Per step ``k`` the trainer (policy version ``k``) claims one batch within the
+window (oldest first; groups that fell out of it are dropped by the store and
+counted), trains on it with the decoupled PPO loss (``policy_workers.loss``),
+hands the new weights to the actors and only then publishes version ``k + 1``:
+a group admitted at ``k + 1`` is generated with them. With ``N = 0`` exactly
+one batch is admitted per version, after the refit: the run trains exactly what
+the synchronous demo trains (``tests/test_demo.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import ray
+
+ASYNC_PARTITION = "demo-async"
+TASK = "train"
+
+
+def train_async(run: Any, tally: Any, actors: list, steps: range) -> None:
+    """The async loop: producing actors, one training step per version (module docstring)."""
+    from policy_workers.demo import train_one_step
+    from policy_workers.refit import refit_actors
+    from policy_workers.rollout import PromptCounter
+
+    pid = register_async_partition(run)
+    # @ray.remote made PromptCounter an ActorClass; mypy ignores class decorators
+    counter = PromptCounter.remote()  # type: ignore[attr-defined]
+    producing = [a.produce.remote(pid, counter) for a in actors]
+    seen = store_counts(run.client, pid)
+    try:
+        for k in steps:
+            train_one_step(
+                run,
+                tally,
+                k,
+                claim=functools.partial(claim_async_batch, run, k, pid, producing),
+                finish=functools.partial(clear_batch, run.client),
+            )
+            report = tally.reports[-1]
+            # the weights first, then the version: a group admitted at k + 1 uses them
+            report.times["refit"] = refit_actors(run.policy, actors, version=k + 1)
+            run.client.set_policy_version(pid, k + 1)
+            now = store_counts(run.client, pid)
+            report.stale_dropped = now["dropped"] - seen["dropped"]
+            report.admission_waits = now["waits"] - seen["waits"]
+            seen = now
+    finally:
+        ray.kill(counter)
+
+
+def register_async_partition(run: Any) -> str:
+    from dataplane_client.messages import StalenessSpec
+    from policy_workers.rollout import GRPO_FIELDS, WEIGHT_VERSION
+
+    n = run.args.max_staleness
+    run.client.register_partition(
+        ASYNC_PARTITION,
+        fields=GRPO_FIELDS,
+        consumer_tasks=[TASK],
+        grpo_group_size=run.args.generations,
+        staleness=StalenessSpec(
+            version_tag=WEIGHT_VERSION,
+            max_staleness=n,
+            stale_samples="drop",
+            admission_batch=run.per_step,
+            # Samples are "trained" for admission once claimed: without this cap the
+            # claim of version k's batch would admit another batch at k before the
+            # trainer moves to k + 1 (dropped at once when N = 0). N + 1 batches per
+            # version is the window itself: it never holds back a group that could fit.
+            oversample_ratio=n + 1,
+        ),
+    )
+    return ASYNC_PARTITION
+
+
+def claim_async_batch(run: Any, k: int, pid: str, producing: list, times: dict):
+    """Waits until one batch is ready within the window, claims it (keys only), in
+    prompt order. A producing actor that crashed is raised here at once."""
+    from policy_workers.demo import in_prompt_order
+    from policy_workers.rollout import GRPO_FIELDS
+
+    t0 = time.perf_counter()
+    bar = run.progress.bar(run.per_step, f"step {k} rollouts")
+    while (ready := run.client.ready_depth(pid, [TASK], GRPO_FIELDS)[TASK]) < run.per_step:
+        bar.update(min(ready, run.per_step) - bar.n)
+        # paces the poll; a producer's run only ever ends by raising
+        done, _ = ray.wait(producing, num_returns=1, timeout=0.02)
+        if done:
+            ray.get(done[0])
+    bar.close()
+    meta = run.client.claim_meta(pid, TASK, GRPO_FIELDS, run.per_step, timeout_s=60.0)
+    times["rollout_wait"] = time.perf_counter() - t0
+    return in_prompt_order(meta)
+
+
+def clear_batch(client: Any, meta: Any) -> None:
+    """After an async step: its samples go (the partition stays for the next ones)."""
+    client.clear_samples(meta.sample_ids, meta.partition_id)
+
+
+def store_counts(client: Any, pid: str) -> dict[str, int]:
+    """What the store counted so far: stale samples dropped, admissions that waited."""
+    info = client.describe_partition(pid).staleness
+    return {"dropped": sum(info.dropped_stale.values()), "waits": info.admission_waits}
