@@ -419,6 +419,7 @@ class SamplePage:
 class PartitionStats:
     partition_id: str
     num_samples: int
+    staleness: StalenessInfo | None = None  # a versioned partition's async-RL figures
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,11 @@ class Inspection:
             stats=self.stats.snapshot(),
             claims_waiting=sum(p.waiting_claims for p in self.keys.partitions.values()),
             partitions=[
-                PartitionStats(partition_id=pid, num_samples=p.num_samples)
+                PartitionStats(
+                    partition_id=pid,
+                    num_samples=p.num_samples,
+                    staleness=views.staleness_info(self.keys, p),
+                )
                 for pid, p in self.keys.partitions.items()
             ],
         )

@@ -250,6 +250,7 @@ def _controller_families(pull: StatsPull) -> Iterable[Metric]:
         p_bytes.add_metric([p.partition_id], float(p.bytes))
     yield p_samples
     yield p_bytes
+    yield from _async_rl_families(pull)
 
     families = _Families()
     # Every described family is emitted even at 0 (or empty), so dashboards and alerts
@@ -265,6 +266,41 @@ def _controller_families(pull: StatsPull) -> Iterable[Metric]:
         family = families.histogram(CONTROLLER_HISTOGRAMS, key, [])
         family.add_metric([], _histogram_buckets(hist), float(hist["sum"]))
     yield from families
+
+
+# Versioned partitions (async RL): gauge name -> (help, the StalenessInfo figure).
+ASYNC_RL_GAUGES = {
+    "dataplane_partition_policy_version": ("The partition's current policy version.", "version"),
+    "dataplane_partition_rollouts_in_flight": (
+        "Trajectories granted by admit_rollouts and not yet released or expired.",
+        "granted_in_flight",
+    ),
+    "dataplane_partition_untrained_samples": (
+        "Live samples a bounded task has not consumed and still may (admission counts them).",
+        "untrained",
+    ),
+    "dataplane_partition_stale_dropped_samples": (
+        "Samples dropped as too stale, summed over the tasks whose window they left.",
+        "dropped_total",
+    ),
+    "dataplane_partition_evicted_samples": ("Samples evicted to make room.", "evicted"),
+}
+
+
+def _async_rl_families(pull: StatsPull) -> Iterable[Metric]:
+    """One series per versioned partition (none for a partition without versions)."""
+    families = {
+        name: GaugeMetricFamily(name, help_text, labels=["partition"])
+        for name, (help_text, _) in ASYNC_RL_GAUGES.items()
+    }
+    for p in pull.partitions():
+        st = p.staleness
+        if st is None:
+            continue
+        figures = {**vars(st), "dropped_total": sum(st.dropped_stale.values())}
+        for name, (_, figure) in ASYNC_RL_GAUGES.items():
+            families[name].add_metric([p.partition_id], float(figures[figure]))
+    yield from families.values()
 
 
 def _unit_families(pull: StatsPull) -> Iterable[Metric]:

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from dataplane_client.messages import ControllerSnapshot, UnitSnapshot
+from dataplane_client.messages import ControllerSnapshot, StalenessInfo, UnitSnapshot
 
 DEFAULT_TIMEOUT_S = 10.0
 # The health probe: a controller verb that answers only once the key space is rebuilt
@@ -37,6 +37,7 @@ class PartitionFigures:
     partition_id: str
     num_samples: int
     bytes: int  # summed over the units that answered
+    staleness: StalenessInfo | None = None  # a versioned partition's async-RL figures
 
 
 @dataclass
@@ -54,6 +55,7 @@ class StatsPull:
                 partition_id=p.partition_id,
                 num_samples=p.num_samples,
                 bytes=sum(u.partition_bytes.get(p.partition_id, 0) for u in self.units if u),
+                staleness=p.staleness,
             )
             for p in self.controller.partitions
         ]
