@@ -1,7 +1,7 @@
 """One command for every benchmark: ``python -m benchmarks.run`` (or ``dataplane bench``).
 
 Starts one local Ray on loopback, runs the sections in order (store, driver,
-controller, scale), prints a markdown table per section with the targets judged
+controller, scale, writers), prints a markdown table per section with the targets judged
 met or missed, and writes every number to JSON.
 
     python -m benchmarks.run                     # everything, default sizes
@@ -38,6 +38,7 @@ SECTIONS = {
     "driver": "benchmarks.driver_path",
     "controller": "benchmarks.controller_claims",
     "scale": "benchmarks.scale",
+    "writers": "benchmarks.many_writers",
 }
 # Run only when named in --only: each starts its own multi-node cluster in a subprocess.
 OPT_IN_SECTIONS = {

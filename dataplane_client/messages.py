@@ -58,6 +58,11 @@ class Routing:
     nodes: list[str]
     shm: list[bool]
     replicas: int = 1  # copies a put writes of each sample (config ``replicas``)
+    # A client process's put admission (config ``put_credits``, ``put_admission_timeout_s``,
+    # ``put_queue_limit``): see dataplane_client.admission.
+    put_credits: int = 256
+    put_admission_timeout_s: float = 60.0
+    put_queue_limit: int = 65536
 
 
 @dataclass(frozen=True)

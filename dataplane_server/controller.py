@@ -70,6 +70,7 @@ class Controller(Inspection):
         self._watcher: asyncio.Task | None = None
         self._next_seq = 1  # commit sequence number: row order when rebuilt from the units
         self._applied = publish.AppliedWrites()
+        self._publishes = publish.UnitPublishes(lambda: self.units)
         self._emptied = EmptiedPartitions(
             config.retain_emptied_partitions, config.retain_emptied_partitions_s
         )
@@ -174,6 +175,9 @@ class Controller(Inspection):
             nodes=[info.node_id for info in self.unit_info],
             shm=[bool(info.shm) for info in self.unit_info],
             replicas=self.config.replicas,
+            put_credits=self.config.put_credits,
+            put_admission_timeout_s=self.config.put_admission_timeout_s,
+            put_queue_limit=self.config.put_queue_limit,
         )
 
     @served
@@ -292,7 +296,11 @@ class Controller(Inspection):
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         try:
             await publish.publish(
-                self.units, request, publish.sample_metas(request, seq), self.mark_unit_lost
+                self.units,
+                request,
+                publish.sample_metas(request, seq),
+                self.mark_unit_lost,
+                self._publishes,
             )
         except BaseException:
             self.keys.release(plan)
@@ -311,6 +319,14 @@ class Controller(Inspection):
         self.stats.inc("committed_samples_total", len(request.sample_ids))
         await self._waits.wake(request.partition_id)
         return result
+
+    @served
+    async def commit_many(self, requests: list[CommitRequest]) -> list:
+        """The commits of one writer process's concurrent puts (its ``CallBatcher``), each
+        run as ``commit`` (concurrently: their one-unit publishes share one call per unit
+        with every other writer's, ``publish.UnitPublishes``). One answer per request, in
+        order: its ``CommitResult`` or its typed error; one commit's error is only its own."""
+        return await asyncio.gather(*[self.commit(r) for r in requests], return_exceptions=True)
 
     # ---- reads --------------------------------------------------------------------
     @served

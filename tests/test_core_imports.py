@@ -54,11 +54,13 @@ CORE_MODULES = (
     "dataplane_server.core.unit_preview",
     "dataplane_server.core.warm_reserve",
     # the client's vocabulary and data model
+    "dataplane_client.admission",
     "dataplane_client.arguments",
     "dataplane_client.assembly",
     "dataplane_client.atomic_dir",
     "dataplane_client.batched_data_dict",
     "dataplane_client.byte_format",
+    "dataplane_client.call_batcher",
     "dataplane_client.claim_batcher",
     "dataplane_client.codec",
     "dataplane_client.config",
