@@ -326,6 +326,7 @@ class Controller(Inspection):
         run as ``commit`` (concurrently: their one-unit publishes share one call per unit
         with every other writer's, ``publish.UnitPublishes``). One answer per request, in
         order: its ``CommitResult`` or its typed error; one commit's error is only its own."""
+        self.stats.inc("commit_batches_total")
         return await asyncio.gather(*[self.commit(r) for r in requests], return_exceptions=True)
 
     # ---- reads --------------------------------------------------------------------

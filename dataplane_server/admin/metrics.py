@@ -40,6 +40,10 @@ SCRAPE_TIMEOUT_S = 5.0
 # Stats counter -> (family name, help). CounterMetricFamily appends "_total".
 CONTROLLER_COUNTERS = {
     "commits_total": ("dataplane_commits", "Commits (one per put_samples call) made visible."),
+    "commit_batches_total": (
+        "dataplane_commit_batches",
+        "commit_many calls: the commits of one writer process's concurrent puts, sent together.",
+    ),
     "committed_samples_total": (
         "dataplane_committed_samples",
         "Samples whose fields became visible through a commit.",
