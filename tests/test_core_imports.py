@@ -42,6 +42,7 @@ CORE_MODULES = (
     "dataplane_server.core.recovery_messages",
     "dataplane_server.core.retention",
     "dataplane_server.core.unit_calls",
+    "dataplane_server.core.in_flight",
     "dataplane_server.core.inprocess",
     "dataplane_server.core.stats",
     "dataplane_server.core.views",
