@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import subprocess
@@ -56,8 +57,8 @@ PACKAGES = ("dataplane_client", "dataplane_server", "policy_workers")
 
 def sample_bytes(sample_id: str) -> np.ndarray:
     """A sample's own 4 KiB, a function of its id: what the read-back compares."""
-    seed = int.from_bytes(sample_id.encode()[-8:].rjust(8, b"\0"), "little")
-    return np.random.default_rng(seed).integers(0, 256, SAMPLE_BYTES, dtype=np.uint8)
+    digest = hashlib.shake_128(sample_id.encode()).digest(SAMPLE_BYTES)
+    return np.frombuffer(digest, dtype=np.uint8)
 
 
 @ray.remote(num_cpus=0)
