@@ -14,7 +14,7 @@ sample must be delivered exactly once, and the claim p99 is reported beside a
 no-op controller call's.
 
 ``--base-code DIR`` (``python -m benchmarks.many_writers``, or the
-``DATAPLANE_BENCH_BASE`` environment variable under ``benchmarks.run``) runs the
+``BENCH_WRITERS_BASE`` environment variable under ``benchmarks.run``) runs the
 same levels again against another checkout's packages (e.g. the commit before a
 change, from ``git worktree add``) in a subprocess with its own Ray, so the two
 rows of a level come from one run on one machine.
@@ -69,6 +69,11 @@ class WriterActor:
         from dataplane_client.client import connect
 
         self.client = connect(name, namespace)
+
+    def code(self) -> str:
+        import dataplane_client
+
+        return str(Path(dataplane_client.__file__).parent)
 
     async def run(self, tag: str, partition: str, writers: int, puts: int) -> list[tuple]:
         async def one_writer(w: int) -> list[tuple]:
@@ -229,14 +234,22 @@ def run_claims(client: Any, controller: Any, writers: int, claimers: int) -> dic
     }
 
 
+def _code_of_writers() -> str:
+    """Where a writer actor's ``dataplane_client`` comes from (which code was measured)."""
+    actor = WriterActor.remote(SERVICE_NAME, NAMESPACE)
+    try:
+        return str(Path(ray.get(actor.code.remote())).resolve())
+    finally:
+        ray.kill(actor)
+
+
 def measure(levels: list[tuple[int, int]], claimers: int | None) -> dict[str, Any]:
     """Every level on a fresh service at the default config (one unit), then claims."""
     handle = start_service(SERVICE_NAME, NAMESPACE, num_storage_units=1)
     try:
         client = handle.client()
-        out: dict[str, Any] = {
-            "levels": [run_level(client, w, p, i) for i, (w, p) in enumerate(levels)]
-        }
+        out: dict[str, Any] = {"code": _code_of_writers()}
+        out["levels"] = [run_level(client, w, p, i) for i, (w, p) in enumerate(levels)]
         if claimers:
             out["claims"] = run_claims(client, handle.controller, levels[-1][0], claimers)
     finally:
@@ -245,14 +258,20 @@ def measure(levels: list[tuple[int, int]], claimers: int | None) -> dict[str, An
 
 
 def measure_base(base_dir: str, levels: list[tuple[int, int]]) -> dict[str, Any]:
-    """The same levels on another checkout's packages, in a subprocess with its own Ray."""
+    """The same levels on another checkout's packages, in a subprocess with its own Ray.
+
+    The subprocess runs in a directory holding only links: the checkout's packages and
+    this ``benchmarks`` package, so it (and its Ray workers, which start from the
+    driver's directory) import the other code, not this worktree's.
+    """
+    root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as code, tempfile.TemporaryDirectory() as out_dir:
         for pkg in PACKAGES:
             os.symlink(Path(base_dir, pkg).resolve(), Path(code, pkg))
+        os.symlink(root / "benchmarks", Path(code, "benchmarks"))
         out = Path(out_dir, "base.json")
-        root = Path(__file__).resolve().parents[1]
-        env = dict(os.environ, PYTHONPATH=f"{code}:{root}")
-        env.pop("DATAPLANE_BENCH_BASE", None)
+        env = dict(os.environ, PYTHONPATH=code)
+        env.pop("BENCH_WRITERS_BASE", None)
         levels_arg = ",".join(f"{w}x{p}" for w, p in levels)
         subprocess.run(
             [
@@ -264,11 +283,15 @@ def measure_base(base_dir: str, levels: list[tuple[int, int]]) -> dict[str, Any]
                 "--out",
                 str(out),
             ],
-            cwd=root,
+            cwd=code,
             env=env,
             check=True,
         )
-        return json.loads(out.read_text())
+        result = json.loads(out.read_text())
+    expected = str(Path(base_dir, "dataplane_client").resolve())
+    if not result["code"].startswith(expected):
+        raise RuntimeError(f"the base run imported {result['code']}, not {expected}")
+    return result
 
 
 def _row(label: str, r: dict[str, Any]) -> list[Any]:
@@ -292,7 +315,7 @@ def run(opts: Options) -> Section:
     levels = QUICK_LEVELS if opts.quick else FULL_LEVELS
     claimers = QUICK_CLAIMERS if opts.quick else CLAIMERS
     ours = measure(levels, claimers)
-    base_dir = os.environ.get("DATAPLANE_BENCH_BASE")
+    base_dir = os.environ.get("BENCH_WRITERS_BASE")
     base = measure_base(base_dir, levels[:2]) if base_dir else None
     headers = ["code", "writers", "puts", "puts/s", "goodput samples/s", "p50 s", "p99 s",
                "failed puts by error", "lost", "corrupt"]  # fmt: skip
@@ -364,7 +387,7 @@ def run(opts: Options) -> Section:
         )
     else:
         section.notes.append(
-            "set DATAPLANE_BENCH_BASE=<checkout> to measure the base code side by side"
+            "set BENCH_WRITERS_BASE=<checkout> to measure the base code side by side"
         )
     section.notes.append(
         "2 shared cores: compare rows of one run only (the base rows run in the same run)"
