@@ -78,6 +78,7 @@ from dataplane_client.messages import (
     PartitionSpec,
     ServiceInfo,
     TaskConsumption,
+    WriterLoad,
 )
 from dataplane_client.meta import KVBatchMeta
 from dataplane_client.tensordict_io import to_tensordict
@@ -372,8 +373,12 @@ class RayDataPlaneClient(DataPlaneService):
             ray.get_runtime_context().get_node_id(),
             wait=_get_sync,
         )
+        self._writer_id = uuid.uuid4().hex  # names our figures in the service's metrics
         self._admission = Admission(
-            routing.put_credits, routing.put_admission_timeout_s, routing.put_queue_limit
+            routing.put_credits,
+            routing.put_admission_timeout_s,
+            routing.put_queue_limit,
+            report=self._report_load,
         )
         # Rebound to a fresh list, never changed in place: a reader sees one whole view.
         self._alive = list(routing.alive)
@@ -521,7 +526,8 @@ class RayDataPlaneClient(DataPlaneService):
         """
         credit = self._admission.enter()
         try:
-            _one((yield [credit]))  # Overloaded when not admitted in time: nothing staged
+            admitted = (yield [credit])[0]
+            _one([admitted])  # Overloaded when not admitted in time: nothing staged
             return (
                 yield from self._admitted_put(sample_ids, partition_id, fields, tags, overwrite)
             )
@@ -673,11 +679,21 @@ class RayDataPlaneClient(DataPlaneService):
             if self._commit_batcher is None:
                 controller = self._open_controller()
                 self._commit_batcher = CallBatcher(
-                    lambda requests: _get_sync(controller.commit_many.remote(requests)),
+                    lambda requests: _get_sync(
+                        controller.commit_many.remote(requests, self._load())
+                    ),
                     "dataplane-commits",
                     _MAX_COMMIT_BATCH,
                 )
             return self._commit_batcher
+
+    def _load(self) -> WriterLoad:
+        """Our put admission figures, for the service's metrics (``writer_loads``)."""
+        return self._admission.load(self._writer_id)
+
+    def _report_load(self) -> None:
+        """Send our put admission figures to the service (not awaited)."""
+        self._open_controller().report_writer_load.remote(self._load())
 
     # ---- get ----------------------------------------------------------------------
     @_flow_verb

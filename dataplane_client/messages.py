@@ -324,6 +324,23 @@ class ControllerSnapshot:
     stats: dict[str, Any]  # Stats.snapshot()
     claims_waiting: int
     partitions: list[PartitionStats]
+    # Put admission, over the writer processes' latest reports (``WriterLoad``).
+    puts_waiting: int = 0
+    puts_in_flight: int = 0
+
+
+@dataclass(frozen=True)
+class WriterLoad:
+    """A writer process's put admission figures (``dataplane_client.admission``), sent
+    with its commits and when it refuses a put: how operators see writers queueing."""
+
+    writer: str  # the client's id
+    waiting: int  # puts waiting for a credit now
+    in_flight: int  # puts holding a credit now
+    admitted_total: int
+    waited_total: int  # admitted after waiting in the queue
+    wait_seconds_total: float  # time those waited, summed
+    rejected_total: int  # refused with Overloaded
 
 
 # ---- storage units: where bulk bytes sit in shared memory -----------------------------

@@ -43,6 +43,7 @@ from dataplane_client.messages import (
     Routing,
     TaskConsumption,
     UnitInfo,
+    WriterLoad,
 )
 from dataplane_client.meta import KVBatchMeta
 from dataplane_server import claim_wait, liveness, publish, store_checkpoint, unit_lookup
@@ -53,6 +54,7 @@ from dataplane_server.core.retention import EmptiedPartitions
 from dataplane_server.core.stats import Stats
 from dataplane_server.inspection import Inspection
 from dataplane_server.verbs import served
+from dataplane_server.writer_loads import WriterLoads
 
 
 @ray.remote
@@ -71,6 +73,7 @@ class Controller(Inspection):
         self._next_seq = 1  # commit sequence number: row order when rebuilt from the units
         self._applied = publish.AppliedWrites()
         self._publishes = publish.UnitPublishes(lambda: self.units)
+        self.writer_loads = WriterLoads()  # writers' put admission figures, for operators
         self._emptied = EmptiedPartitions(
             config.retain_emptied_partitions, config.retain_emptied_partitions_s
         )
@@ -294,11 +297,15 @@ class Controller(Inspection):
         return answer
 
     @served
-    async def commit_many(self, requests: list[CommitRequest]) -> list:
+    async def commit_many(
+        self, requests: list[CommitRequest], load: WriterLoad | None = None
+    ) -> list:
         """The commits of one writer process's concurrent puts (its ``CallBatcher``), applied
         together. One answer per request, in order: its ``CommitResult`` or its typed
-        error; one commit's error is only its own."""
+        error; one commit's error is only its own. ``load``: the writer's put admission
+        figures (``writer_loads``)."""
         self.stats.inc("commit_batches_total")
+        self.writer_loads.report(load)
         answers = await self._commit_together(requests)
         for answer in answers:
             if isinstance(answer, DataPlaneError):
@@ -376,6 +383,12 @@ class Controller(Inspection):
         for partition_id in changed:
             await self._waits.wake(partition_id)
         return answers
+
+    @served
+    def report_writer_load(self, load: WriterLoad) -> None:
+        """A writer's put admission figures, sent when it refused a put (its commits may
+        have stopped, so they cannot carry them)."""
+        self.writer_loads.report(load)
 
     # ---- reads --------------------------------------------------------------------
     @served

@@ -90,3 +90,18 @@ def test_overloaded_and_stage_reclaimed_keep_their_queue_through_pickling():
     for cls, queue in ((Overloaded, QUEUE), (StageReclaimed, "commit")):
         err = pickle.loads(pickle.dumps(cls("full", queue=queue, partition_id="p")))
         assert type(err) is cls and err.queue == queue and err.partition_id == "p"
+
+
+def test_the_queue_reports_its_figures_while_puts_wait_and_after_a_refusal():
+    reports = []
+    gate = Admission(credits=1, timeout_s=0.3, max_waiting=100, report=lambda: reports.append(1))
+    held = gate.enter()
+    late = gate.enter()
+    deadline = time.monotonic() + 30
+    while not (late.done() and reports):
+        assert time.monotonic() < deadline, "no report after a refusal"
+        time.sleep(0.01)  # polling an observable state, not synchronisation
+    load = gate.load("w1")
+    assert (load.writer, load.waiting, load.in_flight, load.rejected_total) == ("w1", 0, 1, 1)
+    gate.leave(held)
+    gate.leave(late)

@@ -81,6 +81,9 @@ def test_a_put_not_admitted_in_time_fails_fast_with_overloaded_and_stages_nothin
         client.get_samples(["b"], "p", ["x"])  # nothing of the refused put is visible
     client.put_samples(["b"], "p", _rows(1, 2))  # retried, it goes through
     assert torch.equal(client.get_samples(["b"], "p", ["x"])["x"], _rows(1, 2)["x"])
+    # Operators see it: the writer reported the refusal (and its wait) to the controller.
+    _wait_until(lambda: _counter(handle, "puts_rejected_total") == 1, 30, "the report")
+    assert _counter(handle, "puts_admitted_total") >= 2
 
 
 def test_concurrent_puts_of_one_process_share_commit_calls_and_keep_their_own_outcomes(
