@@ -1,8 +1,9 @@
 """One command for every benchmark: ``python -m benchmarks.run`` (or ``dataplane bench``).
 
 Starts one local Ray on loopback, runs the sections in order (store, driver,
-controller, scale, writers), prints a markdown table per section with the targets judged
-met or missed, and writes every number to JSON.
+controller, scale; opt-in: writers, replication, crossnode), prints a markdown
+table per section with the targets judged met or missed, and writes every number
+to JSON.
 
     python -m benchmarks.run                     # everything, default sizes
     python -m benchmarks.run --quick             # small sizes: a smoke run (< 2 minutes)
@@ -38,10 +39,11 @@ SECTIONS = {
     "driver": "benchmarks.driver_path",
     "controller": "benchmarks.controller_claims",
     "scale": "benchmarks.scale",
-    "writers": "benchmarks.many_writers",
 }
-# Run only when named in --only: each starts its own multi-node cluster in a subprocess.
+# Run only when named in --only: each starts its own cluster or service in a subprocess,
+# or (writers) runs thousands of writers for minutes.
 OPT_IN_SECTIONS = {
+    "writers": "benchmarks.many_writers",
     "replication": "benchmarks.replication",
     "crossnode": "benchmarks.cross_node",
 }

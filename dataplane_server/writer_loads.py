@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from dataplane_client.messages import WriterLoad
 
@@ -21,7 +22,7 @@ MAX_WRITERS = 65536  # writers remembered; the oldest report is dropped past it
 
 
 class WriterLoads:
-    def __init__(self, clock=time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._latest: OrderedDict[str, tuple[float, WriterLoad]] = OrderedDict()
 

@@ -17,7 +17,8 @@ from dataplane_client.errors import Overloaded, RetryableError, StageReclaimed
 def test_credits_bound_the_puts_in_flight_and_waiters_are_admitted_in_arrival_order():
     gate = Admission(credits=2, timeout_s=60, max_waiting=100)
     first, second = gate.enter(), gate.enter()
-    assert first.done() and second.done()  # admitted at once
+    assert first.done()
+    assert second.done()
     waiting = [gate.enter() for _ in range(5)]
     assert not any(f.done() for f in waiting)
     assert gate.depth() == (5, 2)
@@ -30,7 +31,8 @@ def test_credits_bound_the_puts_in_flight_and_waiters_are_admitted_in_arrival_or
     gate.leave(waiting[0])
     assert order == [0, 1, 2]
     assert gate.depth() == (2, 2)
-    assert gate.waited_total == 3 and gate.admitted_total == 5
+    assert gate.waited_total == 3
+    assert gate.admitted_total == 5
 
 
 def test_a_put_not_admitted_within_its_deadline_fails_fast_with_overloaded_naming_the_queue():
@@ -42,10 +44,13 @@ def test_a_put_not_admitted_within_its_deadline_fails_fast_with_overloaded_namin
         late.result(timeout=30)  # generous: proves "fails", not "hangs"
     assert time.monotonic() - t0 < 10
     err = e.value
-    assert isinstance(err, TimeoutError) and isinstance(err, RetryableError)
+    assert isinstance(err, TimeoutError)
+    assert isinstance(err, RetryableError)
     assert not isinstance(err, KeyError)
-    assert err.queue == QUEUE and QUEUE in str(err)
-    assert gate.rejected_total == 1 and gate.depth() == (0, 1)
+    assert err.queue == QUEUE
+    assert QUEUE in str(err)
+    assert gate.rejected_total == 1
+    assert gate.depth() == (0, 1)
     gate.leave(late)  # a failed put gives back nothing it never held
     gate.leave(held)
     assert gate.depth() == (0, 0)
@@ -83,13 +88,17 @@ def test_threads_share_the_credits_and_all_finish():
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert peak[0] <= 3 and gate.admitted_total == 64 and gate.depth() == (0, 0)
+    assert peak[0] <= 3
+    assert gate.admitted_total == 64
+    assert gate.depth() == (0, 0)
 
 
 def test_overloaded_and_stage_reclaimed_keep_their_queue_through_pickling():
     for cls, queue in ((Overloaded, QUEUE), (StageReclaimed, "commit")):
         err = pickle.loads(pickle.dumps(cls("full", queue=queue, partition_id="p")))
-        assert type(err) is cls and err.queue == queue and err.partition_id == "p"
+        assert type(err) is cls
+        assert err.queue == queue
+        assert err.partition_id == "p"
 
 
 def test_the_queue_reports_its_figures_while_puts_wait_and_after_a_refusal():

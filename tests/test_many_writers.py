@@ -74,8 +74,10 @@ def test_a_put_not_admitted_in_time_fails_fast_with_overloaded_and_stages_nothin
         first.join(timeout=60)
     assert waited < 5.0  # failed at its own deadline, not after the first put's commit
     err = e.value
-    assert isinstance(err, TimeoutError) and not isinstance(err, KeyError)
-    assert err.queue == "put admission" and "put admission" in str(err)
+    assert isinstance(err, TimeoutError)
+    assert not isinstance(err, KeyError)
+    assert err.queue == "put admission"
+    assert "put admission" in str(err)
     assert torch.equal(client.get_samples(["a"], "p", ["x"])["x"], _rows(1, 1)["x"])
     with pytest.raises(SamplesNotFound):
         client.get_samples(["b"], "p", ["x"])  # nothing of the refused put is visible
@@ -136,7 +138,8 @@ def test_4096_concurrent_writers_lose_nothing_and_keep_their_goodput(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     at_1024, at_4096 = json.loads(out.read_text())["levels"]
     for level in (at_1024, at_4096):
-        assert level["lost"] == 0 and level["corrupt"] == 0, level
+        assert level["lost"] == 0, level
+        assert level["corrupt"] == 0, level
         # Only the typed, retryable refusal may fail a put; never a KeyError.
         assert set(level["errors"]) <= {"Overloaded"}, level["errors"]
     assert at_4096["completed_puts"] == at_4096["puts"], at_4096["errors"]

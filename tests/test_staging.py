@@ -124,7 +124,8 @@ def test_a_stage_past_its_deadline_is_reclaimed_and_a_late_publish_is_typed(ray_
         _wait_until(lambda: _unit_bytes(handle) == baseline, 30, "the stage's deadline")
         with pytest.raises(StageReclaimed, match="deadline") as late:  # typed, not a KeyError
             ray.get(handle.units[0].publish.remote("slow"))
-        assert not isinstance(late.value, KeyError) and late.value.queue == "commit"
+        assert not isinstance(late.value, KeyError)
+        assert late.value.queue == "commit"
         with pytest.raises(SamplesNotFound):
             client.get_samples(["a"], "p", ["x"])  # nothing of it is visible
         client.put_samples(["a", "b"], "p", {"x": rows})  # a prompt writer is unaffected
