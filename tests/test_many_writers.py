@@ -107,7 +107,7 @@ def test_concurrent_puts_of_one_process_share_commit_calls_and_keep_their_own_ou
     assert [type(r).__name__ for r in results[:64]] == ["KVBatchMeta"] * 64
     assert isinstance(results[64], FieldAlreadyProduced)  # its error is its own
     batches = _counter(handle, "commit_batches_total") - before
-    assert batches <= 16, f"65 puts took {batches} commit calls"
+    assert 1 <= batches <= 16, f"65 puts took {batches} commit_many calls"
     got = client.get_samples([f"s{i}" for i in range(64)], "p", ["x"])["x"]
     assert torch.equal(got, torch.stack([_rows(1, i)["x"][0] for i in range(64)]))
     assert torch.equal(client.get_samples(["taken"], "p", ["x"])["x"], _rows(1, 9)["x"])
