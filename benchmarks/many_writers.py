@@ -157,14 +157,12 @@ def _read_back(client: Any, partition: str, ids: list[str]) -> tuple[int, int]:
     return lost, corrupt
 
 
-def run_level(client: Any, writers: int, puts: int, level: int) -> dict[str, Any]:
+def run_level(client: Any, actors: list, writers: int, puts: int, level: int) -> dict[str, Any]:
     partition = f"w{level}"
     client.register_partition(partition, fields=["x"])
     per_actor = [
         writers // WRITER_ACTORS + (i < writers % WRITER_ACTORS) for i in range(WRITER_ACTORS)
     ]
-    actors = [WriterActor.remote(SERVICE_NAME, NAMESPACE) for _ in range(WRITER_ACTORS)]
-    ray.get([a.__ray_ready__.remote() for a in actors])
     t0 = time.perf_counter()
     results = ray.get(
         [
@@ -178,8 +176,6 @@ def run_level(client: Any, writers: int, puts: int, level: int) -> dict[str, Any
     committed = [sid for _, err, ids in rows if err is None for sid in ids]
     errors = Counter(err for _, err, _ in rows if err is not None)
     lost, corrupt = _read_back(client, partition, committed)
-    for a in actors:
-        ray.kill(a)
     client.delete_partition(partition)
     return {
         "writers": writers,
@@ -196,13 +192,14 @@ def run_level(client: Any, writers: int, puts: int, level: int) -> dict[str, Any
     }
 
 
-def run_claims(client: Any, controller: Any, writers: int, claimers: int) -> dict[str, Any]:
+def run_claims(
+    client: Any, controller: Any, writer_actors: list, writers: int, claimers: int
+) -> dict[str, Any]:
     """Claimers racing writers on one partition: deliveries per sample, claim vs no-op p99."""
     partition = "claims"
     client.register_partition(partition, fields=["x"], consumer_tasks=["train"])
-    writer_actors = [WriterActor.remote(SERVICE_NAME, NAMESPACE) for _ in range(WRITER_ACTORS)]
     claimer_actors = [ClaimerActor.remote(SERVICE_NAME, NAMESPACE) for _ in range(WRITER_ACTORS)]
-    ray.get([a.__ray_ready__.remote() for a in writer_actors + claimer_actors])
+    ray.get([a.__ray_ready__.remote() for a in claimer_actors])
     per = writers // WRITER_ACTORS
     claims = [a.run.remote(partition, claimers // WRITER_ACTORS) for a in claimer_actors]
     writes = ray.get(
@@ -218,7 +215,7 @@ def run_claims(client: Any, controller: Any, writers: int, claimers: int) -> dic
     written = {sid for rs in writes for _, err, ids in rs if err is None for sid in ids}
     deliveries = Counter(sid for got, _ in claimed for sid in got)
     latencies = [lat for _, lats in claimed for lat in lats]
-    for a in writer_actors + claimer_actors:
+    for a in claimer_actors:
         ray.kill(a)
     client.delete_partition(partition)
     return {
@@ -234,24 +231,21 @@ def run_claims(client: Any, controller: Any, writers: int, claimers: int) -> dic
     }
 
 
-def _code_of_writers() -> str:
-    """Where a writer actor's ``dataplane_client`` comes from (which code was measured)."""
-    actor = WriterActor.remote(SERVICE_NAME, NAMESPACE)
-    try:
-        return str(Path(ray.get(actor.code.remote())).resolve())
-    finally:
-        ray.kill(actor)
-
-
 def measure(levels: list[tuple[int, int]], claimers: int | None) -> dict[str, Any]:
-    """Every level on a fresh service at the default config (one unit), then claims."""
+    """Every level on a fresh service at the default config (one unit), then claims; one
+    fleet of writer actors for all of it (their start is not what is measured)."""
     handle = start_service(SERVICE_NAME, NAMESPACE, num_storage_units=1)
     try:
         client = handle.client()
-        out: dict[str, Any] = {"code": _code_of_writers()}
-        out["levels"] = [run_level(client, w, p, i) for i, (w, p) in enumerate(levels)]
+        actors = [WriterActor.remote(SERVICE_NAME, NAMESPACE) for _ in range(WRITER_ACTORS)]
+        # Which code the writers run (a base run checks it is the other checkout's).
+        out: dict[str, Any] = {"code": str(Path(ray.get(actors[0].code.remote())).resolve())}
+        ray.get([a.__ray_ready__.remote() for a in actors])
+        out["levels"] = [run_level(client, actors, w, p, i) for i, (w, p) in enumerate(levels)]
         if claimers:
-            out["claims"] = run_claims(client, handle.controller, levels[-1][0], claimers)
+            out["claims"] = run_claims(client, handle.controller, actors, levels[-1][0], claimers)
+        for a in actors:
+            ray.kill(a)
     finally:
         handle.shutdown()
     return out
