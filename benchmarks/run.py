@@ -1,8 +1,9 @@
 """One command for every benchmark: ``python -m benchmarks.run`` (or ``dataplane bench``).
 
 Starts one local Ray on loopback, runs the sections in order (store, driver,
-controller, scale), prints a markdown table per section with the targets judged
-met or missed, and writes every number to JSON.
+controller, scale; opt-in: writers, replication, crossnode), prints a markdown
+table per section with the targets judged met or missed, and writes every number
+to JSON.
 
     python -m benchmarks.run                     # everything, default sizes
     python -m benchmarks.run --quick             # small sizes: a smoke run (< 2 minutes)
@@ -40,8 +41,10 @@ SECTIONS = {
     "scale": "benchmarks.scale",
     "staleness": "benchmarks.staleness_claims",
 }
-# Run only when named in --only: each starts its own multi-node cluster in a subprocess.
+# Run only when named in --only: each starts its own cluster or service in a subprocess,
+# or (writers) runs thousands of writers for minutes.
 OPT_IN_SECTIONS = {
+    "writers": "benchmarks.many_writers",
     "replication": "benchmarks.replication",
     "crossnode": "benchmarks.cross_node",
     # three demo runs (sync, --async N=1, N=2), each its own local Ray: minutes

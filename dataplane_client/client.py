@@ -8,14 +8,17 @@ twins, leases and ``ack``, ``delete_partition``, inspection), plus Ray-only ones
 
 Every verb is written once and gets its ``*_async`` twin from ``_Verb``. A
 verb of several steps (put, get) is a *flow*: a generator that yields lists of
-Ray ObjectRefs and receives their results (an exception in place of a result
-that failed); ``_run_sync`` drives it with ``ray.get``, ``_run_async`` with
-``await``, so the twins never block an event loop. A verb of one controller
+Ray ObjectRefs (or futures of a batcher's answers) and receives their results
+(an exception in place of a result that failed); ``_run_sync`` drives it with
+``ray.get``, ``_run_async`` with ``await``, so the twins never block an event loop. A verb of one controller
 call just returns that call's ObjectRef.
 
-Data path of a put: encode (zero-copy views of the caller's tensors) -> split
-rows by storage unit -> stage bytes on the units in parallel -> one commit to
-the controller, which publishes them (visibility point). A get: one validation
+Data path of a put: wait for one of this process's put credits (``admission``)
+-> encode (zero-copy views of the caller's tensors) -> split rows by storage
+unit -> stage bytes on the units in parallel -> one commit to the controller,
+which publishes them (visibility point). Small stages and all commits of this
+process's concurrent puts travel together (``CallBatcher``: one call per unit,
+one to the controller, per round trip), each keeping its own answer. A get: one validation
 call to the controller (it also says where rows live) -> parallel reads from
 the units -> rows reassembled in request order with one copy per field.
 
@@ -39,6 +42,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,7 +51,9 @@ import ray._private.state as ray_state
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError, RayTaskError
 
 from dataplane_client import arguments, placement, prepare
+from dataplane_client.admission import Admission
 from dataplane_client.assembly import assemble
+from dataplane_client.call_batcher import CallBatcher
 from dataplane_client.claim_batcher import ClaimBatcher
 from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import (
@@ -58,6 +64,7 @@ from dataplane_client.errors import (
     SamplesLost,
     SamplesNotFound,
     ServiceUnavailable,
+    StageReclaimed,
     UnknownPartition,
 )
 from dataplane_client.interface import DataPlaneClient as DataPlaneClient  # re-exported
@@ -76,6 +83,7 @@ from dataplane_client.messages import (
     ServiceInfo,
     StalenessSpec,
     TaskConsumption,
+    WriterLoad,
 )
 from dataplane_client.meta import KVBatchMeta
 from dataplane_client.tensordict_io import to_tensordict
@@ -84,6 +92,7 @@ from dataplane_client.transport import SharedMemoryUnavailable, StagedRegionGone
 Flow = Generator[list, list, Any]
 _MAX_REROUTES = 3
 _MAX_EVICTION_ROUNDS = 8  # a full unit: evict the oldest version at most this often per put
+_MAX_COMMIT_BATCH = 1024  # commits per commit_many call
 _ROUTE_CACHE_LIMIT = 4_000_000
 
 
@@ -161,6 +170,8 @@ def _give_up(ref: Any, clock: _RestartClock) -> None:
 
 
 def _wait_sync(ref: Any) -> Any:
+    if isinstance(ref, Future):  # a batcher's answer: its sender thread bounds the wait
+        return ref.result()
     clock = _RestartClock(ref)
     while True:
         try:
@@ -170,6 +181,8 @@ def _wait_sync(ref: Any) -> Any:
 
 
 async def _wait_async(ref: Any) -> Any:
+    if isinstance(ref, Future):  # a batcher's answer: its sender thread bounds the wait
+        return await asyncio.wrap_future(ref)
     clock = _RestartClock(ref)
     future = asyncio.ensure_future(ref) if not asyncio.isfuture(ref) else ref
     while True:
@@ -360,7 +373,18 @@ class RayDataPlaneClient(DataPlaneService):
         self._controller = controller
         routing = ray.get(controller.routing.remote())
         self._transport: Transport | None = Transport(
-            routing.units, routing.nodes, routing.shm, ray.get_runtime_context().get_node_id()
+            routing.units,
+            routing.nodes,
+            routing.shm,
+            ray.get_runtime_context().get_node_id(),
+            wait=_get_sync,
+        )
+        self._writer_id = uuid.uuid4().hex  # names our figures in the service's metrics
+        self._admission = Admission(
+            routing.put_credits,
+            routing.put_admission_timeout_s,
+            routing.put_queue_limit,
+            report=self._report_load,
         )
         # Rebound to a fresh list, never changed in place: a reader sees one whole view.
         self._alive = list(routing.alive)
@@ -370,7 +394,8 @@ class RayDataPlaneClient(DataPlaneService):
         # Only single-key operations (atomic); a stale entry is caught by its key.
         self._codecs: dict[str, FieldCodecs] = {}
         self._batcher: ClaimBatcher | None = None
-        self._batcher_lock = threading.Lock()  # one batcher per client; none after close
+        self._commit_batcher: CallBatcher | None = None
+        self._batcher_lock = threading.Lock()  # one batcher each per client; none after close
 
     # ---- helpers ------------------------------------------------------------------
     def _open_controller(self) -> Any:
@@ -508,6 +533,25 @@ class RayDataPlaneClient(DataPlaneService):
         ``fields``: a TensorDict, dict or BatchedDataDict of one row per id.
         ``overwrite`` (ours) replaces fields already produced.
         """
+        credit = self._admission.enter()
+        try:
+            admitted = (yield [credit])[0]
+            _one([admitted])  # Overloaded when not admitted in time: nothing staged
+            return (
+                yield from self._admitted_put(sample_ids, partition_id, fields, tags, overwrite)
+            )
+        finally:
+            self._admission.leave(credit)
+
+    def _admitted_put(
+        self,
+        sample_ids: Sequence[str],
+        partition_id: str,
+        fields: Any,
+        tags: Sequence[dict] | None,
+        overwrite: bool,
+    ) -> Flow:
+        """A put holding a credit: encoded, then staged and committed (``_put_flow``)."""
         codecs = yield from self._codecs_of(partition_id)
         w = prepare.write(sample_ids, partition_id, fields, tags, overwrite, codecs)
         try:
@@ -608,9 +652,11 @@ class RayDataPlaneClient(DataPlaneService):
             # units drop the staged bytes when their stage expires).
             controller = self._open_controller()
             try:
-                result = _one((yield [controller.commit.remote(request)]))
+                result = _one((yield [self._commits().submit(request)]))
             except BaseException as e:
                 yield [self._open_transport().discard(u, write_id) for u in staged]
+                if isinstance(e, StageReclaimed):
+                    continue  # its stage outlived stage_ttl_s before the commit: stage again
                 if not (isinstance(e, SamplesLost) and self._replicas > 1):
                     raise
                 # A unit died while publishing; nothing is visible. Copies go to live units
@@ -643,6 +689,33 @@ class RayDataPlaneClient(DataPlaneService):
             ids=sample_ids,
             partition_id=partition_id,
         )
+
+    def _commits(self) -> CallBatcher:
+        """This client's commit batcher: the commits of concurrent puts go to the controller
+        together, one ``commit_many`` per round trip. Made on first use under
+        ``_batcher_lock`` (see ``_claims``); ServiceUnavailable once closed."""
+        batcher = self._commit_batcher
+        if batcher is not None:
+            return batcher
+        with self._batcher_lock:
+            if self._commit_batcher is None:
+                controller = self._open_controller()
+                self._commit_batcher = CallBatcher(
+                    lambda requests: _get_sync(
+                        controller.commit_many.remote(requests, self._load())
+                    ),
+                    "dataplane-commits",
+                    _MAX_COMMIT_BATCH,
+                )
+            return self._commit_batcher
+
+    def _load(self) -> WriterLoad:
+        """Our put admission figures, for the service's metrics (``writer_loads``)."""
+        return self._admission.load(self._writer_id)
+
+    def _report_load(self) -> None:
+        """Send our put admission figures to the service (not awaited)."""
+        self._open_controller().report_writer_load.remote(self._load())
 
     # ---- get ----------------------------------------------------------------------
     @_flow_verb
@@ -982,10 +1055,13 @@ class RayDataPlaneClient(DataPlaneService):
         ServiceUnavailable; claims already queued are still sent."""
         with self._batcher_lock:  # no batcher is made after this
             self._controller = None
-            self._transport = None
-            batcher = self._batcher
-        if batcher is not None:
-            batcher.close()
+            transport, self._transport = self._transport, None
+            batchers = [self._batcher, self._commit_batcher]
+        for batcher in batchers:
+            if batcher is not None:
+                batcher.close()
+        if transport is not None:
+            transport.close()
         self._routes.clear()
         self._codecs.clear()
 

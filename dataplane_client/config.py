@@ -137,6 +137,24 @@ class DataPlaneConfig(BaseModel):
         description="Seconds after which bytes staged by a put that is never committed are "
         "reclaimed (at once when the writer's process dies). Must be > 0.",
     )
+    put_credits: int = Field(
+        256,
+        ge=1,
+        description="Puts one client process may have staging or committing at once; more "
+        "wait for a credit, in arrival order, before any byte is staged.",
+    )
+    put_admission_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a put waits for a credit before it fails with Overloaded "
+        "(retryable; nothing was staged).",
+    )
+    put_queue_limit: int = Field(
+        65536,
+        ge=0,
+        description="Puts one client process may have waiting for a credit; one more fails "
+        "with Overloaded at once.",
+    )
     controller_num_cpus: float = Field(
         0.0, ge=0, description="Logical CPUs reserved for the controller actor (0 = none)."
     )

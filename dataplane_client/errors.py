@@ -137,6 +137,32 @@ class LeaseExpired(DataPlaneError, TimeoutError):
     """An ack for leased samples that another claim holds now (the lease ran out first)."""
 
 
+class Overloaded(RetryableError, TimeoutError):
+    """A put was not admitted within its deadline: more were waiting than the service took
+    in that time. Nothing of it was staged or stored; ``queue`` names the queue it waited
+    in (e.g. ``"put admission"``), and the message says how many were ahead of it."""
+
+    def __init__(self, message: str, *, queue: str = "", **kwargs):
+        super().__init__(message, **kwargs)
+        self.queue = queue
+
+    def __reduce__(self):
+        return (
+            _rebuild_overloaded,
+            (type(self), self.message, self.queue, self.ids, self.partition_id),
+        )
+
+
+class StageReclaimed(Overloaded):
+    """A put's staged bytes were reclaimed before its commit reached them (their
+    ``stage_ttl_s`` ran out while the commit queued): nothing of the write is visible,
+    and the put may simply be retried."""
+
+
+def _rebuild_overloaded(cls, message, queue, ids, partition_id):
+    return cls(message, queue=queue, ids=ids or None, partition_id=partition_id)
+
+
 class ServiceUnavailable(RetryableError, ConnectionError):
     """No data-plane service under that name, or it is restarting or shutting down."""
 

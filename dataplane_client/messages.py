@@ -60,6 +60,11 @@ class Routing:
     nodes: list[str]
     shm: list[bool]
     replicas: int = 1  # copies a put writes of each sample (config ``replicas``)
+    # A client process's put admission (config ``put_credits``, ``put_admission_timeout_s``,
+    # ``put_queue_limit``): see dataplane_client.admission.
+    put_credits: int = 256
+    put_admission_timeout_s: float = 60.0
+    put_queue_limit: int = 65536
 
 
 @dataclass(frozen=True)
@@ -429,6 +434,23 @@ class ControllerSnapshot:
     stats: dict[str, Any]  # Stats.snapshot()
     claims_waiting: int
     partitions: list[PartitionStats]
+    # Put admission, over the writer processes' latest reports (``WriterLoad``).
+    puts_waiting: int = 0
+    puts_in_flight: int = 0
+
+
+@dataclass(frozen=True)
+class WriterLoad:
+    """A writer process's put admission figures (``dataplane_client.admission``), sent
+    with its commits and when it refuses a put: how operators see writers queueing."""
+
+    writer: str  # the client's id
+    waiting: int  # puts waiting for a credit now
+    in_flight: int  # puts holding a credit now
+    admitted_total: int
+    waited_total: int  # admitted after waiting in the queue
+    wait_seconds_total: float  # time those waited, summed
+    rejected_total: int  # refused with Overloaded
 
 
 # ---- storage units: where bulk bytes sit in shared memory -----------------------------

@@ -17,13 +17,14 @@ import dataclasses
 import errno
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import numpy as np
 import ray
 
 from dataplane_client import parallel_copy, shm
+from dataplane_client.call_batcher import CallBatcher
 from dataplane_client.codec import (
     EncodedField,
     row_copy_pairs,
@@ -33,6 +34,11 @@ from dataplane_client.errors import DataPlaneError
 from dataplane_client.messages import ChunkRef, SharedRows, ShmAlloc, WriteLease
 
 Flow = Generator[list, list, Any]
+# A stage of at most this many bytes goes to its unit with the other small stages of this
+# process in one ``stage_many`` call; a larger one is a call of its own (its copy, not a
+# round trip, is its cost, and it must not hold small ones back).
+BATCHED_STAGE_BYTES = 1 << 20
+MAX_STAGE_BATCH = 512  # stages per stage_many call
 
 
 class SharedMemoryUnavailable(DataPlaneError):
@@ -75,8 +81,12 @@ class Transport:
         unit_shm: list[bool],
         local_node: str | None,
         use_shm: bool = True,
+        wait: Callable[[Any], Any] = ray.get,
     ):
         self.units = list(unit_handles)
+        self._wait = wait  # how a batch sender waits for its call (the client's, typed)
+        self._batchers: dict[int, CallBatcher] = {}  # unit -> its small stages' batcher
+        self._batchers_lock = threading.Lock()
         self.shared = [
             bool(use_shm and ok and node == local_node and local_node is not None)
             for node, ok in zip(unit_nodes, unit_shm)
@@ -135,15 +145,21 @@ class Transport:
                 headers = {k: take_rows(e, rows, header_only=True) for k, e in encoded.items()}
                 sizes = [h.nbytes for h in headers.values()]
                 lease = self._take_lease(u, sizes) if use_leases else None
+                nbytes = sum(sizes)
                 if lease is not None:
-                    call = self.units[u].stage_leased.remote(
-                        partition_id,
-                        write_id,
-                        ids,
-                        headers,
-                        owner,
-                        lease.lease,
-                        self._closed_seq[u],
+                    call = self._stage_call(
+                        u,
+                        nbytes,
+                        "stage_leased",
+                        (
+                            partition_id,
+                            write_id,
+                            ids,
+                            headers,
+                            owner,
+                            lease.lease,
+                            self._closed_seq[u],
+                        ),
                     )
                     offsets, _ = shm.layout(sizes)
                     base = lease.region.offset
@@ -153,12 +169,18 @@ class Transport:
                     ]
                     copied[u] = self._copy_in(u, targets, rows)
                 else:
-                    call = self.units[u].alloc_shm.remote(
-                        partition_id, write_id, ids, headers, owner, self._closed_seq[u]
+                    call = self._stage_call(
+                        u,
+                        nbytes,
+                        "alloc_shm",
+                        (partition_id, write_id, ids, headers, owner, self._closed_seq[u]),
                     )
             else:
                 parts = {k: take_rows(e, rows) for k, e in encoded.items()}
-                call = self.units[u].stage.remote(partition_id, write_id, ids, parts, owner)
+                nbytes = sum(p.nbytes for p in parts.values())
+                call = self._stage_call(
+                    u, nbytes, "stage", (partition_id, write_id, ids, parts, owner)
+                )
             refs.append(call)
         results = yield refs
         for i, (u, rows) in enumerate(plan.items()):
@@ -181,6 +203,32 @@ class Transport:
                 results[i] = error
                 self.discard(u, write_id)  # staged, but its bytes never arrived: not awaited
         return results
+
+    def _stage_call(self, unit: int, nbytes: int, method: str, args: tuple) -> Any:
+        """A unit's stage call: a small one joins this process's next ``stage_many`` to the
+        unit (a Future of its answer), a large one is sent alone (an ObjectRef)."""
+        if nbytes > BATCHED_STAGE_BYTES:
+            return getattr(self.units[unit], method).remote(*args)
+        with self._batchers_lock:
+            batcher = self._batchers.get(unit)
+            if batcher is None:
+                handle = self.units[unit]
+                batcher = self._batchers[unit] = CallBatcher(
+                    lambda calls: self._wait(handle.stage_many.remote(calls)),
+                    f"dataplane-stages-{unit}",
+                    MAX_STAGE_BATCH,
+                )
+        return batcher.submit((method, args))
+
+    def stages_queued(self) -> int:
+        """Small stages waiting for their unit's next ``stage_many`` call."""
+        return sum(b.queued() for b in list(self._batchers.values()))
+
+    def close(self) -> None:
+        """Stop the stage batchers' threads (what is queued is still sent)."""
+        with self._batchers_lock:
+            for batcher in self._batchers.values():
+                batcher.close()
 
     def _take_lease(self, unit: int, sizes: list[int]) -> WriteLease | None:
         """This unit's lease for our next write, taken (no other put gets it) if the write

@@ -43,6 +43,7 @@ from dataplane_client.messages import (
     Routing,
     TaskConsumption,
     UnitInfo,
+    WriterLoad,
 )
 from dataplane_client.meta import KVBatchMeta
 from dataplane_server import claim_wait, liveness, publish, store_checkpoint, unit_lookup
@@ -54,6 +55,7 @@ from dataplane_server.core.retention import EmptiedPartitions
 from dataplane_server.core.stats import Stats
 from dataplane_server.inspection import Inspection
 from dataplane_server.verbs import served
+from dataplane_server.writer_loads import WriterLoads
 
 
 @ray.remote
@@ -71,6 +73,8 @@ class Controller(Inspection, AsyncRLVerbs):
         self._watcher: asyncio.Task | None = None
         self._next_seq = 1  # commit sequence number: row order when rebuilt from the units
         self._applied = publish.AppliedWrites()
+        self._publishes = publish.UnitPublishes(lambda: self.units)
+        self.writer_loads = WriterLoads()  # writers' put admission figures, for operators
         self._emptied = EmptiedPartitions(
             config.retain_emptied_partitions, config.retain_emptied_partitions_s
         )
@@ -176,6 +180,9 @@ class Controller(Inspection, AsyncRLVerbs):
             nodes=[info.node_id for info in self.unit_info],
             shm=[bool(info.shm) for info in self.unit_info],
             replicas=self.config.replicas,
+            put_credits=self.config.put_credits,
+            put_admission_timeout_s=self.config.put_admission_timeout_s,
+            put_queue_limit=self.config.put_queue_limit,
         )
 
     @served
@@ -287,34 +294,106 @@ class Controller(Inspection, AsyncRLVerbs):
         and a controller that dies half way rolls it forward when it restarts.
         A commit retried after a restart (its write already published) is a no-op.
         """
-        if request.write_id in self._applied:
-            return self.keys.committed_result(request)
-        plan = self.keys.check_commit(request)
-        if not isinstance(plan, CommitPlan):
-            return plan
-        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        (answer,) = await self._commit_together([request])
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    @served
+    async def commit_many(
+        self, requests: list[CommitRequest], load: WriterLoad | None = None
+    ) -> list:
+        """The commits of one writer process's concurrent puts (its ``CallBatcher``), applied
+        together. One answer per request, in order: its ``CommitResult`` or its typed
+        error; one commit's error is only its own. ``load``: the writer's put admission
+        figures (``writer_loads``)."""
+        self.stats.inc("commit_batches_total")
+        self.writer_loads.report(load)
+        answers = await self._commit_together(requests)
+        for answer in answers:
+            if isinstance(answer, DataPlaneError):
+                self.stats.error(answer)
+        return answers
+
+    async def _commit_together(self, requests: list[CommitRequest]) -> list:
+        """Each commit as ``commit`` says, in one pass: every request checked, then all
+        published at once (a one-unit publish shares one call per unit with every other
+        batch's, ``publish.UnitPublishes``), then every published one applied, with no
+        await between the checks nor between the applies. One answer per request: its
+        result or its error (an exception object, not raised)."""
+        answers: list = [None] * len(requests)
+        planned: list[tuple[int, CommitPlan]] = []
+        live: list[tuple[int, CommitPlan]] = []  # published: to be applied
+        ready = False
         try:
-            await failpoints.pause_if_armed(failpoints.COMMIT_BEFORE_PUBLISH)  # tests: clears
-            await publish.publish(
-                self.units, request, publish.sample_metas(request, seq), self.mark_unit_lost
+            metas = []
+            for i, request in enumerate(requests):
+                if request.write_id in self._applied:
+                    answers[i] = self.keys.committed_result(request)
+                    continue
+                try:
+                    plan = self.keys.check_commit(request)
+                except DataPlaneError as e:
+                    answers[i] = e
+                    continue
+                if not isinstance(plan, CommitPlan):
+                    answers[i] = plan  # re-routed: nothing changed
+                    continue
+                planned.append((i, plan))
+                metas.append(publish.sample_metas(request, self._next_seq))
+                self._next_seq += 1
+            if planned:  # tests widen the window in which a clear frees the samples first
+                await failpoints.pause_if_armed(failpoints.COMMIT_BEFORE_PUBLISH)
+            published = await asyncio.gather(
+                *[
+                    publish.publish(
+                        self.units, plan.request, meta, self.mark_unit_lost, self._publishes
+                    )
+                    for (_, plan), meta in zip(planned, metas)
+                ],
+                return_exceptions=True,
             )
-        except BaseException:
-            self.keys.release(plan)
-            raise
-        await failpoints.pause_if_armed(failpoints.COMMIT_AFTER_PUBLISH)  # clears race in here
-        try:
-            result, cleared_meanwhile = self.keys.apply_commit(plan)
-        except UnknownPartition:
-            await publish.unpublish(self.units, request, request.staged_units)
-            raise
-        self._applied.add(request.write_id)
-        self._emptied.forget(request.partition_id)
-        # By write id: a newer write of a cleared id (made since the clear) keeps its bytes.
-        await publish.unpublish_samples(self.units, request, cleared_meanwhile)
-        self.stats.inc("commits_total")
-        self.stats.inc("committed_samples_total", len(request.sample_ids))
-        await self._waits.wake(request.partition_id)
-        return result
+            for (i, plan), outcome in zip(planned, published):
+                if isinstance(outcome, BaseException):
+                    answers[i] = unit_calls.typed(outcome)
+                else:
+                    live.append((i, plan))
+            if live:  # clears race in here
+                await failpoints.pause_if_armed(failpoints.COMMIT_AFTER_PUBLISH)
+            ready = True
+        finally:
+            applying = {id(plan) for _, plan in live} if ready else set()
+            for _, plan in planned:
+                if id(plan) not in applying:
+                    self.keys.release(plan)  # not published, or cancelled: nothing reserved
+        undo, changed = [], set()
+        for i, plan in live:
+            request = plan.request
+            try:
+                answers[i], cleared_meanwhile = self.keys.apply_commit(plan)
+            except UnknownPartition as e:
+                answers[i] = e
+                undo.append(publish.unpublish(self.units, request, request.staged_units))
+                continue
+            self._applied.add(request.write_id)
+            self._emptied.forget(request.partition_id)
+            if cleared_meanwhile:
+                # By write id: a newer write of a cleared id (made since the clear) keeps
+                # its bytes.
+                undo.append(publish.unpublish_samples(self.units, request, cleared_meanwhile))
+            self.stats.inc("commits_total")
+            self.stats.inc("committed_samples_total", len(request.sample_ids))
+            changed.add(request.partition_id)
+        await asyncio.gather(*undo)
+        for partition_id in changed:
+            await self._waits.wake(partition_id)
+        return answers
+
+    @served
+    def report_writer_load(self, load: WriterLoad) -> None:
+        """A writer's put admission figures, sent when it refused a put (its commits may
+        have stopped, so they cannot carry them)."""
+        self.writer_loads.report(load)
 
     # ---- reads --------------------------------------------------------------------
     @served

@@ -24,6 +24,7 @@ from dataplane_server.core import unit_calls, views
 from dataplane_server.core.keyspace import KeySpace
 from dataplane_server.core.stats import Stats
 from dataplane_server.verbs import served
+from dataplane_server.writer_loads import WriterLoads
 
 
 class Inspection:
@@ -35,6 +36,7 @@ class Inspection:
     stats: Stats
     started_at: float
     draining: bool
+    writer_loads: WriterLoads
 
     async def _unit_snapshots(self) -> list[UnitSnapshot | None]:
         return await unit_calls.snapshots(self.units, self.keys.unit_alive)
@@ -75,7 +77,11 @@ class Inspection:
     @served
     def metrics_snapshot(self) -> ControllerSnapshot:
         self.stats.counters["redeliveries_total"] = self.keys.redeliveries_total
+        self.stats.counters.update(self.writer_loads.totals())
+        waiting, in_flight = self.writer_loads.queue()
         return ControllerSnapshot(
+            puts_waiting=waiting,
+            puts_in_flight=in_flight,
             stats=self.stats.snapshot(),
             claims_waiting=sum(p.waiting_claims for p in self.keys.partitions.values()),
             partitions=[

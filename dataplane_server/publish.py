@@ -5,7 +5,9 @@ commit spanning several units is first ``prepare``d (pinned) on each, then
 published: after that, publishing can fail only by a unit's death, and a
 controller that dies half way rolls the write forward when it restarts.
 Applied write ids are remembered, so a commit Ray retries after a restart is
-recognised and not applied twice.
+recognised and not applied twice. The one-unit publishes of concurrent commits
+(many writers' small puts) go to each unit together, one ``publish_many`` call
+per round trip (:class:`UnitPublishes`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 
 from dataplane_client.errors import SamplesLost
 from dataplane_client.messages import CommitRequest
+from dataplane_server.coalesced_calls import CoalescedCalls
 from dataplane_server.core import unit_calls
 from dataplane_server.core.recovery_messages import SampleMeta
 
@@ -65,10 +68,12 @@ async def publish(
     request: CommitRequest,
     metas: dict[int, SampleMeta],
     lose_unit: Callable[[int], Awaitable[object]],
+    batches: UnitPublishes | None = None,
 ) -> None:
     """Make the staged bytes visible on every unit of the commit, or raise having freed
     what was published: a unit's typed refusal as itself, a dead unit as SamplesLost
-    naming its samples (``lose_unit`` is told first)."""
+    naming its samples (``lose_unit`` is told first). ``batches``: a one-unit publish
+    goes with the other commits' publishes to that unit."""
     staged, wid = request.staged_units, request.write_id
     if len(staged) > 1:
         prepares = [units[u].prepare.remote(wid, metas[u], staged) for u in staged]
@@ -82,6 +87,8 @@ async def publish(
             )
             raise
         calls = [units[u].publish.remote(wid) for u in staged]
+    elif batches is not None:
+        calls = [batches.publish(staged[0], wid, metas[staged[0]])]
     else:
         calls = [units[staged[0]].publish.remote(wid, metas[staged[0]])]
     await _on_units(units, request, calls, staged, lose_unit)
@@ -138,6 +145,32 @@ async def unpublish_samples(
         ],
         return_exceptions=True,
     )
+
+
+MAX_PUBLISH_BATCH = 1024  # publishes per publish_many call
+
+
+class UnitPublishes:
+    """One-unit publishes of concurrent commits, coalesced per unit (``publish_many``).
+
+    ``units`` is read when a unit's first publish is sent, so handles given to a
+    controller after it was made are the ones used.
+    """
+
+    def __init__(self, units: Callable[[], list]):
+        self._units = units
+        self._by_unit: dict[int, CoalescedCalls] = {}
+
+    def publish(self, unit: int, write_id: str, meta: SampleMeta | None) -> asyncio.Future:
+        """A future of the publish's answer (True, False for a retried commit, or the
+        error: the unit's typed refusal, or the whole call's failure)."""
+        calls = self._by_unit.get(unit)
+        if calls is None:
+            handle = self._units()[unit]
+            calls = self._by_unit[unit] = CoalescedCalls(
+                lambda writes: handle.publish_many.remote(writes), MAX_PUBLISH_BATCH
+            )
+        return calls.call((write_id, meta))
 
 
 class AppliedWrites:

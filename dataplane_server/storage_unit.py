@@ -27,9 +27,12 @@ import ray
 from dataplane_client import failpoints, parallel_copy
 from dataplane_client.codec import EncodedField
 from dataplane_client.config import DataPlaneConfig
+from dataplane_client.errors import DataPlaneError, InvalidBatch
 from dataplane_client.messages import ShmAlloc, UnitInfo, UnitSnapshot
 from dataplane_server.core.recovery_messages import DumpedFile, SampleMeta, UnitRecovery
 from dataplane_server.core.unit_store import UnitHoldings, UnitStore
+
+_STAGE_CALLS = frozenset({"stage", "alloc_shm", "stage_leased"})  # what stage_many runs
 
 
 def _owner(owner: list | None) -> ray.ObjectRef | None:
@@ -112,11 +115,34 @@ class StorageUnit:
             partition_id, write_id, sample_ids, headers, _owner(owner), lease, closed_seq
         )
 
+    async def stage_many(self, calls: list[tuple[str, tuple]]) -> list:
+        """Many small stages of one writer process in one call (``Transport``'s batcher):
+        each ``(method, args)`` is one of the three stage calls above, run concurrently
+        (one may wait for room while the others go on); one answer per call, in order, a
+        failed call's error as its answer."""
+        for method, _ in calls:
+            if method not in _STAGE_CALLS:
+                raise InvalidBatch(f"stage_many: {method!r} is not a stage call")
+        return await asyncio.gather(
+            *[getattr(self, method)(*args) for method, args in calls], return_exceptions=True
+        )
+
     def prepare(self, write_id: str, meta: SampleMeta, staged_units: list[int]) -> None:
         self.store.prepare(write_id, meta, staged_units)
 
     def publish(self, write_id: str, meta: SampleMeta | None = None) -> bool:
         return self.store.publish(write_id, meta)
+
+    def publish_many(self, writes: list[tuple[str, SampleMeta | None]]) -> list:
+        """Many commits' publishes in one call (the controller's ``publish.UnitBatches``):
+        one answer per write, in order, a refused write's typed error as its answer."""
+        out: list = []
+        for write_id, meta in writes:
+            try:
+                out.append(self.store.publish(write_id, meta))
+            except DataPlaneError as e:
+                out.append(e)
+        return out
 
     def unpublish(
         self, partition_id: str, write_id: str, sample_ids: list[str] | None = None

@@ -246,11 +246,13 @@ def test_watch_row_shows_rates_per_second():
         get_requests_total=20,
         errors={"X": 3, "Y": 2},
         claims_waiting=5,
+        puts_waiting=7,
+        puts_rejected_total=2,  # refused puts count as errors (Overloaded)
     )
     cells = watch.row(snap, prev).split("  ")
     cells = [c.strip() for c in cells if c.strip()]
-    # TIME SAMPLES STORED PUT/s GET/s REQ/s WAIT ERR/s
-    assert cells[3:] == ["2.0 MiB", "1.0 MiB", "20.0", "5", "2.0"]
+    # TIME SAMPLES STORED PUT/s GET/s REQ/s PUTQ WAIT ERR/s
+    assert cells[3:] == ["2.0 MiB", "1.0 MiB", "20.0", "7", "5", "3.0"]
 
 
 def test_watch_row_has_no_rates_first_or_after_a_counter_reset():
@@ -270,6 +272,7 @@ def test_watch_rows_fit_80_columns_with_large_figures():
         get_bytes_total=900 << 30,
         put_requests_total=999_999,
         claims_waiting=999,
+        puts_waiting=99_999,
         errors={"E": 99_999},
     )
     header = watch._line([h for h, _ in watch.COLUMNS])

@@ -16,7 +16,7 @@ from unit_memory import memfd_bytes, unit_pid
 
 from dataplane_client import DataPlaneConfig, connect
 from dataplane_client.codec import encode_fields
-from dataplane_client.errors import CapacityExceeded, SamplesNotFound
+from dataplane_client.errors import CapacityExceeded, SamplesNotFound, StageReclaimed
 from dataplane_server import start
 
 MiB = 1 << 20
@@ -122,8 +122,10 @@ def test_a_stage_past_its_deadline_is_reclaimed_and_a_late_publish_is_typed(ray_
         _stage_only(client, "p", "slow", ["a", "b"], {"x": rows})  # our process stays alive
         assert _unit_bytes(handle) == baseline + 4 * MiB
         _wait_until(lambda: _unit_bytes(handle) == baseline, 30, "the stage's deadline")
-        with pytest.raises(SamplesNotFound, match="deadline"):
+        with pytest.raises(StageReclaimed, match="deadline") as late:  # typed, not a KeyError
             ray.get(handle.units[0].publish.remote("slow"))
+        assert not isinstance(late.value, KeyError)
+        assert late.value.queue == "commit"
         with pytest.raises(SamplesNotFound):
             client.get_samples(["a"], "p", ["x"])  # nothing of it is visible
         client.put_samples(["a", "b"], "p", {"x": rows})  # a prompt writer is unaffected

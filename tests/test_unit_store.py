@@ -26,6 +26,7 @@ from dataplane_client.errors import (
     InvalidBatch,
     SamplesNotFound,
     SchemaConflict,
+    StageReclaimed,
 )
 from dataplane_client.messages import SharedRows
 from dataplane_server.core.recovery_messages import SampleMeta
@@ -389,7 +390,7 @@ def test_a_dead_writers_unpinned_stage_is_reclaimed_and_a_pinned_one_kept(stores
     assert store.watched_owners() == {"writer"}  # for the unpinned stage
     store.owners_died({"writer"})
     assert store.staged_write_ids() == ["pinned"]
-    with pytest.raises(SamplesNotFound, match="writer's process died"):
+    with pytest.raises(StageReclaimed, match="writer's process died"):
         store.publish("lost")
     assert store.publish("pinned")
     assert _counter(store, "stages_reclaimed_total") == 1
@@ -401,8 +402,9 @@ def test_a_stage_past_its_deadline_is_reclaimed_and_a_late_publish_says_why(stor
     store.reclaim_expired()
     assert store.staged_write_ids() == []
     assert store.used_bytes == 0
-    with pytest.raises(SamplesNotFound, match="deadline passed"):
+    with pytest.raises(StageReclaimed, match="deadline passed") as late:
         store.publish("w")
+    assert not isinstance(late.value, KeyError)  # a put's late commit is no "not found"
 
 
 def test_a_publish_refuses_a_schema_another_write_published_since_its_stage(stores):

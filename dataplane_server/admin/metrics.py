@@ -40,9 +40,30 @@ SCRAPE_TIMEOUT_S = 5.0
 # Stats counter -> (family name, help). CounterMetricFamily appends "_total".
 CONTROLLER_COUNTERS = {
     "commits_total": ("dataplane_commits", "Commits (one per put_samples call) made visible."),
+    "commit_batches_total": (
+        "dataplane_commit_batches",
+        "commit_many calls: the commits of one writer process's concurrent puts, sent together.",
+    ),
     "committed_samples_total": (
         "dataplane_committed_samples",
         "Samples whose fields became visible through a commit.",
+    ),
+    "puts_admitted_total": (
+        "dataplane_puts_admitted",
+        "Puts that got a writer process's put credit (admission), summed over writers.",
+    ),
+    "put_admission_waits_total": (
+        "dataplane_put_admission_waits",
+        "Puts that waited in their writer process's admission queue before their credit.",
+    ),
+    "put_admission_wait_seconds_total": (
+        "dataplane_put_admission_wait_seconds",
+        "Seconds puts waited in admission queues, summed (over the waits: the mean wait).",
+    ),
+    "puts_rejected_total": (
+        "dataplane_puts_rejected",
+        "Puts refused with Overloaded: not admitted within put_admission_timeout_s, or "
+        "their writer's queue was full (put_queue_limit). Nothing of them was staged.",
     ),
     "claims_total": ("dataplane_claims", "claim_meta calls that handed out samples."),
     "claimed_samples_total": ("dataplane_claimed_samples", "Samples handed out by claim_meta."),
@@ -235,6 +256,19 @@ def _controller_families(pull: StatsPull) -> Iterable[Metric]:
     claims = GaugeMetricFamily("dataplane_claims_waiting", "claim_meta calls blocked now.")
     claims.add_metric([], float(ctrl.claims_waiting))
     yield claims
+    waiting = GaugeMetricFamily(
+        "dataplane_puts_waiting",
+        "Puts waiting for a put credit in their writer process's admission queue now "
+        "(writers heard from in the last 10 s).",
+    )
+    waiting.add_metric([], float(ctrl.puts_waiting))
+    yield waiting
+    in_flight = GaugeMetricFamily(
+        "dataplane_puts_in_flight",
+        "Puts holding a put credit now (staging or committing), over the writer processes.",
+    )
+    in_flight.add_metric([], float(ctrl.puts_in_flight))
+    yield in_flight
 
     # Rebuilt from the live partitions on every scrape: a deleted partition's series end.
     p_samples = GaugeMetricFamily(

@@ -209,6 +209,8 @@ def stats_message(pull: StatsPull) -> admin_pb2.StatsSnapshot:
     return admin_pb2.StatsSnapshot(
         timestamp=pull.timestamp,
         claims_waiting=pull.controller.claims_waiting,
+        puts_waiting=pull.controller.puts_waiting,
+        puts_rejected_total=int(counter(pull.controller.stats, "puts_rejected_total")),
         num_samples=sum(p.num_samples for p in partitions),
         bytes=sum(p.bytes for p in partitions),
         put_bytes_total=sum(u.put_bytes_total for u in units),

@@ -19,14 +19,16 @@ from dataplane_server.cli.convert import to_builtin
 from dataplane_server.cli.exits import EXIT_UNREACHABLE, CliError
 from dataplane_server.cli.render import emit_json, human_bytes, say
 
-# (header, width): 78 columns with the two-space gaps.
+# (header, width): 80 columns with the two-space gaps. PUTQ: puts waiting for admission
+# in the writer processes (rejected ones count in ERR/s, as Overloaded); WAIT: blocked claims.
 COLUMNS = (
     ("TIME", 8),
-    ("SAMPLES", 9),
-    ("STORED", 10),
-    ("PUT/s", 10),
-    ("GET/s", 10),
-    ("REQ/s", 7),
+    ("SAMPLES", 8),
+    ("STORED", 9),
+    ("PUT/s", 9),
+    ("GET/s", 9),
+    ("REQ/s", 6),
+    ("PUTQ", 5),
     ("WAIT", 5),
     ("ERR/s", 5),
 )
@@ -53,7 +55,8 @@ def _line(values: list[str]) -> str:
 
 
 def _errors(snap: dict) -> int:
-    return sum(snap["errors"].values())
+    """Typed errors of the service, and puts the writers refused with Overloaded."""
+    return sum(snap["errors"].values()) + snap.get("puts_rejected_total", 0)
 
 
 def _count_rate(per_s: float) -> str:
@@ -79,6 +82,7 @@ def row(snap: dict, prev: dict | None) -> str:
             put_rate,
             get_rate,
             request_rate,
+            str(snap.get("puts_waiting", 0)),
             str(snap["claims_waiting"]),
             error_rate,
         ]

@@ -56,6 +56,7 @@ from dataplane_server.core import claim_policies
 from dataplane_server.core.claim_answers import ClaimAnswer, ClaimAnswers, new_lease_id
 from dataplane_server.core.claim_policies import ClaimPolicy, PartitionTraits, ReadyRows, RowColumns
 from dataplane_server.core.columns import grown
+from dataplane_server.core.in_flight import SamplesInFlight
 from dataplane_server.core.recovery_messages import StoredRows
 from dataplane_server.core.staleness import VersionState, matching
 
@@ -510,9 +511,11 @@ class KeySpace:
         self.clock = clock
         self.partitions: dict[str, Partition] = {}
         self.unit_alive: list[bool] = []
-        # partition -> plans whose bytes are being published right now. Few at a time, so a
-        # check compares against each; nothing per sample outlives its commit.
+        # partition -> plans whose bytes are being published right now, and the same plans by
+        # sample (a check looks up its own samples, not every plan: thousands may be in
+        # flight); nothing per sample outlives its commit.
         self._in_flight: dict[str, list[CommitPlan]] = {}
+        self._samples_in_flight = SamplesInFlight()  # the same plans, by sample
         self.redeliveries_total = 0
 
     # ---- partitions ---------------------------------------------------------------
@@ -572,21 +575,13 @@ class KeySpace:
             rows >= 0, part.replica[np.maximum(rows, 0)] if part.n_rows else -1, -1
         )
         plan = CommitPlan(part, req, rows, part.epoch)
-        position: dict[str, int] = {}
-        busy: list[str] = []
-        for other in self._in_flight.get(pid, ()):
-            shared = plan.unit_of.keys() & other.unit_of.keys()
-            if shared and not position:
-                position = {s: i for i, s in enumerate(ids)}
-            same_fields = not set(names).isdisjoint(other.request.schemas)
-            for s in shared:
-                i = position[s]
-                if rows[i] < 0:
-                    home[i] = other.unit_of[s]
-                    home_replica[i] = other.replica_of.get(s, -1)
-                if same_fields:
-                    busy.append(s)
-        busy.sort(key=lambda s: position[s])
+        busy: list[int] = []  # positions of cells another commit in flight is writing
+        for i, other in self._samples_in_flight.sharing(pid, ids):
+            if rows[i] < 0:
+                home[i] = other.unit_of[ids[i]]
+                home_replica[i] = other.replica_of.get(ids[i], -1)
+            if not set(names).isdisjoint(other.request.schemas):
+                busy.append(i)
         # A sample whose every copy is gone is not re-routed: it is lost (below).
         alive = np.asarray(self.unit_alive + [False], dtype=bool)  # [-1]: no unit
         elsewhere = (home != units) | (home_replica != replicas)
@@ -623,12 +618,13 @@ class KeySpace:
         if busy:
             raise FieldAlreadyProduced(
                 "another writer is committing these cells right now",
-                ids=busy,
+                ids=[ids[i] for i in sorted(busy)],
                 fields=names,
                 partition_id=pid,
             )
         _check_new_samples_tagged(part, req, old)
         self._in_flight.setdefault(pid, []).append(plan)
+        self._samples_in_flight.add(pid, ids, plan)
         return plan
 
     def _check_schemas(self, part: Partition, req: CommitRequest) -> None:
@@ -637,7 +633,7 @@ class KeySpace:
         first write in flight claims the field's schema until it is applied or released,
         so two concurrent first writes with different dtypes cannot both apply."""
         # Plans of a partition since replaced under the same id claim nothing here.
-        in_flight = [p for p in self._in_flight.get(part.partition_id, ()) if p.partition is part]
+        in_flight = self._in_flight.get(part.partition_id, ())
         for name, schema in req.schemas.items():
             known = part.schema.get(name)
             if known is not None:
@@ -645,7 +641,11 @@ class KeySpace:
             else:
                 whose = "another write of the field, in flight, has"
                 known = next(
-                    (p.request.schemas[name] for p in in_flight if name in p.request.schemas),
+                    (
+                        p.request.schemas[name]
+                        for p in in_flight
+                        if p.partition is part and name in p.request.schemas
+                    ),
                     None,
                 )
             if known is not None and tuple(known) != tuple(schema):
@@ -661,6 +661,7 @@ class KeySpace:
         plans = self._in_flight.get(pid, [])
         if plan in plans:
             plans.remove(plan)
+            self._samples_in_flight.remove(pid, plan.request.sample_ids, plan)
         if not plans:
             self._in_flight.pop(pid, None)
 

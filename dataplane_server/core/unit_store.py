@@ -52,6 +52,7 @@ from dataplane_client.errors import (
     InvalidBatch,
     SamplesNotFound,
     SchemaConflict,
+    StageReclaimed,
 )
 from dataplane_client.messages import SharedRows, ShmAlloc, ShmRegion, UnitSnapshot, WriteLease
 from dataplane_server.core import unit_checkpoint, unit_preview
@@ -390,13 +391,18 @@ class UnitStore:
 
     def _staged_or_raise(self, write_id: str) -> Staged:
         st = self.staged.get(write_id)
-        if st is None:
-            why = self.expired.get(write_id, "it was never staged here, or was discarded")
-            raise SamplesNotFound(
-                f"unit {self.index}: no staged write {write_id} to publish ({why}); "
-                "nothing of it became visible"
+        if st is not None:
+            return st
+        if write_id in self.expired:  # the put's commit came too late: typed, retryable
+            raise StageReclaimed(
+                f"unit {self.index}: the staged write {write_id} was reclaimed before its "
+                f"commit ({self.expired[write_id]}); nothing of it became visible",
+                queue="commit",
             )
-        return st
+        raise SamplesNotFound(
+            f"unit {self.index}: no staged write {write_id} to publish (it was never staged "
+            "here, or was discarded); nothing of it became visible"
+        )
 
     @counts_errors
     def prepare(self, write_id: str, meta: SampleMeta, staged_units: list[int]) -> None:

@@ -1,0 +1,147 @@
+"""Many concurrent writers on the real service: admission, coalesced commits, no collapse.
+
+A put that cannot be admitted within its deadline fails fast with the typed,
+retryable ``Overloaded`` and stages nothing; concurrent puts of one process
+share commit calls while each keeps its own outcome; and (slow) 4,096
+concurrent writers of the ``benchmarks.many_writers`` fleet lose nothing,
+corrupt nothing, see no untyped or ``KeyError`` error and keep their goodput.
+"""
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from dataplane_client import failpoints
+from dataplane_client.errors import FieldAlreadyProduced, Overloaded, SamplesNotFound
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def _commits_paused(seconds: float):
+    """Every controller pauses each commit between publish and apply while the block runs;
+    yields how often a commit paused."""
+    failpoints.arm(failpoints.COMMIT_AFTER_PUBLISH, str(seconds))
+    try:
+        yield lambda: failpoints.fired(failpoints.COMMIT_AFTER_PUBLISH)
+    finally:
+        failpoints.disarm(failpoints.COMMIT_AFTER_PUBLISH)
+
+
+def _wait_until(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)  # polling an observable state, not synchronisation
+
+
+def _counter(handle, name: str) -> float:
+    snap = ray.get(handle.controller.metrics_snapshot.remote())
+    return snap.stats["counters"].get(name, 0)
+
+
+def _rows(n: int, value: int) -> dict:
+    return {"x": torch.full((n, 64), value, dtype=torch.uint8)}
+
+
+def test_a_put_not_admitted_in_time_fails_fast_with_overloaded_and_stages_nothing(
+    service_factory,
+):
+    handle = service_factory(
+        "dp-admit", num_storage_units=1, put_credits=1, put_admission_timeout_s=0.5
+    )
+    client = handle.client()
+    client.register_partition("p", fields=["x"])
+    with _commits_paused(6.0) as paused:
+        first = threading.Thread(target=client.put_samples, args=(["a"], "p", _rows(1, 1)))
+        first.start()
+        _wait_until(lambda: paused() >= 1, 30, "the first put's commit to pause")
+        t0 = time.monotonic()
+        with pytest.raises(Overloaded) as e:  # the only credit is held by the first put
+            client.put_samples(["b"], "p", _rows(1, 2))
+        waited = time.monotonic() - t0
+        assert ray.get(handle.units[0].staged_write_ids.remote()) == []  # b staged nothing
+        first.join(timeout=60)
+    assert waited < 5.0  # failed at its own deadline, not after the first put's commit
+    err = e.value
+    assert isinstance(err, TimeoutError)
+    assert not isinstance(err, KeyError)
+    assert err.queue == "put admission"
+    assert "put admission" in str(err)
+    assert torch.equal(client.get_samples(["a"], "p", ["x"])["x"], _rows(1, 1)["x"])
+    with pytest.raises(SamplesNotFound):
+        client.get_samples(["b"], "p", ["x"])  # nothing of the refused put is visible
+    client.put_samples(["b"], "p", _rows(1, 2))  # retried, it goes through
+    assert torch.equal(client.get_samples(["b"], "p", ["x"])["x"], _rows(1, 2)["x"])
+    # Operators see it: the writer reported the refusal (and its wait) to the controller.
+    _wait_until(lambda: _counter(handle, "puts_rejected_total") == 1, 30, "the report")
+    assert _counter(handle, "puts_admitted_total") >= 2
+
+
+def test_concurrent_puts_of_one_process_share_commit_calls_and_keep_their_own_outcomes(
+    service_factory,
+):
+    handle = service_factory("dp-coalesce", num_storage_units=2)
+    client = handle.client()
+    client.register_partition("p", fields=["x"])
+    client.put_samples(["taken"], "p", _rows(1, 9))
+    before = _counter(handle, "commit_batches_total")
+
+    async def puts():
+        calls = [client.put_samples_async([f"s{i}"], "p", _rows(1, i)) for i in range(64)]
+        calls.append(client.put_samples_async(["taken"], "p", _rows(1, 0)))  # already there
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    with _commits_paused(1.0):
+        results = asyncio.run(puts())
+    assert [type(r).__name__ for r in results[:64]] == ["KVBatchMeta"] * 64
+    assert isinstance(results[64], FieldAlreadyProduced)  # its error is its own
+    batches = _counter(handle, "commit_batches_total") - before
+    assert 1 <= batches <= 16, f"65 puts took {batches} commit_many calls"
+    got = client.get_samples([f"s{i}" for i in range(64)], "p", ["x"])["x"]
+    assert torch.equal(got, torch.stack([_rows(1, i)["x"][0] for i in range(64)]))
+    assert torch.equal(client.get_samples(["taken"], "p", ["x"])["x"], _rows(1, 9)["x"])
+
+
+@pytest.mark.slow
+def test_4096_concurrent_writers_lose_nothing_and_keep_their_goodput(tmp_path):
+    """The benchmark's fleet (8 writer actors) at 1,024 then 4,096 concurrent writers, one
+    put of 4 x 4 KiB each, every sample read back; in a subprocess with its own Ray."""
+    out = tmp_path / "writers.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.many_writers",
+            "--levels",
+            "1024x1,4096x1",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    at_1024, at_4096 = json.loads(out.read_text())["levels"]
+    for level in (at_1024, at_4096):
+        assert level["lost"] == 0, level
+        assert level["corrupt"] == 0, level
+        # Only the typed, retryable refusal may fail a put; never a KeyError.
+        assert set(level["errors"]) <= {"Overloaded"}, level["errors"]
+    assert at_4096["completed_puts"] == at_4096["puts"], at_4096["errors"]
+    ratio = at_4096["goodput_samples_per_s"] / at_1024["goodput_samples_per_s"]
+    assert ratio >= 0.9, f"goodput at 4,096 writers is {ratio:.2f}x the 1,024 writers' run"
