@@ -185,7 +185,7 @@ def test_describe_a_versioned_partition_shows_its_async_rl_state(stub, client, f
     assert (st.version, st.version_tag, st.stale_samples) == (1, "weight_version", "keep")
     assert dict(st.max_staleness) == {"train": 0}
     assert dict(st.ready_by_version) == {0: 2}
-    assert (st.untrained, st.admission_limit, st.evicted) == (2, 2, 0)
+    assert (st.untrained, st.admission_limit, st.evicted) == (0, 2, 0)  # kept, but stale
     plain = stub.DescribePartition(
         admin_pb2.DescribePartitionRequest(partition_id=filled["pid"]), timeout=TIMEOUT
     )

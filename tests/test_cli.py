@@ -225,6 +225,7 @@ def test_watch_table_fits_80_columns_and_shows_rates(addr, part):
         "PUT/s",
         "GET/s",
         "REQ/s",
+        "PUTQ",
         "WAIT",
         "ERR/s",
     ]
