@@ -63,7 +63,9 @@ def results(tmp_path_factory):
 def test_every_section_is_reported(results):
     report, stdout = results
     assert report["errors"] == {}
+    assert report["failed"] == []
     assert set(report["sections"]) == set(SECTIONS)
+    assert "all ran" in stdout.split("## summary", 1)[1]  # and the summary table says so
     for name in SECTIONS:
         assert f"## {name}" in stdout  # a markdown table per section was printed
 
