@@ -30,6 +30,7 @@ from benchmarks.common import (
     Options,
     Section,
     markdown_table,
+    memcpy_gibps,
     parse_size,
     targets_table,
 )
@@ -124,7 +125,7 @@ def render_summary(report: dict[str, Any]) -> str:
     table = markdown_table(["section", "status", "seconds", "error"], rows)
     failed = report["failed"]
     verdict = f"{len(failed)} section(s) FAILED: {', '.join(failed)}" if failed else "all ran"
-    return f"## summary\n\n{table}\n\n{verdict}\n"
+    return f"## summary\n\n{machine_line(report['machine'])}\n\n{table}\n\n{verdict}\n"
 
 
 def _machine() -> dict[str, Any]:
@@ -149,7 +150,21 @@ def _machine() -> dict[str, Any]:
         "ray": ray.__version__,
         "transferqueue": tq,
         "load_avg": os.getloadavg(),
+        # the yardstick every figure of this run is read against; again at the end
+        "memcpy_1thread_gibps_start": memcpy_gibps(),
     }
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    """Which machine the figures came from, in one line (printed first and in the summary)."""
+    mc = f"{machine['memcpy_1thread_gibps_start']:.1f} GiB/s"
+    if "memcpy_1thread_gibps_end" in machine:
+        mc += f" at the start, {machine['memcpy_1thread_gibps_end']:.1f} at the end"
+    load = ", ".join(f"{x:.1f}" for x in machine["load_avg"])
+    return (
+        f"machine: single-thread memcpy {mc} (128 MiB, measured by this run); "
+        f"{machine['cpus']} CPUs; load average {load}"
+    )
 
 
 def main(argv: Sequence[str] | None = None, sections: dict[str, str] | None = None) -> int:
@@ -181,6 +196,7 @@ def main(argv: Sequence[str] | None = None, sections: dict[str, str] | None = No
         "errors": {},
         "failed": [],
     }
+    print(machine_line(report["machine"]) + "\n", flush=True)
     try:
         for name, module_name in registry.items():
             if name not in (opts.only or default_names):
@@ -200,6 +216,7 @@ def main(argv: Sequence[str] | None = None, sections: dict[str, str] | None = No
             section.data["elapsed_s"] = report["section_seconds"][name]
             report["sections"][name] = section.to_dict()
             print(render(section), flush=True)
+        report["machine"]["memcpy_1thread_gibps_end"] = memcpy_gibps()
         print(render_summary(report), flush=True)
     finally:
         import ray

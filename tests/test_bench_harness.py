@@ -1,5 +1,6 @@
 """The benchmark harness fails loudly: a section that raises makes the run exit 1 and is
-named FAILED in the printed summary and in the JSON, while the other sections still report.
+named FAILED in the printed summary and in the JSON, while the other sections still report;
+and every run says which machine its figures came from (its own one-thread memcpy).
 
 Two throwaway section modules, written to a temporary folder, stand in for real ones; the
 harness itself (``python -m benchmarks.run``'s ``main``) runs for real in a subprocess,
@@ -54,6 +55,7 @@ def _harness(tmp_path: Path, only: str) -> tuple[subprocess.CompletedProcess, di
         text=True,
         timeout=240,
     )
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(out.read_text())
 
 
@@ -75,3 +77,16 @@ def test_a_failing_section_makes_the_run_exit_nonzero_and_says_so(tmp_path):
     assert "forced failure" in rows["broken"][2]
     assert rows["fine"][0] == "ok"
     assert "1 section(s) FAILED: broken" in proc.stdout
+
+
+@pytest.mark.timeout(280)
+def test_the_run_names_its_machine_by_the_memcpy_it_measured(tmp_path):
+    proc, report = _harness(tmp_path, "fine")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    machine = report["machine"]
+    assert machine["memcpy_1thread_gibps_start"] > 0
+    assert machine["memcpy_1thread_gibps_end"] > 0
+    first_line = proc.stdout.splitlines()[0]
+    assert first_line.startswith("machine: single-thread memcpy "), first_line
+    assert "machine: single-thread memcpy " in proc.stdout.split("## summary", 1)[1]
+    assert "all ran" in proc.stdout
