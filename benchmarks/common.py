@@ -7,6 +7,7 @@ them in one process (one Ray cluster) and renders what they return.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import statistics
 import threading
@@ -14,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -134,6 +137,40 @@ class PeakRSS:
     @property
     def delta(self) -> int:
         return self.peak - self.baseline
+
+
+# ---------------------------------------------------------------------------- the machine
+
+
+class Memcpy:
+    """np.copyto of ``nbytes`` into a pre-touched destination (the ceiling); ``shared``:
+    the destination is a memfd mapping, as a unit's chunk is."""
+
+    def __init__(self, nbytes: int, shared: bool = False):
+        self.src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        if shared:
+            fd = os.memfd_create("bench-shm-memcpy")
+            try:
+                os.ftruncate(fd, nbytes)
+                self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+            finally:
+                os.close(fd)  # the mapping keeps the memory
+            self.dst = np.frombuffer(self._map, dtype=np.uint8)
+        else:
+            self.dst = np.empty_like(self.src)
+        self.dst.fill(1)  # first touch happens here, not in the timed copy
+
+    def run(self) -> float:
+        t0 = time.perf_counter()
+        np.copyto(self.dst, self.src)
+        return time.perf_counter() - t0
+
+
+def memcpy_gibps(nbytes: int = 128 * MiB, repeats: int = 5) -> float:
+    """This machine's one-thread memcpy now, GiB/s (median): the yardstick every figure
+    of a run is read against (a 7 GiB/s machine and a 16 GiB/s one differ by that much)."""
+    copy = Memcpy(nbytes)
+    return nbytes / GiB / median([copy.run() for _ in range(repeats)])
 
 
 # ---------------------------------------------------------------------------- results

@@ -18,6 +18,7 @@ driver's memory (classic) is not counted, which favours the classic path.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import time
 from contextlib import contextmanager
@@ -246,8 +247,17 @@ def _check_same(
     return worst
 
 
-def run(opts: Options) -> Section:
+def _require_demo_extra() -> None:
+    """Fail here, clearly, rather than in four policy workers that die importing it."""
+    if importlib.util.find_spec("transformers") is None:
+        raise RuntimeError(
+            "the driver section runs the demo's transformers model: install the `demo` "
+            "extra (pip install -e '.[demo]'; make setup and make bench-setup do)"
+        )
 
+
+def run(opts: Options) -> Section:
+    _require_demo_extra()
     section = Section("driver")
     batches = QUICK_BATCHES if opts.quick else FULL_BATCHES
     max_len = QUICK_MAX_LEN if opts.quick else FULL_MAX_LEN

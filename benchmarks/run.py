@@ -1,9 +1,11 @@
 """One command for every benchmark: ``python -m benchmarks.run`` (or ``dataplane bench``).
 
 Starts one local Ray on loopback, runs the sections in order (store, driver,
-controller, scale; opt-in: writers, replication, crossnode), prints a markdown
-table per section with the targets judged met or missed, and writes every number
-to JSON.
+controller, scale, staleness; opt-in: writers, replication, crossnode, asyncrl),
+prints a markdown table per section with the targets judged met or missed, and
+writes every number to JSON. A section that raises does not hide the others; it is
+listed as FAILED in the closing summary table and the JSON (``failed``), and the
+run exits 1.
 
     python -m benchmarks.run                     # everything, default sizes
     python -m benchmarks.run --quick             # small sizes: a smoke run (< 2 minutes)
@@ -29,6 +31,7 @@ from benchmarks.common import (
     Options,
     Section,
     markdown_table,
+    memcpy_gibps,
     parse_size,
     targets_table,
 )
@@ -82,14 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _options(args: argparse.Namespace) -> Options:
+def _options(args: argparse.Namespace, known: Sequence[str]) -> Options:
     only = None
     if args.only:
         only = [s.strip() for item in args.only for s in item.split(",") if s.strip()]
-        unknown = sorted(set(only) - set(SECTIONS) - set(OPT_IN_SECTIONS))
+        unknown = sorted(set(only) - set(known))
         if unknown:
-            known = [*SECTIONS, *OPT_IN_SECTIONS]
-            raise SystemExit(f"unknown section(s) {unknown}; choose from {known}")
+            raise SystemExit(f"unknown section(s) {unknown}; choose from {list(known)}")
     sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
     return Options(quick=args.quick, repeats=repeats, sizes=sizes, only=only, verbose=args.verbose)
@@ -119,6 +121,18 @@ def render(section: Section) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def render_summary(report: dict[str, Any]) -> str:
+    """One row per section that ran: ok or FAILED (with the error), and its seconds."""
+    rows = []
+    for name, seconds in report["section_seconds"].items():
+        error = report["errors"].get(name)
+        rows.append([name, "FAILED" if error else "ok", round(seconds, 1), error or ""])
+    table = markdown_table(["section", "status", "seconds", "error"], rows)
+    failed = report["failed"]
+    verdict = f"{len(failed)} section(s) FAILED: {', '.join(failed)}" if failed else "all ran"
+    return f"## summary\n\n{machine_line(report['machine'])}\n\n{table}\n\n{verdict}\n"
+
+
 def _machine() -> dict[str, Any]:
     import psutil
     import ray
@@ -141,12 +155,33 @@ def _machine() -> dict[str, Any]:
         "ray": ray.__version__,
         "transferqueue": tq,
         "load_avg": os.getloadavg(),
+        # the yardstick every figure of this run is read against; again at the end
+        "memcpy_1thread_gibps_start": memcpy_gibps(),
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def machine_line(machine: dict[str, Any]) -> str:
+    """Which machine the figures came from, in one line (printed first and in the summary)."""
+    mc = f"{machine['memcpy_1thread_gibps_start']:.1f} GiB/s"
+    if "memcpy_1thread_gibps_end" in machine:
+        mc += f" at the start, {machine['memcpy_1thread_gibps_end']:.1f} at the end"
+    load = ", ".join(f"{x:.1f}" for x in machine["load_avg"])
+    return (
+        f"machine: single-thread memcpy {mc} (128 MiB, measured by this run); "
+        f"{machine['cpus']} CPUs; load average {load}"
+    )
+
+
+def main(argv: Sequence[str] | None = None, sections: dict[str, str] | None = None) -> int:
+    """Run the sections; 0 when every one ran, 1 when any raised.
+
+    ``sections`` (name -> module with ``run(opts) -> Section``) replaces the registry,
+    every entry opt-in; the harness's own tests pass one with a section that fails.
+    """
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    opts = _options(args)
+    registry = {**SECTIONS, **OPT_IN_SECTIONS} if sections is None else sections
+    default_names = list(SECTIONS) if sections is None else []
+    opts = _options(args, list(registry))
     from benchmarks.common import start_ray
 
     started = time.time()
@@ -162,12 +197,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "machine": _machine(),
         "sections": {},
+        "section_seconds": {},
         "errors": {},
+        "failed": [],
     }
-    rc = 0
+    print(machine_line(report["machine"]) + "\n", flush=True)
     try:
-        for name, module_name in {**SECTIONS, **OPT_IN_SECTIONS}.items():
-            if name not in (opts.only or SECTIONS):
+        for name, module_name in registry.items():
+            if name not in (opts.only or default_names):
                 continue
             opts.log(f"section {name} ...")
             t0 = time.perf_counter()
@@ -176,11 +213,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001 - one broken section must not hide the others
                 traceback.print_exc()
                 report["errors"][name] = f"{type(e).__name__}: {e}"
-                rc = 1
+                report["failed"].append(name)
+                print(f"## {name}\n\nFAILED: {report['errors'][name]}\n", flush=True)
                 continue
-            section.data["elapsed_s"] = time.perf_counter() - t0
+            finally:
+                report["section_seconds"][name] = time.perf_counter() - t0
+            section.data["elapsed_s"] = report["section_seconds"][name]
             report["sections"][name] = section.to_dict()
             print(render(section), flush=True)
+        report["machine"]["memcpy_1thread_gibps_end"] = memcpy_gibps()
+        print(render_summary(report), flush=True)
     finally:
         import ray
 
@@ -191,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump(report, f, indent=1, default=_json_default)
         opts.log(f"wrote {out} ({report['elapsed_s']:.0f} s)")
         ray.shutdown()
-    return rc
+    return 1 if report["failed"] else 0
 
 
 def _json_default(x: Any) -> Any:

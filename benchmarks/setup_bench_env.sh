@@ -19,6 +19,7 @@ fi
 "$VENV/bin/pip" install -q --upgrade pip
 # torch first: transferqueue's dependencies then keep this build instead of pulling another.
 "$VENV/bin/pip" install -q "$TORCH_SPEC"
-"$VENV/bin/pip" install -q -e "$ROOT"
+# demo: the driver section runs the tiny transformers model; bench: psutil.
+"$VENV/bin/pip" install -q -e "$ROOT[demo,bench]"
 "$VENV/bin/pip" install -q "$TQ_SPEC"
-"$VENV/bin/python" -c "import torch, transfer_queue; print('benchmark venv ready:', '$VENV', 'torch', torch.__version__)"
+"$VENV/bin/python" -c "import torch, transformers, psutil, transfer_queue; print('benchmark venv ready:', '$VENV', 'torch', torch.__version__)"

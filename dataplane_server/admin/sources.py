@@ -111,7 +111,8 @@ class ActorSources:
             if self._client is None:
                 from dataplane_client.client import connect
 
-                self._client = connect(self.name, self.namespace)
+                # mutations only: no TensorDict is ever read through it
+                self._client = connect(self.name, self.namespace, warm_reads=False)
             return self._client
 
     def stats(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> StatsPull:
