@@ -111,7 +111,8 @@ class Declaration:
                 f"version_tag {spec.version_tag!r} is declared a numeric tag of dtype {dtype}; "
                 "a version is an integer"
             )
-        self.numeric_tags[spec.version_tag] = dtype
+        # A new dict: the caller's numeric_tags is never changed under it (frozen dataclass).
+        object.__setattr__(self, "numeric_tags", {**self.numeric_tags, spec.version_tag: dtype})
 
     @functools.cached_property
     def codecs(self) -> FieldCodecs:

@@ -178,11 +178,6 @@ class VersionState:
         self.recent.extend(state.get("recent") or ())
 
 
-def fresh(versions: np.ndarray, oldest_allowed: int) -> np.ndarray:
-    """Which of these versions are within the window (a mask)."""
-    return versions >= oldest_allowed
-
-
 def matching(
     tags: dict[str, np.ndarray],
     present: dict[str, np.ndarray],
