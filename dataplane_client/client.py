@@ -86,6 +86,7 @@ from dataplane_client.messages import (
     WriterLoad,
 )
 from dataplane_client.meta import KVBatchMeta
+from dataplane_client.put_deadline import PutDeadline
 from dataplane_client.tensordict_io import to_tensordict
 from dataplane_client.transport import SharedMemoryUnavailable, StagedRegionGone, Transport
 
@@ -386,6 +387,7 @@ class RayDataPlaneClient(DataPlaneService):
             routing.put_queue_limit,
             report=self._report_load,
         )
+        self._stage_ttl_s = routing.stage_ttl_s  # a put's deadline, from its admission
         # Rebound to a fresh list, never changed in place: a reader sees one whole view.
         self._alive = list(routing.alive)
         self._nodes, self._replicas = list(routing.nodes), routing.replicas
@@ -537,8 +539,11 @@ class RayDataPlaneClient(DataPlaneService):
         try:
             admitted = (yield [credit])[0]
             _one([admitted])  # Overloaded when not admitted in time: nothing staged
+            deadline = PutDeadline.after(self._stage_ttl_s)  # every later step runs against it
             return (
-                yield from self._admitted_put(sample_ids, partition_id, fields, tags, overwrite)
+                yield from self._admitted_put(
+                    sample_ids, partition_id, fields, tags, overwrite, deadline
+                )
             )
         finally:
             self._admission.leave(credit)
@@ -550,34 +555,40 @@ class RayDataPlaneClient(DataPlaneService):
         fields: Any,
         tags: Sequence[dict] | None,
         overwrite: bool,
+        deadline: PutDeadline,
     ) -> Flow:
         """A put holding a credit: encoded, then staged and committed (``_put_flow``)."""
         codecs = yield from self._codecs_of(partition_id)
         w = prepare.write(sample_ids, partition_id, fields, tags, overwrite, codecs)
         try:
-            return (yield from self._put_making_room(partition_id, w, codecs.key))
+            return (yield from self._put_making_room(partition_id, w, codecs.key, deadline))
         except CodecsChanged:
             # Registered again with another vocabulary since we cached it: encode anew.
             self._codecs.pop(partition_id, None)
             codecs = yield from self._codecs_of(partition_id)
             w = prepare.write(sample_ids, partition_id, fields, tags, overwrite, codecs)
-            return (yield from self._put_making_room(partition_id, w, codecs.key))
+            return (yield from self._put_making_room(partition_id, w, codecs.key, deadline))
 
-    def _put_making_room(self, partition_id: str, w: prepare.Write, codecs_key: str) -> Flow:
+    def _put_making_room(
+        self, partition_id: str, w: prepare.Write, codecs_key: str, deadline: PutDeadline
+    ) -> Flow:
         """``_put_flow``; a put that finds a unit full asks the controller to evict the oldest
         version's unclaimed groups (a partition registered with ``evict_stale``) and tries
         again while that freed something; otherwise CapacityExceeded stands."""
         for _round in range(_MAX_EVICTION_ROUNDS):
             try:
-                return (yield from self._put_flow(partition_id, w, codecs_key))
+                return (yield from self._put_flow(partition_id, w, codecs_key, deadline))
             except CapacityExceeded:
                 evicted = _one((yield [self._open_controller().make_room.remote(partition_id)]))
                 if not evicted:
                     raise
-        return (yield from self._put_flow(partition_id, w, codecs_key))
+        return (yield from self._put_flow(partition_id, w, codecs_key, deadline))
 
-    def _put_flow(self, partition_id: str, w: prepare.Write, codecs_key: str) -> Flow:
-        """The put of checked and encoded rows: staged on the units, then committed."""
+    def _put_flow(
+        self, partition_id: str, w: prepare.Write, codecs_key: str, deadline: PutDeadline
+    ) -> Flow:
+        """The put of checked and encoded rows: staged on the units, then committed, each
+        step only before the put's ``deadline`` (Overloaded after it, nothing visible)."""
         sample_ids, encoded = w.sample_ids, w.encoded
 
         units = self._routes.units(partition_id, sample_ids)
@@ -592,6 +603,7 @@ class RayDataPlaneClient(DataPlaneService):
             if self._replicas > 1:
                 derived = placement.second_units(units, self._alive, self._nodes)
                 replicas = np.where(replicas == -2, derived, replicas)
+            deadline.check("stage")
             write_id = uuid.uuid4().hex
             plan = placement.stage_plan(units, replicas if self._replicas > 1 else None)
             staged = list(plan)
@@ -603,6 +615,7 @@ class RayDataPlaneClient(DataPlaneService):
                 plan,
                 via_ray=frozenset(via_ray),
                 use_leases=use_leases,
+                expires_at=deadline.expires_at,
             )
             errors = [(u, r) for u, r in zip(staged, results) if isinstance(r, BaseException)]
             if errors:
@@ -647,16 +660,18 @@ class RayDataPlaneClient(DataPlaneService):
                 staged_units=staged,
                 replicas=replicas.tolist() if self._replicas > 1 else None,
                 codecs_key=codecs_key,
+                expires_at=deadline.expires_at,
             )
             # Closed meanwhile: ServiceUnavailable here, before anything is committed (the
             # units drop the staged bytes when their stage expires).
             controller = self._open_controller()
             try:
+                deadline.check("commit")  # its stages are discarded below
                 result = _one((yield [self._commits().submit(request)]))
             except BaseException as e:
                 yield [self._open_transport().discard(u, write_id) for u in staged]
                 if isinstance(e, StageReclaimed):
-                    continue  # its stage outlived stage_ttl_s before the commit: stage again
+                    continue  # reclaimed all the same (a unit's clock ahead): stage again in time
                 if not (isinstance(e, SamplesLost) and self._replicas > 1):
                     raise
                 # A unit died while publishing; nothing is visible. Copies go to live units

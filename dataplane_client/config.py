@@ -134,8 +134,10 @@ class DataPlaneConfig(BaseModel):
     stage_ttl_s: float = Field(
         30.0,
         gt=0,
-        description="Seconds after which bytes staged by a put that is never committed are "
-        "reclaimed (at once when the writer's process dies). Must be > 0.",
+        description="Seconds a put has from its admission to its commit (its deadline: a "
+        "stage or commit arriving later is refused with Overloaded, before any work); staged "
+        "bytes nobody commits are reclaimed shortly after it (at once when the writer's "
+        "process dies). Must be > 0.",
     )
     put_credits: int = Field(
         256,

@@ -41,6 +41,9 @@ COMMIT_AFTER_PUBLISH = "commit-after-publish"
 # The same, between checking a commit and publishing it: a clear in that window frees the
 # samples on their units before the commit's bytes are published there.
 COMMIT_BEFORE_PUBLISH = "commit-before-publish"
+# The same, as a batch of commits reaches the controller, before anything of it is
+# checked: commits that queued that long behind other writers' (put deadlines).
+COMMIT_QUEUED = "commit-queued"
 
 # A storage unit's constructor sleeps (the file holds the seconds): a unit process
 # still starting on a loaded node, slow to answer the controller's first ping.

@@ -65,6 +65,7 @@ class Routing:
     put_credits: int = 256
     put_admission_timeout_s: float = 60.0
     put_queue_limit: int = 65536
+    stage_ttl_s: float = 30.0  # a put's deadline, from its admission (put_deadline)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,9 @@ class CommitRequest:
     # The FieldCodecs.key the writer encoded with; the commit is refused (CodecsChanged)
     # when the partition's differs (re-registered since). None: not checked.
     codecs_key: str | None = None
+    # The put's deadline (time.time(), ``put_deadline``): a commit reaching the controller
+    # later is refused (Overloaded) before any work. None: no deadline.
+    expires_at: float | None = None
 
 
 @dataclass(frozen=True)

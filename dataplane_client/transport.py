@@ -121,6 +121,7 @@ class Transport:
         *,
         via_ray: frozenset[int] = frozenset(),
         use_leases: bool = True,
+        expires_at: float | None = None,
     ) -> Flow:
         """Stage a write's rows on each unit of ``plan``; returns one result (or error) per unit.
 
@@ -129,7 +130,8 @@ class Transport:
         region while it travels (allocation costs no round trip of its own).
         Otherwise the unit allocates, then the rows are copied. ``via_ray``: units
         this write reaches through Ray whatever ``shared`` says; ``use_leases``
-        False: allocate anew (a retry after a lease was reclaimed under us).
+        False: allocate anew (a retry after a lease was reclaimed under us);
+        ``expires_at``: the put's deadline (``put_deadline``), which each unit keeps.
 
         How each unit was staged is decided once, here, and kept in this flow:
         ``shared`` may change while the stage calls travel (another put of this
@@ -159,6 +161,7 @@ class Transport:
                             owner,
                             lease.lease,
                             self._closed_seq[u],
+                            expires_at,
                         ),
                     )
                     offsets, _ = shm.layout(sizes)
@@ -173,13 +176,21 @@ class Transport:
                         u,
                         nbytes,
                         "alloc_shm",
-                        (partition_id, write_id, ids, headers, owner, self._closed_seq[u]),
+                        (
+                            partition_id,
+                            write_id,
+                            ids,
+                            headers,
+                            owner,
+                            self._closed_seq[u],
+                            expires_at,
+                        ),
                     )
             else:
                 parts = {k: take_rows(e, rows) for k, e in encoded.items()}
                 nbytes = sum(p.nbytes for p in parts.values())
                 call = self._stage_call(
-                    u, nbytes, "stage", (partition_id, write_id, ids, parts, owner)
+                    u, nbytes, "stage", (partition_id, write_id, ids, parts, owner, expires_at)
                 )
             refs.append(call)
         results = yield refs

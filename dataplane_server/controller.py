@@ -46,6 +46,7 @@ from dataplane_client.messages import (
     WriterLoad,
 )
 from dataplane_client.meta import KVBatchMeta
+from dataplane_client.put_deadline import late_commit
 from dataplane_server import claim_wait, liveness, publish, store_checkpoint, unit_lookup
 from dataplane_server.async_rl_verbs import AsyncRLVerbs, Changes
 from dataplane_server.core import recovery, unit_calls
@@ -183,6 +184,7 @@ class Controller(Inspection, AsyncRLVerbs):
             put_credits=self.config.put_credits,
             put_admission_timeout_s=self.config.put_admission_timeout_s,
             put_queue_limit=self.config.put_queue_limit,
+            stage_ttl_s=self.config.stage_ttl_s,
         )
 
     @served
@@ -309,6 +311,7 @@ class Controller(Inspection, AsyncRLVerbs):
         figures (``writer_loads``)."""
         self.stats.inc("commit_batches_total")
         self.writer_loads.report(load)
+        await failpoints.pause_if_armed(failpoints.COMMIT_QUEUED)
         answers = await self._commit_together(requests)
         for answer in answers:
             if isinstance(answer, DataPlaneError):
@@ -332,6 +335,7 @@ class Controller(Inspection, AsyncRLVerbs):
                     answers[i] = self.keys.committed_result(request)
                     continue
                 try:
+                    late_commit(request)  # Overloaded: no work for a put past its deadline
                     plan = self.keys.check_commit(request)
                 except DataPlaneError as e:
                     answers[i] = e

@@ -14,9 +14,15 @@ import ray
 import torch
 from unit_memory import memfd_bytes, unit_pid
 
-from dataplane_client import DataPlaneConfig, connect
+from dataplane_client import DataPlaneConfig, connect, failpoints
 from dataplane_client.codec import encode_fields
-from dataplane_client.errors import CapacityExceeded, SamplesNotFound, StageReclaimed
+from dataplane_client.errors import (
+    CapacityExceeded,
+    Overloaded,
+    RoutingUnstable,
+    SamplesNotFound,
+    StageReclaimed,
+)
 from dataplane_server import start
 
 MiB = 1 << 20
@@ -129,6 +135,50 @@ def test_a_stage_past_its_deadline_is_reclaimed_and_a_late_publish_is_typed(ray_
         with pytest.raises(SamplesNotFound):
             client.get_samples(["a"], "p", ["x"])  # nothing of it is visible
         client.put_samples(["a", "b"], "p", {"x": rows})  # a prompt writer is unaffected
+        assert torch.equal(client.get_samples(["a", "b"], "p", ["x"])["x"], rows)
+    finally:
+        handle.shutdown()
+
+
+def test_a_commit_queued_past_its_puts_deadline_fails_fast_and_costs_no_reclaimed_stage(
+    ray_session,
+):
+    """The put's deadline runs from its admission: a commit that reaches the controller
+    after it is refused before any work (Overloaded, queue "commit"), once, and the
+    client discards its stage. Before, the stage expired on the unit while the commit
+    queued, the commit found it gone, and the client staged again and again."""
+    handle = start(
+        DataPlaneConfig(
+            name="dp-put-deadline",
+            num_storage_units=1,
+            unit_warm_reserve_bytes=0,
+            stage_ttl_s=1.0,
+            admin_enabled=False,
+        )
+    )
+    try:
+        client = handle.client()
+        client.register_partition("p", fields=["x"])
+        rows = torch.arange(8, dtype=torch.int64).reshape(2, 4)
+        client.put_samples(["warm0", "warm1"], "p", {"x": rows})  # connected, codecs known
+        failpoints.arm(failpoints.COMMIT_QUEUED, "1.5")  # > the 1 s deadline
+        try:
+            with pytest.raises(Overloaded, match="deadline") as late:
+                client.put_samples(["a", "b"], "p", {"x": rows})
+        finally:
+            failpoints.disarm(failpoints.COMMIT_QUEUED)
+        assert not isinstance(late.value, RoutingUnstable)
+        assert late.value.queue == "commit"
+        assert failpoints.fired(failpoints.COMMIT_QUEUED) == 1  # no second stage and commit
+        with pytest.raises(SamplesNotFound):
+            client.get_samples(["a"], "p", ["x"])
+        unit = handle.units[0]
+        _wait_until(
+            lambda: ray.get(unit.staged_write_ids.remote()) == [], 30, "the stage's discard"
+        )
+        counters = ray.get(unit.metrics_snapshot.remote()).stats["counters"]
+        assert counters.get("stages_reclaimed_total", 0) == 0  # discarded, never expired
+        client.put_samples(["a", "b"], "p", {"x": rows})  # the retry, in time, succeeds
         assert torch.equal(client.get_samples(["a", "b"], "p", ["x"])["x"], rows)
     finally:
         handle.shutdown()

@@ -24,11 +24,13 @@ from dataplane_client.errors import (
     CorruptPayload,
     FieldNotProduced,
     InvalidBatch,
+    Overloaded,
     SamplesNotFound,
     SchemaConflict,
     StageReclaimed,
 )
 from dataplane_client.messages import SharedRows
+from dataplane_client.put_deadline import STAGE_GRACE_S
 from dataplane_server.core.recovery_messages import SampleMeta
 from dataplane_server.core.unit_store import INLINE_READ_BYTES, UnitStore
 
@@ -405,6 +407,48 @@ def test_a_stage_past_its_deadline_is_reclaimed_and_a_late_publish_says_why(stor
     with pytest.raises(StageReclaimed, match="deadline passed") as late:
         store.publish("w")
     assert not isinstance(late.value, KeyError)  # a put's late commit is no "not found"
+
+
+# ---- a put's deadline, from its admission (put_deadline) -----------------------------------
+
+
+def _stage_by(store, wid, ids, rows, expires_at):
+    encoded = {"x": encode_field("x", rows)}
+    return asyncio.run(store.stage("p", wid, ids, encoded, None, expires_at))
+
+
+def test_a_stage_arriving_after_its_puts_deadline_is_refused_before_anything_is_allocated(
+    stores,
+):
+    store = stores()
+    with pytest.raises(Overloaded, match="deadline passed") as late:
+        _stage_by(store, "w", ["a"], _rows(1, MiB), time.time() - 1.0)
+    assert late.value.queue == "stage"
+    assert store.staged_write_ids() == []
+    assert store.used_bytes == 0
+
+
+def test_a_stage_is_kept_until_its_puts_deadline_plus_the_grace_never_past_the_ttl(stores):
+    store = stores(stage_ttl_s=30.0)
+    _stage_by(store, "soon", ["a"], _rows(1, 8), time.time() + 1.0)
+    _stage_by(store, "far", ["b"], _rows(1, 8), time.time() + 3600.0)  # a client can't pin
+    _stage_by(store, "none", ["c"], _rows(1, 8), None)  # an older client: the unit's own ttl
+    left = {w: store.staged[w].deadline - time.monotonic() for w in ("soon", "far", "none")}
+    assert 0 < left["soon"] <= 1.0 + STAGE_GRACE_S
+    assert left["soon"] > STAGE_GRACE_S - 0.5  # kept past the deadline, for a late publish
+    assert 30.0 < left["far"] <= 30.0 + STAGE_GRACE_S
+    assert 29.0 < left["none"] <= 30.0
+
+
+def test_a_wait_for_room_ends_at_the_puts_deadline_with_nothing_staged(stores):
+    store = stores(capacity_bytes=2 * MiB, put_wait_timeout_s=120.0)
+    _put(store, "p", "full", ["f0", "f1"], {"x": _rows(2, MiB)})
+    t0 = time.monotonic()
+    with pytest.raises(Overloaded, match="waited for room") as late:
+        _stage_by(store, "w", ["a"], _rows(1, MiB), time.time() + 0.3)
+    assert time.monotonic() - t0 < 30  # the put's deadline ended it, not the 120 s wait
+    assert late.value.queue == "stage"
+    assert store.staged_write_ids() == []
 
 
 def test_a_publish_refuses_a_schema_another_write_published_since_its_stage(stores):

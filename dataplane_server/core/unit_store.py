@@ -50,11 +50,13 @@ from dataplane_client.errors import (
     CapacityExceeded,
     FieldNotProduced,
     InvalidBatch,
+    Overloaded,
     SamplesNotFound,
     SchemaConflict,
     StageReclaimed,
 )
 from dataplane_client.messages import SharedRows, ShmAlloc, ShmRegion, UnitSnapshot, WriteLease
+from dataplane_client.put_deadline import stage_deadline_s
 from dataplane_server.core import unit_checkpoint, unit_preview
 from dataplane_server.core.arena import Arena
 from dataplane_server.core.columns import counts_errors
@@ -152,10 +154,14 @@ class UnitStore:
         sample_ids: list[str],
         encoded: dict[str, EncodedField],
         owner: Hashable | None = None,
+        expires_at: float | None = None,
     ) -> int:
-        """Copy a write's bytes in, invisible until publish. Returns bytes staged."""
+        """Copy a write's bytes in, invisible until publish. Returns bytes staged.
+
+        ``expires_at``: the put's deadline (``put_deadline``); the stage is refused
+        after it and kept until shortly after it."""
         regions = await self._stage(
-            partition_id, write_id, sample_ids, encoded, owner, header_only=False
+            partition_id, write_id, sample_ids, encoded, owner, expires_at, header_only=False
         )
         for name, enc in encoded.items():
             block, offset = regions[name]
@@ -170,6 +176,7 @@ class UnitStore:
         headers: dict[str, EncodedField],
         owner: Hashable | None = None,
         closed_seq: int = -1,
+        expires_at: float | None = None,
     ) -> ShmAlloc:
         """Stage a same-node write whose bytes the client copies into shared memory itself.
 
@@ -180,7 +187,7 @@ class UnitStore:
         its copy is complete.
         """
         regions = await self._stage(
-            partition_id, write_id, sample_ids, headers, owner, header_only=True
+            partition_id, write_id, sample_ids, headers, owner, expires_at, header_only=True
         )
         return self._answer(regions, headers, owner, closed_seq)
 
@@ -193,6 +200,7 @@ class UnitStore:
         owner: Hashable | None,
         lease: int,
         closed_seq: int = -1,
+        expires_at: float | None = None,
     ) -> ShmAlloc | None:
         """Stage a same-node write into the region of a ``WriteLease`` this writer holds.
 
@@ -206,7 +214,14 @@ class UnitStore:
             return None
         try:
             regions = await self._stage(
-                partition_id, write_id, sample_ids, headers, owner, header_only=True, lease=held
+                partition_id,
+                write_id,
+                sample_ids,
+                headers,
+                owner,
+                expires_at,
+                header_only=True,
+                lease=held,
             )
         except BaseException:
             self.arena.taint([held.block])  # the writer is copying into it right now
@@ -264,6 +279,7 @@ class UnitStore:
         sample_ids,
         encoded,
         owner,
+        expires_at: float | None,
         *,
         header_only,
         lease: LeasedRegion | None = None,
@@ -271,6 +287,7 @@ class UnitStore:
         """Validate, wait for room, allocate one region for the write (or take ``lease``'s),
         its fields laid out in it back to back: {field: (block, offset)}."""
         t0 = time.perf_counter()
+        keep_s = stage_deadline_s(expires_at, self.stage_ttl_s, self.index)  # or Overloaded
         for name, enc in encoded.items():
             enc.validate(name, header_only=header_only)
             if enc.num_rows != len(sample_ids):
@@ -289,7 +306,8 @@ class UnitStore:
                 )
             block, base = lease.block, lease.offset
         else:
-            await self._wait_for_room([total], sample_ids)
+            await self._wait_for_room([total], sample_ids, expires_at)
+            keep_s = stage_deadline_s(expires_at, self.stage_ttl_s, self.index)  # waited
             try:
                 ((block, base),) = self.arena.alloc([total])
             except OSError as e:  # out of descriptors (EMFILE) or shared memory (ENOMEM, ENOSPC)
@@ -312,7 +330,7 @@ class UnitStore:
                 offs[1:] += np.cumsum(nbytes[:-1])
             lengths = enc.lengths if enc.kind != DENSE else None
             fields[name] = (enc.schema, block, offs, nbytes, lengths)
-        deadline = time.monotonic() + self.stage_ttl_s
+        deadline = time.monotonic() + keep_s
         self.discard(write_id)  # a retried stage under the same id replaces the first
         self.staged[write_id] = Staged(partition_id, list(sample_ids), fields, deadline, owner)
         self.stats.inc("put_bytes_total", sum(sizes))
@@ -338,11 +356,14 @@ class UnitStore:
                     partition_id=partition_id,
                 )
 
-    async def _wait_for_room(self, sizes: list[int], sample_ids: list[str]) -> None:
+    async def _wait_for_room(
+        self, sizes: list[int], sample_ids: list[str], expires_at: float | None = None
+    ) -> None:
         """Return once allocating ``sizes`` keeps the unit within capacity (or raise).
 
         The caller allocates right after, with no await in between, so the room
-        found here is still there.
+        found here is still there. The wait ends at the put's deadline (``expires_at``)
+        if that comes first; the caller then refuses the stage.
         """
 
         def fits() -> bool:
@@ -363,13 +384,22 @@ class UnitStore:
             )
         self.stats.inc("put_waits_total")  # observable: a put is waiting for room
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.put_wait_timeout_s
+        wait_s = self.put_wait_timeout_s
+        if expires_at is not None:
+            wait_s = min(wait_s, max(expires_at - time.time(), 0.0))
+        deadline = loop.time() + wait_s
         while not fits():
             freed = loop.create_future()  # resolved by the next release of memory
             self._room_waiters.append(freed)
             try:
                 await asyncio.wait_for(freed, deadline - loop.time())
             except asyncio.TimeoutError:
+                if wait_s < self.put_wait_timeout_s:  # the put's deadline came first
+                    raise Overloaded(
+                        f"unit {self.index}: the put's deadline passed while it waited for "
+                        f"room for {need} bytes; nothing was staged, retry later",
+                        queue="stage",
+                    ) from None
                 raise CapacityExceeded(
                     f"unit {self.index}: no room for {need} bytes after waiting "
                     f"{self.put_wait_timeout_s}s ({self.used_bytes} of {self.capacity_bytes} used)",
