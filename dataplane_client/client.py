@@ -50,7 +50,7 @@ import ray
 import ray._private.state as ray_state
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError, RayTaskError
 
-from dataplane_client import arguments, placement, prepare
+from dataplane_client import arguments, placement, prepare, routes
 from dataplane_client.admission import Admission
 from dataplane_client.assembly import assemble
 from dataplane_client.call_batcher import CallBatcher
@@ -298,10 +298,20 @@ def _one(results: list) -> Any:
     return r
 
 
+def _assembled(results: list, plan: dict[int, np.ndarray], fields: list[str], n: int) -> dict:
+    """Each field decoded from the units' answers (in ``plan``'s order), rows in request order."""
+    # Row j of the output is row order[j] of the units' results concatenated.
+    position = np.concatenate(list(plan.values()))
+    order = np.empty(n, dtype=np.int64)
+    order[position] = np.arange(n)
+    return {name: assemble([r[name] for r in results], order) for name in fields}
+
+
 class _RouteCache:
-    """(partition, sample) -> unit, learnt from puts and gets: only a hint, which the
-    controller checks (a commit of samples that live elsewhere is re-routed), so a stale or
-    missing entry costs a round trip, never data.
+    """(partition, sample) -> (unit, generation), learnt from puts and gets: only a hint. A
+    put's is checked by the controller (a commit of samples that live elsewhere is
+    re-routed); a get's by the unit, which serves a direct read only at the generation
+    named (``routes``), so a stale or missing entry costs a round trip, never data.
 
     Shared by every thread of a client. One dict of samples per partition, so forgetting
     a partition is one pop, not a scan of every route. Writers hold ``_lock``; readers take
@@ -310,23 +320,49 @@ class _RouteCache:
     change (that is what raised ``dictionary changed size during iteration`` here).
     """
 
+    # One int per route, not a tuple: unit in the low bits, generation + 1 above them.
+    _UNIT_BITS = 16
+
     def __init__(self, limit: int):
         self._lock = threading.Lock()
         self._parts: dict[str, dict[str, int]] = {}
         self._size = 0  # routes held, over all partitions (changed only under _lock)
         self._limit = limit
 
-    def units(self, partition_id: str, sample_ids: Sequence[str]) -> np.ndarray:
-        """Each sample's unit, -1 where unknown."""
+    def _packed(self, partition_id: str, sample_ids: Sequence[str]) -> np.ndarray:
         part = self._parts.get(partition_id, {})
         routes = map(part.get, sample_ids, itertools.repeat(-1))
         return np.fromiter(routes, dtype=np.int64, count=len(sample_ids))
 
+    def units(self, partition_id: str, sample_ids: Sequence[str]) -> np.ndarray:
+        """Each sample's unit, -1 where unknown."""
+        packed = self._packed(partition_id, sample_ids)
+        return np.where(packed < 0, -1, packed & ((1 << self._UNIT_BITS) - 1))
+
+    def routes(
+        self, partition_id: str, sample_ids: Sequence[str]
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """(unit, generation) of every sample; None unless all are known with a generation."""
+        packed = self._packed(partition_id, sample_ids)
+        gens = (packed >> self._UNIT_BITS) - 1
+        if not len(packed) or (packed < 0).any() or (gens < 0).any():
+            return None
+        return packed & ((1 << self._UNIT_BITS) - 1), gens
+
     def knows(self, partition_id: str, sample_id: str) -> bool:
         return sample_id in self._parts.get(partition_id, {})
 
-    def remember(self, partition_id: str, sample_ids: Sequence[str], units: Iterable[int]) -> None:
-        routes = zip(sample_ids, np.asarray(units, dtype=np.int64).tolist())
+    def remember(
+        self,
+        partition_id: str,
+        sample_ids: Sequence[str],
+        units: Iterable[int],
+        generations: Any = -1,
+    ) -> None:
+        """``generations``: per sample or one for all (-1: unknown, no direct reads)."""
+        gens = np.broadcast_to(np.asarray(generations, dtype=np.int64), (len(sample_ids),))
+        packed = np.asarray(units, dtype=np.int64) + ((np.maximum(gens, -1) + 1) << self._UNIT_BITS)
+        routes = zip(sample_ids, packed.tolist())
         with self._lock:
             if self._size > self._limit:  # bounded: start over rather than grow forever
                 self._parts, self._size = {}, 0
@@ -431,8 +467,14 @@ class RayDataPlaneClient(DataPlaneService):
             self._codecs[partition_id] = codecs
         return codecs
 
-    def _remember(self, partition_id: str, sample_ids: Sequence[str], units: Iterable[int]) -> None:
-        self._routes.remember(partition_id, sample_ids, units)
+    def _remember(
+        self,
+        partition_id: str,
+        sample_ids: Sequence[str],
+        units: Iterable[int],
+        generations: Any = -1,
+    ) -> None:
+        self._routes.remember(partition_id, sample_ids, units, generations)
 
     def _forget(self, partition_id: str, sample_ids: Sequence[str] | None) -> None:
         arguments.partition_name(partition_id)  # a typed error before any dict lookup
@@ -691,7 +733,7 @@ class RayDataPlaneClient(DataPlaneService):
                     units[position[s]] = u
                     replicas[position[s]] = result.rerouted_replicas.get(s, -1)
                 continue
-            self._remember(partition_id, sample_ids, units)
+            self._remember(partition_id, sample_ids, units, result.generation)
             return KVBatchMeta(
                 partition_id=partition_id,
                 sample_ids=sample_ids,
@@ -742,19 +784,80 @@ class RayDataPlaneClient(DataPlaneService):
 
     @_flow_verb
     def get_data(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None) -> Flow:
-        """Read a meta's samples as a TensorDict: ``select_fields``, else the meta's fields."""
+        """Read a meta's samples as a TensorDict: ``select_fields``, else the meta's fields.
+        A claimed meta says where its rows live (``routes``): read straight from the units."""
         meta = arguments.batch_meta(meta, "get_data")
+        hints = routes.hinted(meta.extra_info, meta.sample_ids)
         return self._read(
-            meta.sample_ids, meta.partition_id, prepare.read_fields(meta, select_fields)
+            meta.sample_ids, meta.partition_id, prepare.read_fields(meta, select_fields), hints
         )
 
-    def _read(self, sample_ids: Sequence[str], partition_id: str, fields: Sequence[str]) -> Flow:
-        """The get flow, once its arguments are valid (checked before anything is sent)."""
-        return self._get_flow(
-            arguments.id_list(sample_ids, partition_id=arguments.partition_name(partition_id)),
-            partition_id,
-            arguments.name_list(fields, "select_fields"),
-        )
+    def _read(
+        self,
+        sample_ids: Sequence[str],
+        partition_id: str,
+        fields: Sequence[str],
+        hints: tuple[str, np.ndarray, np.ndarray] | None = None,
+    ) -> Flow:
+        """The get flow, once its arguments are valid (checked before anything is sent):
+        straight from the units where the rows' (unit, generation) are known (the meta's
+        ``hints``, else this client's route cache), else located by the controller."""
+        ids = arguments.id_list(sample_ids, partition_id=arguments.partition_name(partition_id))
+        names = arguments.name_list(fields, "select_fields")
+        if hints is None:
+            known = self._routes.routes(partition_id, ids)
+            hints = None if known is None else (None, *known)
+        if hints is not None:
+            codecs_key, units, gens = hints
+            got = yield from self._direct_get(ids, partition_id, names, units, gens, codecs_key)
+            if got is not None:
+                return got
+        return (yield from self._get_flow(ids, partition_id, names))
+
+    def _direct_get(
+        self,
+        sample_ids: list[str],
+        partition_id: str,
+        fields: list[str],
+        units: np.ndarray,
+        gens: np.ndarray,
+        codecs_key: str | None,
+    ) -> Flow:
+        """A get straight from the units that hold the rows at generations ``gens``: one
+        round trip. None when it cannot be served so (a unit no longer holds a row at its
+        generation, died, or any other failure): the caller asks the controller, whose
+        answer is the truth, so a stale hint costs a round trip, never data nor an error.
+        ``codecs_key``: the codecs the rows were written with (a claim's hints say so)."""
+        transport = self._open_transport()
+        if ((units < 0) | (units >= len(transport.units))).any():
+            return None
+        cached = self._codecs.get(partition_id)
+        codecs_ref = None
+        if cached is None or (codecs_key is not None and cached.key != codecs_key):
+            # Asked now, answered while the units read: no round trip of its own.
+            codecs_ref = self._open_controller().field_codecs.remote(partition_id)
+        plan = {int(u): np.nonzero(units == u)[0] for u in np.unique(units)}
+        by_unit = {u: [sample_ids[i] for i in rows] for u, rows in plan.items()}
+        expect = {u: gens[rows].tolist() for u, rows in plan.items()}
+        results = yield from transport.read_flow(partition_id, by_unit, fields, expect=expect)
+        if any(isinstance(r, BaseException) for r in results):
+            return None
+        try:
+            decoded = _assembled(results, plan, fields, len(sample_ids))
+        except OSError:  # a chunk freed under us: the locate path re-reads
+            return None
+        codecs = cached
+        if codecs_ref is not None:
+            answer = (yield [codecs_ref])[0]
+            if isinstance(answer, BaseException):
+                return None
+            codecs = answer
+            if codecs_key is not None and codecs.key != codecs_key:
+                return None  # registered again since the claim: the locate path says so
+            self._codecs[partition_id] = codecs
+        assert codecs is not None
+        self._remember(partition_id, sample_ids, units, gens)
+        return to_tensordict(decoded, len(sample_ids), enums=codecs.enums)
 
     def _get_flow(
         self, sample_ids: list[str], partition_id: str, fields: list[str], failover: bool = True
@@ -767,7 +870,12 @@ class RayDataPlaneClient(DataPlaneService):
             # dropped it already (no KeyError), or cached the new ones (asked again).
             self._codecs.pop(partition_id, None)
         units = np.asarray(where.units, dtype=np.int64)
-        self._remember(partition_id, sample_ids, units)
+        self._remember(
+            partition_id,
+            sample_ids,
+            units,
+            -1 if where.generations is None else where.generations,
+        )
         plan = {int(u): np.nonzero(units == u)[0] for u in np.unique(units)}
         by_unit = {u: [sample_ids[i] for i in rows] for u, rows in plan.items()}
         results = yield from self._open_transport().read_flow(partition_id, by_unit, fields)
@@ -783,12 +891,8 @@ class RayDataPlaneClient(DataPlaneService):
                 )
             if isinstance(r, BaseException):
                 raise r
-        # Row j of the output is row order[j] of the units' results concatenated.
-        position = np.concatenate(list(plan.values()))
-        order = np.empty(len(sample_ids), dtype=np.int64)
-        order[position] = np.arange(len(sample_ids))
         try:
-            decoded = {name: assemble([r[name] for r in results], order) for name in fields}
+            decoded = _assembled(results, plan, fields, len(sample_ids))
         except OSError:
             # A chunk was freed between our validation and our mapping (a concurrent
             # clear or overwrite): read through Ray, which re-validates on the unit.
@@ -798,7 +902,7 @@ class RayDataPlaneClient(DataPlaneService):
             for r in results:
                 if isinstance(r, BaseException):
                     raise r from None
-            decoded = {name: assemble([r[name] for r in results], order) for name in fields}
+            decoded = _assembled(results, plan, fields, len(sample_ids))
         codecs = yield from self._codecs_of(partition_id)
         if codecs.key != where.codecs_key:  # registered again (samples deleted) while we read
             raise SamplesNotFound(

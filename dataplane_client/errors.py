@@ -184,3 +184,9 @@ class CheckpointError(DataPlaneError, OSError):
 class CodecsChanged(RetryableError, ValueError):
     """The partition was registered again with other enums or object fields since this
     client encoded the write; nothing was stored (the client re-encodes and retries)."""
+
+
+class RouteChanged(RetryableError, KeyError):
+    """A storage unit does not hold the generation of a sample a direct read asked for (the
+    sample was overwritten, cleared, moved, or the unit is not the one that held it): the
+    client reads through the controller's ``locate`` instead. Never reaches a caller."""

@@ -133,6 +133,9 @@ class CommitResult:
     rerouted: dict[str, int] = field(default_factory=dict)
     rerouted_replicas: dict[str, int] = field(default_factory=dict)
     sequence_lengths: list[int] = field(default_factory=list)
+    # The seq the write was published under: its rows' generation (-1: not known, e.g. the
+    # answer to a retried commit); the writer remembers it with the rows' units.
+    generation: int = -1
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,7 @@ class Location:
     fields: list[str]
     units: list[int]
     codecs_key: str = ""  # the partition's FieldCodecs.key: how its rows are encoded
+    generations: list[int] | None = None  # per id: its bytes' generation (-1: unknown)
 
 
 @dataclass(frozen=True)

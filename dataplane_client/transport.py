@@ -292,16 +292,20 @@ class Transport:
         plan: dict[int, list[str]],
         fields: list[str],
         via_ray: bool = False,
+        expect: dict[int, list[int]] | None = None,
     ) -> Flow:
         """Per unit of ``plan``: {field: EncodedField | SharedRows} (or the error).
 
-        ``via_ray`` forces the Ray path (the fallback when a mapping failed).
+        ``via_ray`` forces the Ray path (the fallback when a mapping failed);
+        ``expect``: per unit, the generation of each row a direct read means (the unit
+        answers ``RouteChanged`` unless it holds every row at it).
         """
         owner = self._stage_owner()  # a dead reader's leases are released by the unit
+        expect = expect or {}
         refs = [
-            self.units[u].read_shm.remote(partition_id, ids, fields, owner)
+            self.units[u].read_shm.remote(partition_id, ids, fields, owner, expect.get(u))
             if self.shared[u] and not via_ray
-            else self.units[u].read.remote(partition_id, ids, fields)
+            else self.units[u].read.remote(partition_id, ids, fields, expect.get(u))
             for u, ids in plan.items()
         ]
         results = yield refs

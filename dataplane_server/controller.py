@@ -327,6 +327,7 @@ class Controller(Inspection, AsyncRLVerbs):
         answers: list = [None] * len(requests)
         planned: list[tuple[int, CommitPlan]] = []
         live: list[tuple[int, CommitPlan]] = []  # published: to be applied
+        seqs: dict[int, int] = {}  # id(plan) -> the seq it is published under: its generation
         ready = False
         try:
             metas = []
@@ -345,6 +346,7 @@ class Controller(Inspection, AsyncRLVerbs):
                     continue
                 planned.append((i, plan))
                 metas.append(publish.sample_metas(request, self._next_seq))
+                seqs[id(plan)] = self._next_seq
                 self._next_seq += 1
             if planned:  # tests widen the window in which a clear frees the samples first
                 await failpoints.pause_if_armed(failpoints.COMMIT_BEFORE_PUBLISH)
@@ -374,7 +376,7 @@ class Controller(Inspection, AsyncRLVerbs):
         for i, plan in live:
             request = plan.request
             try:
-                answers[i], cleared_meanwhile = self.keys.apply_commit(plan)
+                answers[i], cleared_meanwhile = self.keys.apply_commit(plan, seqs[id(plan)])
             except UnknownPartition as e:
                 answers[i] = e
                 undo.append(publish.unpublish(self.units, request, request.staged_units))
@@ -402,7 +404,8 @@ class Controller(Inspection, AsyncRLVerbs):
     # ---- reads --------------------------------------------------------------------
     @served
     def locate(self, partition_id: str, sample_ids: list[str], fields: list[str]) -> Location:
-        """Validate a read and say where each sample's bytes live."""
+        """Validate a read and say where each sample's bytes live (and which generation)."""
+        self.stats.inc("locates_total")
         return self.keys.locate(partition_id, sample_ids, fields)
 
     @served

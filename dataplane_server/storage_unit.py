@@ -180,10 +180,15 @@ class StorageUnit:
 
     # ---- read path ----------------------------------------------------------------
     def read(
-        self, partition_id: str, sample_ids: list[str], fields: list[str]
+        self,
+        partition_id: str,
+        sample_ids: list[str],
+        fields: list[str],
+        expect: list[int] | None = None,
     ) -> dict[str, EncodedField]:
-        """The fields' bytes, shipped through Ray (cross-node reads)."""
-        return self.store.read(partition_id, sample_ids, fields)
+        """The fields' bytes, shipped through Ray (cross-node reads); ``expect``: the
+        generations a direct read means (``UnitStore.read``)."""
+        return self.store.read(partition_id, sample_ids, fields, expect)
 
     def read_shm(
         self,
@@ -191,9 +196,10 @@ class StorageUnit:
         sample_ids: list[str],
         fields: list[str],
         owner: list | None = None,
+        expect: list[int] | None = None,
     ) -> dict:
         """Where the fields' bytes sit in shared memory, leased to a same-node reader."""
-        out = self.store.read_shm(partition_id, sample_ids, fields, _owner(owner))
+        out = self.store.read_shm(partition_id, sample_ids, fields, _owner(owner), expect)
         if self.store.leases.reads:
             self._start_sweeper()  # a dead reader's leases are released by the sweeper
         return out

@@ -65,6 +65,10 @@ CONTROLLER_COUNTERS = {
         "Puts refused with Overloaded: not admitted within put_admission_timeout_s, or "
         "their writer's queue was full (put_queue_limit). Nothing of them was staged.",
     ),
+    "locates_total": (
+        "dataplane_locates",
+        "Gets located by the controller (a get with known routes goes to the units only).",
+    ),
     "claims_total": ("dataplane_claims", "claim_meta calls that handed out samples."),
     "claimed_samples_total": ("dataplane_claimed_samples", "Samples handed out by claim_meta."),
     "claims_replayed_total": (
@@ -141,6 +145,11 @@ UNIT_COUNTERS = {
     "put_requests_total": ("dataplane_put_requests", "Put requests served by the unit."),
     "get_requests_total": ("dataplane_get_requests", "Get requests served by the unit."),
     "put_waits_total": ("dataplane_put_waits", "Puts that had to wait for room in a full unit."),
+    "direct_read_misses_total": (
+        "dataplane_direct_read_misses",
+        "Direct reads refused: a sample was not here at the generation asked for (the reader "
+        "asks the controller instead).",
+    ),
     "stages_reclaimed_total": (
         "dataplane_stages_reclaimed",
         "Staged writes never committed whose bytes were reclaimed.",

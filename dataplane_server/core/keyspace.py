@@ -52,6 +52,7 @@ from dataplane_client.messages import (
     TaskConsumption,
 )
 from dataplane_client.meta import KVBatchMeta
+from dataplane_client.routes import ROUTES_KEY, route_hints
 from dataplane_server.core import claim_policies
 from dataplane_server.core.claim_answers import ClaimAnswer, ClaimAnswers, new_lease_id
 from dataplane_server.core.claim_policies import ClaimPolicy, PartitionTraits, ReadyRows, RowColumns
@@ -234,6 +235,10 @@ class Partition:
         self.seq_len = np.zeros(0, dtype=np.int32)
         self.unit = np.zeros(0, dtype=np.int16)
         self.replica = np.zeros(0, dtype=np.int16)  # unit of the second copy, -1 = none
+        # The commit (its seq) that last wrote each row's bytes, -1 = unknown (rebuilt
+        # rows): handed to readers with the row's unit, so they may read it straight from
+        # the unit, which checks it (docs/architecture.md, "Routing").
+        self.gen = np.zeros(0, dtype=np.int64)
         self.produced: dict[str, np.ndarray] = {}
         self.consumed: dict[str, np.ndarray] = {t: self.live.copy() for t in self.tasks}
         self.lease_until: dict[str, np.ndarray] = {}  # leased task -> deadline per row
@@ -290,6 +295,7 @@ class Partition:
         self.seq_len = grown(self.seq_len, end, -1)
         self.unit = grown(self.unit, end, -1)
         self.replica = grown(self.replica, end, -1)
+        self.gen = grown(self.gen, end, -1)
         self.group_code = grown(self.group_code, len(self.live), -1)
         # Every column keeps an entry per row, so no reader ever slices a short one.
         for table in self._row_tables():
@@ -382,6 +388,7 @@ class Partition:
     def metadata_bytes(self) -> int:
         """Rough bytes of this partition's metadata (benchmarks: bytes per sample)."""
         arrays = self.live.nbytes + self.seq_len.nbytes + self.unit.nbytes + self.replica.nbytes
+        arrays += self.gen.nbytes
         arrays += self.group_code.nbytes + self.group_live.nbytes
         arrays += sum(a.nbytes for t in self._row_tables() for a in t.values())
         dict_bytes = sys.getsizeof(self.row_of) + sum(sys.getsizeof(s) for s in self.row_of)
@@ -666,8 +673,10 @@ class KeySpace:
         if not plans:
             self._in_flight.pop(pid, None)
 
-    def apply_commit(self, plan: CommitPlan) -> tuple[CommitResult, dict[int, list[str]]]:
-        """Make a published write visible.
+    def apply_commit(
+        self, plan: CommitPlan, generation: int = -1
+    ) -> tuple[CommitResult, dict[int, list[str]]]:
+        """Make a published write visible; ``generation``: the seq it was published under.
 
         Also returns, per unit, the samples a concurrent clear removed while the
         write was publishing: the write counts as done before that clear, so the
@@ -704,6 +713,7 @@ class KeySpace:
                 self.fail_over(part)
         keep = np.nonzero(~gone)[0]
         written = rows[keep]
+        part.gen[written] = generation
         for name, schema in req.schemas.items():
             part.schema.setdefault(name, tuple(schema))
             part.column(part.produced, name)[written] = True
@@ -718,7 +728,7 @@ class KeySpace:
                     self._merge_tags(part, int(rows[i]), tag)
         lengths = np.full(len(rows), -1, dtype=np.int64)
         lengths[keep] = part.seq_len[written]
-        return CommitResult(sequence_lengths=lengths.tolist()), cleared
+        return CommitResult(sequence_lengths=lengths.tolist(), generation=generation), cleared
 
     @staticmethod
     def _merge_tags(part: Partition, row: int, tag: dict) -> None:
@@ -753,7 +763,10 @@ class KeySpace:
                     partition_id=partition_id,
                 )
         return Location(
-            fields=list(fields), units=units.tolist(), codecs_key=part.declaration.codecs.key
+            fields=list(fields),
+            units=units.tolist(),
+            codecs_key=part.declaration.codecs.key,
+            generations=part.gen[rows].tolist(),
         )
 
     def committed_result(self, req: CommitRequest) -> CommitResult:
@@ -972,6 +985,10 @@ class KeySpace:
         extra: dict[str, Any] = {} if answer.dp_rank is None else {"dp_rank": answer.dp_rank}
         if answer.lease_id is not None:
             extra["lease_id"] = answer.lease_id
+        if live.all():
+            extra[ROUTES_KEY] = route_hints(
+                part.declaration.codecs.key, answer.sample_ids, part.unit[rows], part.gen[rows]
+            )
         return KVBatchMeta(
             partition_id=part.partition_id,
             task_name=answer.task,

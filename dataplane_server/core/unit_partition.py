@@ -49,6 +49,9 @@ class Partition:
     seq: np.ndarray = field(default_factory=_empty)
     seq_len: np.ndarray = field(default_factory=_empty)
     tags: dict = field(default_factory=dict)  # slot -> tags
+    # Per slot: the commit (its seq) that last published bytes into it, -1 = unknown. A
+    # direct read names the generation it means; a mismatch sends it to the controller.
+    gen: np.ndarray = field(default_factory=_empty)
 
     def slots_for(self, sample_ids: list[str]) -> np.ndarray:
         """The slot of each id, new ids given freed slots first (last freed first), then
@@ -93,6 +96,7 @@ class Partition:
     def grow_meta(self) -> None:
         self.seq = grown(self.seq, self.next_slot, -1)
         self.seq_len = grown(self.seq_len, self.next_slot, -1)
+        self.gen = grown(self.gen, self.next_slot, -1)
 
     def remember(self, slots: np.ndarray, sample_ids: list[str], meta: SampleMeta) -> None:
         """Record what the key space knows of new slots (first commit wins, tags merge)."""
@@ -112,9 +116,27 @@ class Partition:
                 if tag:
                     self.tags[slot] = {**self.tags.get(slot, {}), **tag}
 
+    def stamp(self, slots: np.ndarray, generation: int) -> None:
+        """These slots' bytes were just published by the commit ``generation``."""
+        self.grow_meta()
+        self.gen[slots] = generation
+
+    def holds(self, sample_ids: list[str], generations: list[int]) -> bool:
+        """Every sample is here, at the generation given (what a direct read checks)."""
+        slots = np.fromiter(
+            map(self.slot_of.get, sample_ids, itertools.repeat(-1)),
+            dtype=np.int64,
+            count=len(sample_ids),
+        )
+        if (slots < 0).any():
+            return False
+        self.grow_meta()
+        return bool((self.gen[slots] == np.asarray(generations, dtype=np.int64)).all())
+
     def forget_slots(self, slots: np.ndarray) -> None:
         self.grow_meta()
         self.seq[slots] = -1
+        self.gen[slots] = -1
         self.seq_len[slots] = -1
         for slot in slots.tolist():
             self.tags.pop(slot, None)

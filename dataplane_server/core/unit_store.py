@@ -51,6 +51,7 @@ from dataplane_client.errors import (
     FieldNotProduced,
     InvalidBatch,
     Overloaded,
+    RouteChanged,
     SamplesNotFound,
     SchemaConflict,
     StageReclaimed,
@@ -462,7 +463,9 @@ class UnitStore:
         del self.staged[write_id]
         part = self.partitions.setdefault(st.partition_id, Partition())
         slots = part.slots_for(st.sample_ids)
-        part.remember(slots, st.sample_ids, meta or st.meta or SampleMeta(seq=0))
+        sample_meta = meta or st.meta or SampleMeta(seq=0)
+        part.remember(slots, st.sample_ids, sample_meta)
+        part.stamp(slots, sample_meta.seq)
         replaced, cells = [], {}
         for name, (schema, block, offs, nbytes, lengths) in st.fields.items():
             col = part.column(name, schema)
@@ -594,6 +597,21 @@ class UnitStore:
         return unit_checkpoint.load(self, directory, dumped)
 
     # ---- read path ----------------------------------------------------------------
+    def _check_generations(
+        self, partition_id: str, sample_ids: list[str], expect: list[int] | None
+    ) -> None:
+        """A direct read (``expect``: the generation meant per sample) of samples this unit
+        does not hold at those generations: RouteChanged, and the reader asks the controller."""
+        if expect is None:
+            return
+        part = self.partitions.get(partition_id)
+        if part is None or len(expect) != len(sample_ids) or not part.holds(sample_ids, expect):
+            self.stats.inc("direct_read_misses_total")
+            raise RouteChanged(
+                f"unit {self.index} does not hold these samples at the generations asked for",
+                partition_id=partition_id,
+            )
+
     def _rows(self, partition_id: str, sample_ids: list[str], fields: list[str]):
         """Per field: (header, chunk ids, which chunk per row, byte starts, ends)."""
         part = self.partitions.get(partition_id)
@@ -632,15 +650,21 @@ class UnitStore:
             yield name, (header, uniq.tolist(), which, starts, starts + col.nbytes[slots])
 
     def read(
-        self, partition_id: str, sample_ids: list[str], fields: list[str]
+        self,
+        partition_id: str,
+        sample_ids: list[str],
+        fields: list[str],
+        expect: list[int] | None = None,
     ) -> dict[str, EncodedField]:
         """The fields' bytes, to be shipped through Ray (cross-node reads).
 
         Rows that lie back to back in one block go out as a view of the block,
         which Ray copies straight into the object store (the one copy on this
-        side); others are gathered first.
+        side); others are gathered first. ``expect``: a direct read's generations
+        (``RouteChanged`` unless every sample is here at its generation).
         """
         t0 = time.perf_counter()
+        self._check_generations(partition_id, sample_ids, expect)
         out: dict[str, EncodedField] = {}
         for name, (header, chunk_ids, which, starts, ends) in self._rows(
             partition_id, sample_ids, fields
@@ -674,14 +698,17 @@ class UnitStore:
         sample_ids: list[str],
         fields: list[str],
         owner: Hashable | None = None,
+        expect: list[int] | None = None,
     ) -> dict:
         """Where the fields' bytes sit in shared memory, for a reader on this node to map.
 
         The chunks named are leased to the reader until it calls ``release_reads``
         (or its process, ``owner``, dies): a leased chunk is never recycled. A field
         of at most ``INLINE_READ_BYTES`` comes back as its bytes instead (no lease).
+        ``expect``: as ``read``.
         """
         t0 = time.perf_counter()
+        self._check_generations(partition_id, sample_ids, expect)
         out: dict = {}
         lease, leased = self.leases.next_id, []
         for name, (header, chunk_ids, which, starts, ends) in self._rows(
