@@ -797,7 +797,7 @@ class RayDataPlaneClient(DataPlaneService):
         sample_ids: Sequence[str],
         partition_id: str,
         fields: Sequence[str],
-        hints: tuple[str, np.ndarray, np.ndarray] | None = None,
+        hints: tuple[str | None, np.ndarray, np.ndarray] | None = None,
     ) -> Flow:
         """The get flow, once its arguments are valid (checked before anything is sent):
         straight from the units where the rows' (unit, generation) are known (the meta's
