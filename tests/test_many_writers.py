@@ -115,8 +115,11 @@ def test_concurrent_puts_of_one_process_share_commit_calls_and_keep_their_own_ou
 
 @pytest.mark.slow
 def test_4096_concurrent_writers_lose_nothing_and_keep_their_goodput(tmp_path):
-    """The benchmark's fleet (8 writer actors) at 1,024 then 4,096 concurrent writers, one
-    put of 4 x 4 KiB each, every sample read back; in a subprocess with its own Ray."""
+    """The benchmark's fleet (8 writer actors) at 1,024, 4,096, then 1,024 concurrent writers
+    again, one put of 4 x 4 KiB each, every sample read back; in a subprocess with its own
+    Ray. The 4,096 run is judged against the mean of the two 1,024 runs around it, so a
+    change in the shared machine's load during the test weighs on both sides (a collapse,
+    as before admission, is 0.25x)."""
     out = tmp_path / "writers.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
@@ -125,7 +128,7 @@ def test_4096_concurrent_writers_lose_nothing_and_keep_their_goodput(tmp_path):
             "-m",
             "benchmarks.many_writers",
             "--levels",
-            "1024x1,4096x1",
+            "1024x1,4096x1,1024x1",
             "--out",
             str(out),
         ],
@@ -133,15 +136,16 @@ def test_4096_concurrent_writers_lose_nothing_and_keep_their_goodput(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=420,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    at_1024, at_4096 = json.loads(out.read_text())["levels"]
-    for level in (at_1024, at_4096):
+    before, at_4096, after = json.loads(out.read_text())["levels"]
+    for level in (before, at_4096, after):
         assert level["lost"] == 0, level
         assert level["corrupt"] == 0, level
         # Only the typed, retryable refusal may fail a put; never a KeyError.
         assert set(level["errors"]) <= {"Overloaded"}, level["errors"]
     assert at_4096["completed_puts"] == at_4096["puts"], at_4096["errors"]
-    ratio = at_4096["goodput_samples_per_s"] / at_1024["goodput_samples_per_s"]
-    assert ratio >= 0.9, f"goodput at 4,096 writers is {ratio:.2f}x the 1,024 writers' run"
+    at_1024 = (before["goodput_samples_per_s"] + after["goodput_samples_per_s"]) / 2
+    ratio = at_4096["goodput_samples_per_s"] / at_1024
+    assert ratio >= 0.9, f"goodput at 4,096 writers is {ratio:.2f}x the 1,024 writers' runs"
