@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+import numpy as np
 import ray
 
 from dataplane_client import failpoints, parallel_copy
@@ -78,10 +79,13 @@ class StorageUnit:
         sample_ids: list[str],
         encoded: dict[str, EncodedField],
         owner: list | None = None,
+        group_rows: dict[str, np.ndarray] | None = None,
     ) -> int:
         """Copy a write's bytes in (through Ray), invisible until publish. Returns bytes staged."""
         self._start_sweeper()
-        return await self.store.stage(partition_id, write_id, sample_ids, encoded, _owner(owner))
+        return await self.store.stage(
+            partition_id, write_id, sample_ids, encoded, _owner(owner), group_rows
+        )
 
     async def alloc_shm(
         self,
@@ -91,11 +95,12 @@ class StorageUnit:
         headers: dict[str, EncodedField],
         owner: list | None = None,
         closed_seq: int = -1,
+        group_rows: dict[str, np.ndarray] | None = None,
     ) -> ShmAlloc:
         """Stage a same-node write whose bytes the client copies into shared memory itself."""
         self._start_sweeper()
         return await self.store.alloc_shm(
-            partition_id, write_id, sample_ids, headers, _owner(owner), closed_seq
+            partition_id, write_id, sample_ids, headers, _owner(owner), closed_seq, group_rows
         )
 
     async def stage_leased(
@@ -107,12 +112,13 @@ class StorageUnit:
         owner: list | None,
         lease: int,
         closed_seq: int = -1,
+        group_rows: dict[str, np.ndarray] | None = None,
     ) -> ShmAlloc | None:
         """Stage a same-node write into the region of a ``WriteLease`` this writer holds
         (None: the lease is gone, nothing was staged)."""
         self._start_sweeper()
         return await self.store.stage_leased(
-            partition_id, write_id, sample_ids, headers, _owner(owner), lease, closed_seq
+            partition_id, write_id, sample_ids, headers, _owner(owner), lease, closed_seq, group_rows
         )
 
     async def stage_many(self, calls: list[tuple[str, tuple]]) -> list:
