@@ -200,7 +200,7 @@ class Transport:
                 )
             refs.append(call)
         results = yield refs
-        for i, (u, rows) in enumerate(plan.items()):
+        for i, u in enumerate(plan):
             if not in_shm[u] or isinstance(results[i], BaseException):
                 continue
             alloc: ShmAlloc | None = results[i]

@@ -118,7 +118,14 @@ class StorageUnit:
         (None: the lease is gone, nothing was staged)."""
         self._start_sweeper()
         return await self.store.stage_leased(
-            partition_id, write_id, sample_ids, headers, _owner(owner), lease, closed_seq, group_rows
+            partition_id,
+            write_id,
+            sample_ids,
+            headers,
+            _owner(owner),
+            lease,
+            closed_seq,
+            group_rows,
         )
 
     async def stage_many(self, calls: list[tuple[str, tuple]]) -> list:

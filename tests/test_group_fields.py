@@ -123,13 +123,15 @@ def test_a_member_whose_value_differs_is_refused_by_field_and_group(dp):
             {"prompt_ids": prompts, "responses": [_response(i) for i in range(4)]},
             tags=[{"group_id": 5}] * 4,
         )
-    assert err.value.fields == ["prompt_ids"] and err.value.ids == ["x2"]
+    assert err.value.fields == ["prompt_ids"]
+    assert err.value.ids == ["x2"]
     assert "group 5" in str(err.value)
     # Across puts: group 1's later members bring another prompt than the stored one.
     _put(dp, pid, groups=[0, 1], members=[0, 1])
     with pytest.raises(GroupValueConflict) as err:
         _put(dp, pid, groups=[1], members=[2, 3], prompt=odd_one_out)
-    assert err.value.fields == ["prompt_ids"] and "group 1" in str(err.value)
+    assert err.value.fields == ["prompt_ids"]
+    assert "group 1" in str(err.value)
     with pytest.raises(SamplesNotFound):  # nothing of a refused put is stored
         dp.get_samples(["s6", "x0"], pid, ["prompt_ids"])
     _check_read(dp, pid, [0, 1, 4, 5])

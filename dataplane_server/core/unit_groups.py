@@ -141,7 +141,5 @@ def distinct_bytes(col: Column, slots: np.ndarray) -> int:
         return int(col.nbytes[live].sum())
     if not len(live):
         return 0
-    _, first = np.unique(
-        np.stack([col.chunk[live], col.offset[live]]), axis=1, return_index=True
-    )
+    _, first = np.unique(np.stack([col.chunk[live], col.offset[live]]), axis=1, return_index=True)
     return int(col.nbytes[live][first].sum())

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dataplane_server.core.columns import grown
-from dataplane_server.core.unit_groups import distinct_bytes
 from dataplane_server.core.recovery_messages import SampleMeta, StoredRows
+from dataplane_server.core.unit_groups import distinct_bytes
 
 
 def _empty() -> np.ndarray:

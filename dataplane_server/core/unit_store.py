@@ -158,7 +158,12 @@ class UnitStore:
         """Copy a write's bytes in, invisible until publish. Returns bytes staged.
         ``group_rows``: per group field, each sample's row (``unit_groups``)."""
         regions = await self._stage(
-            partition_id, write_id, sample_ids, encoded, owner, header_only=False,
+            partition_id,
+            write_id,
+            sample_ids,
+            encoded,
+            owner,
+            header_only=False,
             group_rows=group_rows,
         )
         for name, enc in encoded.items():
@@ -185,7 +190,12 @@ class UnitStore:
         its copy is complete.
         """
         regions = await self._stage(
-            partition_id, write_id, sample_ids, headers, owner, header_only=True,
+            partition_id,
+            write_id,
+            sample_ids,
+            headers,
+            owner,
+            header_only=True,
             group_rows=group_rows,
         )
         return self._answer(regions, headers, owner, closed_seq)
@@ -480,7 +490,9 @@ class UnitStore:
             col.shared = True
             if name in reuse:  # the group's value stored before: the cells point at it
                 unit_groups.point_at_stored(col, slots, reuse[name])
-                cells[name] = Cells(col.chunk[slots].copy(), col.offset[slots].copy(), cells[name].added)
+                cells[name] = Cells(
+                    col.chunk[slots].copy(), col.offset[slots].copy(), cells[name].added
+                )
             blocks, counts = np.unique(col.chunk[slots], return_counts=True)
             for b, n in zip(blocks.tolist(), counts.tolist()):
                 self.arena.hold(b, n)
