@@ -45,7 +45,7 @@ def share(
     names = [name for name in encoded if name in group_fields]
     if not names:
         return SharedPut(encoded, {}, None)
-    given = tags or [None] * len(sample_ids)
+    given: list[dict | None] = list(tags) if tags else [None] * len(sample_ids)
     missing = [s for s, t in zip(sample_ids, given) if not t or "group_id" not in t]
     if missing:
         raise InvalidBatch(

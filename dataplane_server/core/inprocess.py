@@ -217,7 +217,7 @@ class InProcessDataPlaneClient(DataPlaneService):
                 )
                 if held is None:
                     continue
-                if not np.array_equal(held.values, rows[index[i]].values):
+                if not np.array_equal(held.require_values(), rows[index[i]].require_values()):
                     raise group_fields.stored_value_differs(name, group, part.partition_id)
                 out[(name, group)] = held
         return out

@@ -550,7 +550,7 @@ class UnitStore:
         dropped, held = 0, []
         for name, cells in write.fields.items():
             rows = np.flatnonzero(cells.added & only)
-            block = cells.block if np.isscalar(cells.block) else cells.block[rows]
+            block = cells.block[rows] if isinstance(cells.block, np.ndarray) else cells.block
             nbytes, blocks = part.empty_cells(
                 name, [ids[i] for i in rows.tolist()], block, cells.offsets[rows]
             )
