@@ -406,7 +406,23 @@ def partition_spec(spec: Any) -> PartitionSpec:
         policy_options=policy_options(spec.policy_options),
         numeric_tags=numeric_tag_types(spec.numeric_tags),
         staleness=staleness_spec(spec.staleness),
+        group_fields=group_field_names(spec.group_fields, spec.grpo_group_size),
     )
+
+
+def group_field_names(value: Any, group_size: Any) -> list[str]:
+    """``group_fields``: names of fields whose value is one per GRPO group. A sample's group
+    is its ``group_id`` tag, which only a partition with ``grpo_group_size`` requires."""
+    if value is None:
+        return []
+    names = list(dict.fromkeys(name_list(value, "group_fields", allow_empty=True)))
+    if names and group_size is None:
+        raise InvalidBatch(
+            "group_fields needs grpo_group_size: a sample's group is its group_id tag, "
+            "which only a grouped partition requires",
+            fields=names,
+        )
+    return names
 
 
 def claim_request(request: Any) -> ClaimRequest:

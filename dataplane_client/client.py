@@ -482,16 +482,23 @@ class RayDataPlaneClient(DataPlaneService):
             self._codecs.pop(partition_id, None)
         self._routes.forget(partition_id, sample_ids)
 
-    def _assign_new(self, sample_ids: Sequence[str], idx: np.ndarray) -> np.ndarray:
+    def _assign_new(
+        self, sample_ids: Sequence[str], idx: np.ndarray, groups: list | None = None
+    ) -> np.ndarray:
         """Units for samples never written: contiguous chunks over the live units.
 
         Contiguous runs keep the per-unit split of the caller's buffers a
         zero-copy slice; the first id picks the starting unit so many small
         writers spread evenly. The controller records the choice at commit.
+        ``groups`` (a put of group fields): a group's members go to one unit, picked
+        by its group_id, so every writer of the group finds its stored value there.
         """
         alive = [u for u, ok in enumerate(self._alive) if ok]
         if not alive:
             raise SamplesLost("no storage unit is alive", ids=[sample_ids[i] for i in idx])
+        if groups is not None:
+            picks = [zlib.crc32(repr(groups[i]).encode()) % len(alive) for i in idx.tolist()]
+            return np.asarray(alive, dtype=np.int64)[np.asarray(picks, dtype=np.int64)]
         start = zlib.crc32(sample_ids[int(idx[0])].encode()) % len(alive) if len(idx) else 0
         chunk = np.arange(len(idx)) * len(alive) // max(len(idx), 1)
         return np.asarray(alive, dtype=np.int64)[(chunk + start) % len(alive)]
@@ -519,6 +526,7 @@ class RayDataPlaneClient(DataPlaneService):
         policy_options: Mapping[str, Any] | None = None,
         numeric_tags: Mapping[str, str] | None = None,
         staleness: StalenessSpec | None = None,
+        group_fields: Sequence[str] = (),
     ) -> Flow:
         """Declare a partition; one of the same id is replaced (its samples deleted).
 
@@ -532,7 +540,9 @@ class RayDataPlaneClient(DataPlaneService):
         size; also ``"seqlen_balanced"``), ``policy_options`` its options (e.g.
         ``{"dp_size": 4}``); ``numeric_tags`` declares tags kept as typed
         columns (e.g. ``{"policy_version": "int64"}``); ``staleness`` makes the partition
-        versioned (async RL: ``StalenessSpec``).
+        versioned (async RL: ``StalenessSpec``); ``group_fields`` names fields whose
+        value is one per GRPO group (the ``group_id`` tag): stored once per group, read
+        back by every member (needs ``grpo_group_size``).
         """
         # Every argument checked (in the controller's order) before anything is forgotten or sent.
         spec = arguments.partition_spec(
@@ -549,9 +559,13 @@ class RayDataPlaneClient(DataPlaneService):
                 policy_options=policy_options,
                 numeric_tags=numeric_tags,
                 staleness=staleness,
+                group_fields=group_fields,
             )
         )
-        codecs = arguments.field_codecs(spec.enums, spec.object_fields)
+        codecs = dataclasses.replace(
+            arguments.field_codecs(spec.enums, spec.object_fields),
+            group_fields=frozenset(spec.group_fields),
+        )
         self._forget(partition_id, None)
         _one((yield [self._open_controller().register_partition.remote(spec)]))
         self._codecs[partition_id] = codecs
@@ -641,7 +655,7 @@ class RayDataPlaneClient(DataPlaneService):
         for _attempt in range(_MAX_REROUTES + 1):
             new = np.nonzero(units < 0)[0]
             if len(new):
-                units[new] = self._assign_new(sample_ids, new)
+                units[new] = self._assign_new(sample_ids, new, w.groups if w.shared else None)
             if self._replicas > 1:
                 derived = placement.second_units(units, self._alive, self._nodes)
                 replicas = np.where(replicas == -2, derived, replicas)
@@ -658,6 +672,7 @@ class RayDataPlaneClient(DataPlaneService):
                 via_ray=frozenset(via_ray),
                 use_leases=use_leases,
                 expires_at=deadline.expires_at,
+                shared=w.shared,
             )
             errors = [(u, r) for u, r in zip(staged, results) if isinstance(r, BaseException)]
             if errors:

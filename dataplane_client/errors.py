@@ -99,6 +99,12 @@ class SchemaConflict(DataPlaneError, ValueError):
     """A field was written with a dtype / trailing shape / layout other than its first write."""
 
 
+class GroupValueConflict(DataPlaneError, ValueError):
+    """A member's value of a per-group field (``group_fields``) differs from its group's:
+    the group's value is stored once, so members must agree bit for bit. Names the field,
+    the group (in the message) and the members whose value differs; nothing is stored."""
+
+
 class InvalidBatch(DataPlaneError, ValueError):
     """An argument or the batch itself is malformed: length mismatch, duplicate ids, bad value."""
 

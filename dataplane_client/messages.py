@@ -79,6 +79,9 @@ class FieldCodecs:
 
     enums: dict[str, tuple[str, ...]] = field(default_factory=dict)
     object_fields: frozenset[str] = frozenset()
+    # Fields whose value is one per GRPO group (``group_fields``): a put sends and the
+    # units store each group's value once (``dataplane_client.group_fields``).
+    group_fields: frozenset[str] = frozenset()
 
     @functools.cached_property
     def key(self) -> str:
@@ -86,7 +89,10 @@ class FieldCodecs:
         client checks its cached codecs against the partition's with it (a partition
         re-registered with another vocabulary has another key)."""
         words = sorted((name, list(vocab)) for name, vocab in self.enums.items())
-        blob = json.dumps([words, sorted(self.object_fields)], ensure_ascii=False)
+        declared: list = [words, sorted(self.object_fields)]
+        if self.group_fields:  # without them the key is what it always was
+            declared.append(sorted(self.group_fields))
+        blob = json.dumps(declared, ensure_ascii=False)
         return hashlib.blake2b(blob.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
@@ -172,6 +178,7 @@ class PartitionSpec:
     policy_options: Any = None
     numeric_tags: Any = None
     staleness: Any = None  # StalenessSpec | None: a versioned partition (async RL)
+    group_fields: Any = ()  # fields stored once per GRPO group (needs grpo_group_size)
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,12 @@ reaches either store in the same encoded form.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from dataplane_client import arguments
+import numpy as np
+
+from dataplane_client import arguments, group_fields
 from dataplane_client.codec import DENSE, JAGGED, EncodedField, decode_field, encode_fields
 from dataplane_client.errors import InvalidBatch
 from dataplane_client.messages import FieldCodecs
@@ -28,6 +30,10 @@ class Write:
     sequence_lengths: list[int] | None
     tags: list[dict] | None
     overwrite: bool
+    # Group fields (``group_fields``): ``encoded`` holds one row per group of the put, and
+    # ``shared[field][i]`` is sample i's row in it; ``groups``: each sample's group_id.
+    shared: dict[str, np.ndarray] = field(default_factory=dict)
+    groups: list | None = None
 
     @property
     def schemas(self) -> dict[str, tuple]:
@@ -66,7 +72,9 @@ def write(
         enums=codecs.enums,
         object_fields=codecs.object_fields,
     )
-    return Write(ids, encoded, sequence_lengths(encoded), tag_list, overwrite)
+    lengths = sequence_lengths(encoded)  # per sample, before group fields are shared
+    put = group_fields.share(ids, tag_list, encoded, codecs.group_fields, partition_id)
+    return Write(ids, put.encoded, lengths, tag_list, overwrite, put.index, put.groups)
 
 
 def read_fields(meta: KVBatchMeta, select_fields: Sequence[str] | None) -> list[str]:

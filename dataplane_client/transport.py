@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from dataplane_client import parallel_copy, shm
+from dataplane_client import group_fields, parallel_copy, shm
 from dataplane_client.call_batcher import CallBatcher
 from dataplane_client.codec import (
     EncodedField,
@@ -122,6 +122,7 @@ class Transport:
         via_ray: frozenset[int] = frozenset(),
         use_leases: bool = True,
         expires_at: float | None = None,
+        shared: dict[str, np.ndarray] | None = None,
     ) -> Flow:
         """Stage a write's rows on each unit of ``plan``; returns one result (or error) per unit.
 
@@ -131,7 +132,9 @@ class Transport:
         Otherwise the unit allocates, then the rows are copied. ``via_ray``: units
         this write reaches through Ray whatever ``shared`` says; ``use_leases``
         False: allocate anew (a retry after a lease was reclaimed under us);
-        ``expires_at``: the put's deadline (``put_deadline``), which each unit keeps.
+        ``expires_at``: the put's deadline (``put_deadline``), which each unit keeps;
+        ``shared``: group fields (``group_fields.share``), whose encoded rows are one per
+        group; each unit gets the rows its samples need and who reads which.
 
         How each unit was staged is decided once, here, and kept in this flow:
         ``shared`` may change while the stage calls travel (another put of this
@@ -141,10 +144,15 @@ class Transport:
         refs, owner = [], self._stage_owner()
         in_shm = {u: self.shared[u] and u not in via_ray for u in plan}
         copied: dict[int, BaseException | None] = {}  # unit -> error of a copy made up front
+        rows_of: dict[int, dict[str, np.ndarray]] = {}  # unit -> per field, the rows it gets
         for u, rows in plan.items():
             ids = [sample_ids[i] for i in rows]
+            rows_of[u], positions = group_fields.rows_for_unit(list(encoded), shared or {}, rows)
+            group_rows = positions or None  # sent only for group fields
             if in_shm[u]:
-                headers = {k: take_rows(e, rows, header_only=True) for k, e in encoded.items()}
+                headers = {
+                    k: take_rows(e, rows_of[u][k], header_only=True) for k, e in encoded.items()
+                }
                 sizes = [h.nbytes for h in headers.values()]
                 lease = self._take_lease(u, sizes) if use_leases else None
                 nbytes = sum(sizes)
@@ -162,15 +170,16 @@ class Transport:
                             lease.lease,
                             self._closed_seq[u],
                             expires_at,
+                            group_rows,
                         ),
                     )
                     offsets, _ = shm.layout(sizes)
                     base = lease.region.offset
                     targets = [
-                        (enc, lease.region.chunk, base + off)
-                        for enc, off in zip(encoded.values(), offsets)
+                        (enc, lease.region.chunk, base + off, rows_of[u][k])
+                        for (k, enc), off in zip(encoded.items(), offsets)
                     ]
-                    copied[u] = self._copy_in(u, targets, rows)
+                    copied[u] = self._copy_in(u, targets)
                 else:
                     call = self._stage_call(
                         u,
@@ -184,17 +193,21 @@ class Transport:
                             owner,
                             self._closed_seq[u],
                             expires_at,
+                            group_rows,
                         ),
                     )
             else:
-                parts = {k: take_rows(e, rows) for k, e in encoded.items()}
+                parts = {k: take_rows(e, rows_of[u][k]) for k, e in encoded.items()}
                 nbytes = sum(p.nbytes for p in parts.values())
                 call = self._stage_call(
-                    u, nbytes, "stage", (partition_id, write_id, ids, parts, owner, expires_at)
+                    u,
+                    nbytes,
+                    "stage",
+                    (partition_id, write_id, ids, parts, owner, expires_at, group_rows),
                 )
             refs.append(call)
         results = yield refs
-        for i, (u, rows) in enumerate(plan.items()):
+        for i, u in enumerate(plan):
             if not in_shm[u] or isinstance(results[i], BaseException):
                 continue
             alloc: ShmAlloc | None = results[i]
@@ -208,8 +221,10 @@ class Transport:
             if u in copied:
                 error = copied[u]
             else:
-                targets = [(encoded[n], r.chunk, r.offset) for n, r in alloc.regions.items()]
-                error = self._copy_in(u, targets, rows)
+                targets = [
+                    (encoded[n], r.chunk, r.offset, rows_of[u][n]) for n, r in alloc.regions.items()
+                ]
+                error = self._copy_in(u, targets)
             if error is not None:
                 results[i] = error
                 self.discard(u, write_id)  # staged, but its bytes never arrived: not awaited
@@ -258,13 +273,12 @@ class Transport:
     def _copy_in(
         self,
         unit: int,
-        targets: list[tuple[EncodedField, ChunkRef, int]],
-        rows: np.ndarray,
+        targets: list[tuple[EncodedField, ChunkRef, int, np.ndarray]],
     ) -> BaseException | None:
-        """Copy the rows of each field to its (chunk, offset); the error if not."""
+        """Copy the given rows of each field to its (chunk, offset); the error if not."""
         try:
             pairs = []  # every field's copies run together, split over threads
-            for enc, chunk, offset in targets:
+            for enc, chunk, offset, rows in targets:
                 nbytes = take_rows(enc, rows, header_only=True).nbytes
                 dest = shm.map_for_write(chunk, offset, nbytes)
                 field_pairs = row_copy_pairs(enc, rows, dest)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+import numpy as np
 import ray
 
 from dataplane_client import failpoints, parallel_copy
@@ -79,11 +80,18 @@ class StorageUnit:
         encoded: dict[str, EncodedField],
         owner: list | None = None,
         expires_at: float | None = None,
+        group_rows: dict[str, np.ndarray] | None = None,
     ) -> int:
         """Copy a write's bytes in (through Ray), invisible until publish. Returns bytes staged."""
         self._start_sweeper()
         return await self.store.stage(
-            partition_id, write_id, sample_ids, encoded, _owner(owner), expires_at
+            partition_id,
+            write_id,
+            sample_ids,
+            encoded,
+            _owner(owner),
+            expires_at,
+            group_rows,
         )
 
     async def alloc_shm(
@@ -95,11 +103,19 @@ class StorageUnit:
         owner: list | None = None,
         closed_seq: int = -1,
         expires_at: float | None = None,
+        group_rows: dict[str, np.ndarray] | None = None,
     ) -> ShmAlloc:
         """Stage a same-node write whose bytes the client copies into shared memory itself."""
         self._start_sweeper()
         return await self.store.alloc_shm(
-            partition_id, write_id, sample_ids, headers, _owner(owner), closed_seq, expires_at
+            partition_id,
+            write_id,
+            sample_ids,
+            headers,
+            _owner(owner),
+            closed_seq,
+            expires_at,
+            group_rows,
         )
 
     async def stage_leased(
@@ -112,6 +128,7 @@ class StorageUnit:
         lease: int,
         closed_seq: int = -1,
         expires_at: float | None = None,
+        group_rows: dict[str, np.ndarray] | None = None,
     ) -> ShmAlloc | None:
         """Stage a same-node write into the region of a ``WriteLease`` this writer holds
         (None: the lease is gone, nothing was staged)."""
@@ -125,6 +142,7 @@ class StorageUnit:
             lease,
             closed_seq,
             expires_at,
+            group_rows,
         )
 
     async def stage_many(self, calls: list[tuple[str, tuple]]) -> list:

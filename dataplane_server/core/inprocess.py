@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from dataplane_client import arguments, prepare
+from dataplane_client import arguments, group_fields, prepare
 from dataplane_client.assembly import assemble
 from dataplane_client.codec import EncodedField, row_byte_offsets
 from dataplane_client.errors import (
@@ -127,6 +127,7 @@ class InProcessDataPlaneClient(DataPlaneService):
         policy_options: Mapping[str, Any] | None = None,
         numeric_tags: Mapping[str, str] | None = None,
         staleness: StalenessSpec | None = None,
+        group_fields: Sequence[str] = (),
     ) -> None:
         """Declare a partition; one of the same id is replaced (its samples deleted). The
         extras as the Ray client's: leases, claim policy and options, numeric tags."""
@@ -144,6 +145,7 @@ class InProcessDataPlaneClient(DataPlaneService):
                 policy_options=policy_options,
                 numeric_tags=numeric_tags,
                 staleness=staleness,
+                group_fields=group_fields,
             )
         )
         with self._changed:
@@ -169,7 +171,56 @@ class InProcessDataPlaneClient(DataPlaneService):
 
     @staticmethod
     def _nbytes(samples: Any) -> int:
-        return sum(int(enc.values.nbytes) for fields in samples for enc in fields.values())
+        """Bytes of these samples' rows; a group's value (one row object its members
+        share) counted once."""
+        rows = {id(enc): enc for fields in samples for enc in fields.values()}
+        return sum(int(enc.values.nbytes) for enc in rows.values())
+
+    def _freed(self, partition_id: str, removed: list) -> int:
+        """Bytes of removed samples' rows that no sample left in the partition holds (a
+        group's value goes with its last member)."""
+        freed = self._nbytes(removed)
+        part = self._open().partitions.get(partition_id)
+        if part is None or not part.declaration.group_fields:
+            return freed
+        left = self._store[partition_id].values()
+        kept = {id(enc): enc for fields in left for enc in fields.values()}
+        held = {id(enc): enc for fields in removed for enc in fields.values() if id(enc) in kept}
+        return freed - sum(int(enc.values.nbytes) for enc in held.values())
+
+    def _stored_group_rows(
+        self, keys: KeySpace, partition_id: str, w: prepare.Write
+    ) -> dict[tuple, EncodedField]:
+        """(field, group) -> the value a group of this put already stores (a member outside
+        the put holds it); GroupValueConflict where the put's value differs from it."""
+        if not w.shared:
+            return {}
+        assert w.groups is not None
+        part = keys.partition(partition_id)
+        store, own = self._store[partition_id], set(w.sample_ids)
+        out: dict[tuple, EncodedField] = {}
+        for name, index in w.shared.items():
+            rows = _rows_of(w.encoded[name])
+            for i, group in enumerate(w.groups):
+                if (name, group) in out or group not in part.group_index:
+                    continue
+                code = part.group_index[group]
+                n = part.n_rows
+                members = np.flatnonzero(part.live[:n] & (part.group_code[:n] == code))
+                held = next(
+                    (
+                        store[sid][name]
+                        for sid in (part.ids[r] for r in members.tolist())
+                        if sid not in own and sid in store and name in store[sid]
+                    ),
+                    None,
+                )
+                if held is None:
+                    continue
+                if not np.array_equal(held.require_values(), rows[index[i]].require_values()):
+                    raise group_fields.stored_value_differs(name, group, part.partition_id)
+                out[(name, group)] = held
+        return out
 
     # ---- put ----------------------------------------------------------------------
     def put_samples(
@@ -191,6 +242,7 @@ class InProcessDataPlaneClient(DataPlaneService):
                 overwrite,
                 self._codecs_of(keys, partition_id),
             )
+            stored = self._stored_group_rows(keys, partition_id, w)  # before any reservation
             plan = keys.check_commit(
                 CommitRequest(
                     partition_id=partition_id,
@@ -208,8 +260,15 @@ class InProcessDataPlaneClient(DataPlaneService):
             assert isinstance(plan, CommitPlan)
             store = self._store[partition_id]
             for name, enc in w.encoded.items():
-                for sid, row in zip(w.sample_ids, _rows_of(enc)):
-                    store.setdefault(sid, {})[name] = row
+                rows = _rows_of(enc)
+                index = w.shared.get(name)
+                if index is None:
+                    for sid, row in zip(w.sample_ids, rows):
+                        store.setdefault(sid, {})[name] = row
+                    continue
+                assert w.groups is not None  # a group field: members share one row object
+                for sid, group, i in zip(w.sample_ids, w.groups, index.tolist()):
+                    store.setdefault(sid, {})[name] = stored.get((name, group), rows[i])
             result, _ = keys.apply_commit(plan)
             self._notify()
         return KVBatchMeta(
@@ -434,7 +493,7 @@ class InProcessDataPlaneClient(DataPlaneService):
         with self._changed:
             self._open().clear_samples(partition_id, ids)
             store = self._store[partition_id]
-            freed = self._nbytes(store.pop(s) for s in ids if s in store)
+            freed = self._freed(partition_id, [store.pop(s) for s in ids if s in store])
             self._notify()
         return ClearResult(cleared=len(ids), bytes_freed=freed)
 
@@ -511,7 +570,7 @@ class InProcessDataPlaneClient(DataPlaneService):
             store = self._store[partition_id]
             gone = [store.pop(sid) for ids in keys.clear_rows(part, rows).values() for sid in ids]
             self._notify()
-            return ClearResult(cleared=len(rows), bytes_freed=self._nbytes(gone))
+            return ClearResult(cleared=len(rows), bytes_freed=self._freed(partition_id, gone))
 
     def peek_meta(
         self,

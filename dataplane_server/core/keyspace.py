@@ -87,6 +87,7 @@ class Declaration:
     policy_options: dict[str, Any] = field(default_factory=dict)
     numeric_tags: dict[str, str] = field(default_factory=dict)  # tag -> dtype of its column
     staleness: StalenessSpec | None = None  # async RL: versions, the window, admission
+    group_fields: frozenset[str] = frozenset()  # stored once per group (group_id tag)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.task_leases) - set(self.consumer_tasks))
@@ -117,7 +118,11 @@ class Declaration:
 
     @functools.cached_property
     def codecs(self) -> FieldCodecs:
-        return FieldCodecs(enums=dict(self.enums), object_fields=self.object_fields)
+        return FieldCodecs(
+            enums=dict(self.enums),
+            object_fields=self.object_fields,
+            group_fields=self.group_fields,
+        )
 
     @property
     def traits(self) -> PartitionTraits:
@@ -141,12 +146,13 @@ class Declaration:
             "policy_options": dict(self.policy_options),
             "numeric_tags": dict(self.numeric_tags),
             "staleness": None if self.staleness is None else dataclasses.asdict(self.staleness),
+            "group_fields": sorted(self.group_fields),
         }
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Declaration:
         """Inverse of ``to_record``. A record of an older version lacks what came later:
-        codecs (none), claim policy (the default), numeric tags (none)."""
+        codecs (none), claim policy (the default), numeric tags (none), group fields (none)."""
         return cls(
             fields=list(record["fields"]),
             expected_samples=record["expected_samples"],
@@ -159,6 +165,7 @@ class Declaration:
             policy_options=dict(record.get("policy_options") or {}),
             numeric_tags=dict(record.get("numeric_tags") or {}),
             staleness=None if not record.get("staleness") else StalenessSpec(**record["staleness"]),
+            group_fields=frozenset(record.get("group_fields") or ()),
         )
 
 
@@ -179,6 +186,7 @@ def declare(spec: Any) -> Declaration:
         policy_options=spec.policy_options,
         numeric_tags=dict(spec.numeric_tags),
         staleness=spec.staleness,
+        group_fields=frozenset(spec.group_fields),
     )
     policy = claim_policies.get(declared.claim_policy)
     options = policy.check_options(declared.policy_options, declared.traits)

@@ -57,26 +57,42 @@ def dump(store: UnitStore, directory: str, skip: dict[str, list[str]] | None) ->
                 (part.slot_of[s] for s in rows.sample_ids), dtype=np.int64, count=len(rows.seq)
             )
             for fname, col in part.columns.items():
+                col.ensure(part.next_slot)
                 have = np.nonzero(col.chunk[slots] >= 0)[0]
-                picked = slots[have]
+                picked, shared_as = _one_per_value(col, slots[have])
                 starts = col.offset[picked]
                 uniq, which = np.unique(col.chunk[picked], return_inverse=True)
                 values = store.arena.gather(
                     uniq.tolist(), which, starts, starts + col.nbytes[picked]
                 )
-                put(
-                    {
-                        "kind": "field",
-                        "partition": pid,
-                        "field": fname,
-                        "schema": list(col.schema[:2]) + [list(col.schema[2])],
-                        "rows": have.tolist(),
-                        "nbytes": col.nbytes[picked].tolist(),
-                        "lengths": col.length[picked].tolist(),
-                        "values": values.tobytes(),
-                    }
-                )
+                record = {
+                    "kind": "field",
+                    "partition": pid,
+                    "field": fname,
+                    "schema": list(col.schema[:2]) + [list(col.schema[2])],
+                    "rows": have.tolist(),
+                    "nbytes": col.nbytes[picked].tolist(),
+                    "lengths": col.length[picked].tolist(),
+                    "values": values.tobytes(),
+                }
+                if shared_as is not None:  # a group field: each value once, rows name theirs
+                    record["value_of_row"] = shared_as.tolist()
+                put(record)
     return DumpedFile(store.index, name, size, digest.hexdigest())
+
+
+def _one_per_value(col: Column, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """The slots whose bytes a field's record holds: every slot's, or for a group field
+    (``Column.shared``) one slot per stored value, with each slot's value among them."""
+    if not col.shared:
+        return slots, None
+    _, first, value_of_row = np.unique(
+        np.stack([col.chunk[slots], col.offset[slots]]),
+        axis=1,
+        return_index=True,
+        return_inverse=True,
+    )
+    return slots[first], value_of_row.reshape(-1)
 
 
 def load(store: UnitStore, directory: str, dumped: DumpedFile) -> int:
@@ -106,6 +122,8 @@ def load(store: UnitStore, directory: str, dumped: DumpedFile) -> int:
             part.seq[slots] = rec["seq"]
             part.seq_len[slots] = rec["seq_len"]
             part.tags.update((int(s), t) for s, t in zip(slots, rec["tags"]) if t)
+            for slot in part.tags:
+                part.index_group(slot)
             loaded += len(slots)
         else:
             _load_field(store, store.partitions[pid], ids_of[pid], rec)
@@ -128,12 +146,18 @@ def _load_field(store: UnitStore, part: Partition, ids: list[str], rec: dict) ->
         (part.slot_of[ids[i]] for i in rec["rows"]), dtype=np.int64, count=len(rec["rows"])
     )
     nbytes = np.asarray(rec["nbytes"], dtype=np.int64)
-    col = part.columns[rec["field"]] = Column(schema)
+    lengths = np.asarray(rec["lengths"], dtype=np.int64)
+    offsets = offset + np.cumsum(nbytes) - nbytes  # values back to back
+    value_of_row = rec.get("value_of_row")
+    col = part.columns[rec["field"]] = Column(schema, shared=value_of_row is not None)
+    if value_of_row is not None:  # a group field: the rows of a group share its one value
+        which = np.asarray(value_of_row, dtype=np.int64)
+        offsets, nbytes, lengths = offsets[which], nbytes[which], lengths[which]
     col.ensure(part.next_slot)
     col.chunk[slots] = block
-    col.offset[slots] = offset + np.cumsum(nbytes) - nbytes  # rows back to back
+    col.offset[slots] = offsets
     col.nbytes[slots] = nbytes
-    col.length[slots] = rec["lengths"]
+    col.length[slots] = lengths
     arena.hold(block, len(slots))
     arena.release([block])  # the allocation's own reference
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from dataplane_server.core.columns import grown
 from dataplane_server.core.recovery_messages import SampleMeta, StoredRows
+from dataplane_server.core.unit_groups import distinct_bytes
 
 
 def _empty() -> np.ndarray:
@@ -31,6 +32,7 @@ class Column:
     offset: np.ndarray = field(default_factory=_empty)
     nbytes: np.ndarray = field(default_factory=_empty)
     length: np.ndarray = field(default_factory=_empty)
+    shared: bool = False  # a group field: cells of one group point at one region
 
     def ensure(self, n: int) -> None:
         self.chunk = grown(self.chunk, n, -1)
@@ -52,6 +54,7 @@ class Partition:
     # Per slot: the commit (its seq) that last published bytes into it, -1 = unknown. A
     # direct read names the generation it means; a mismatch sends it to the controller.
     gen: np.ndarray = field(default_factory=_empty)
+    group_slots: dict = field(default_factory=dict)  # group_id -> its members' slots here
 
     def slots_for(self, sample_ids: list[str]) -> np.ndarray:
         """The slot of each id, new ids given freed slots first (last freed first), then
@@ -115,6 +118,13 @@ class Partition:
                 tag = meta.tags.get(sid)
                 if tag:
                     self.tags[slot] = {**self.tags.get(slot, {}), **tag}
+                    self.index_group(slot)
+
+    def index_group(self, slot: int) -> None:
+        """Count the slot among its group's members (group fields find stored values so)."""
+        group = self.tags[slot].get("group_id")
+        if group is not None:
+            self.group_slots.setdefault(group, set()).add(slot)
 
     def stamp(self, slots: np.ndarray, generation: int) -> None:
         """These slots' bytes were just published by the commit ``generation``."""
@@ -139,7 +149,12 @@ class Partition:
         self.gen[slots] = -1
         self.seq_len[slots] = -1
         for slot in slots.tolist():
-            self.tags.pop(slot, None)
+            group = (self.tags.pop(slot, None) or {}).get("group_id")
+            members = self.group_slots.get(group)
+            if members is not None:
+                members.discard(slot)
+                if not members:
+                    del self.group_slots[group]
 
     def drop(self, sample_ids: list[str] | None) -> tuple[int, list[np.ndarray]]:
         """Forget samples (None: every slot, for a partition being deleted). Returns the
@@ -156,18 +171,25 @@ class Partition:
         for col in self.columns.values():
             col.ensure(self.next_slot)
             blocks = col.chunk[slots]
-            dropped += int(col.nbytes[slots][blocks >= 0].sum())
+            if col.shared:  # a group's value is dropped with its last member only
+                before = col_bytes = distinct_bytes(col, np.arange(self.next_slot))
+            else:
+                col_bytes = int(col.nbytes[slots][blocks >= 0].sum())
             held.append(blocks.copy())
             col.chunk[slots] = -1
+            if col.shared:
+                col_bytes = before - distinct_bytes(col, np.arange(self.next_slot))
+            dropped += col_bytes
         return dropped, held
 
     def empty_cells(
-        self, name: str, sample_ids: list[str], block: int, offsets: np.ndarray
+        self, name: str, sample_ids: list[str], block: int | np.ndarray, offsets: np.ndarray
     ) -> tuple[int, np.ndarray]:
         """Empty the cells of field ``name`` of these samples that still point at the
         bytes at ``(block, offsets[i])`` (a region is handed out once, so only the write
-        that placed them there matches). Returns the bytes dropped and the block id per
-        emptied cell (one reference each)."""
+        that placed them there matches; ``block`` may be one per sample, where a group
+        field's cells point at a value stored before). Returns the bytes dropped and the
+        block id per emptied cell (one reference each)."""
         col = self.columns.get(name)
         if col is None:
             return 0, _empty()
@@ -178,12 +200,18 @@ class Partition:
             count=len(sample_ids),
         )
         known = slots >= 0
+        blocks = np.broadcast_to(np.asarray(block, dtype=np.int64), slots.shape)
         hit = slots[known][
-            (col.chunk[slots[known]] == block) & (col.offset[slots[known]] == offsets[known])
+            (col.chunk[slots[known]] == blocks[known])
+            & (col.offset[slots[known]] == offsets[known])
         ]
+        before = distinct_bytes(col, np.arange(self.next_slot)) if col.shared else 0
         dropped = int(col.nbytes[hit].sum())
+        emptied = col.chunk[hit].copy()
         col.chunk[hit] = -1
-        return dropped, np.full(len(hit), block, dtype=np.int64)
+        if col.shared:
+            dropped = before - distinct_bytes(col, np.arange(self.next_slot))
+        return dropped, emptied
 
     def forget_if_empty(self, sample_ids: list[str], names: list[str]) -> None:
         """Forget those of these samples that hold no bytes in any field, and those of the
@@ -206,11 +234,8 @@ class Partition:
 
     def live_bytes(self) -> int:
         """The rows' own bytes of data (not the blocks around them)."""
-        total = 0
-        for col in self.columns.values():
-            live = col.chunk[: self.next_slot] >= 0
-            total += int(col.nbytes[: self.next_slot][live].sum())
-        return total
+        every = np.arange(self.next_slot)
+        return sum(distinct_bytes(col, every) for col in self.columns.values())
 
     def stored_rows(self, skip: frozenset[str] = frozenset()) -> StoredRows:
         """Every sample but ``skip``: ids, commit metadata, schemas, produced bits."""

@@ -58,7 +58,7 @@ from dataplane_client.errors import (
 )
 from dataplane_client.messages import SharedRows, ShmAlloc, ShmRegion, UnitSnapshot, WriteLease
 from dataplane_client.put_deadline import stage_deadline_s
-from dataplane_server.core import unit_checkpoint, unit_preview
+from dataplane_server.core import unit_checkpoint, unit_groups, unit_preview
 from dataplane_server.core.arena import Arena
 from dataplane_server.core.columns import counts_errors
 from dataplane_server.core.recovery_messages import (
@@ -89,6 +89,7 @@ class Staged:
     owner: Hashable | None  # the writer's process: its death reclaims the stage
     meta: SampleMeta | None = None  # set by prepare: the commit is under way, never reclaimed
     staged_units: list[int] = field(default_factory=list)  # every unit of the prepared commit
+    shared: frozenset[str] = frozenset()  # group fields: one value per group (unit_groups)
 
     def blocks(self) -> np.ndarray:
         return np.array([block for (_, block, *_rest) in self.fields.values()], dtype=np.int64)
@@ -156,13 +157,22 @@ class UnitStore:
         encoded: dict[str, EncodedField],
         owner: Hashable | None = None,
         expires_at: float | None = None,
+        group_rows: dict[str, np.ndarray] | None = None,
     ) -> int:
         """Copy a write's bytes in, invisible until publish. Returns bytes staged.
 
         ``expires_at``: the put's deadline (``put_deadline``); the stage is refused
-        after it and kept until shortly after it."""
+        after it and kept until shortly after it. ``group_rows``: per group field, each
+        sample's row (``unit_groups``)."""
         regions = await self._stage(
-            partition_id, write_id, sample_ids, encoded, owner, expires_at, header_only=False
+            partition_id,
+            write_id,
+            sample_ids,
+            encoded,
+            owner,
+            expires_at,
+            header_only=False,
+            group_rows=group_rows,
         )
         for name, enc in encoded.items():
             block, offset = regions[name]
@@ -178,6 +188,7 @@ class UnitStore:
         owner: Hashable | None = None,
         closed_seq: int = -1,
         expires_at: float | None = None,
+        group_rows: dict[str, np.ndarray] | None = None,
     ) -> ShmAlloc:
         """Stage a same-node write whose bytes the client copies into shared memory itself.
 
@@ -188,7 +199,14 @@ class UnitStore:
         its copy is complete.
         """
         regions = await self._stage(
-            partition_id, write_id, sample_ids, headers, owner, expires_at, header_only=True
+            partition_id,
+            write_id,
+            sample_ids,
+            headers,
+            owner,
+            expires_at,
+            header_only=True,
+            group_rows=group_rows,
         )
         return self._answer(regions, headers, owner, closed_seq)
 
@@ -202,6 +220,7 @@ class UnitStore:
         lease: int,
         closed_seq: int = -1,
         expires_at: float | None = None,
+        group_rows: dict[str, np.ndarray] | None = None,
     ) -> ShmAlloc | None:
         """Stage a same-node write into the region of a ``WriteLease`` this writer holds.
 
@@ -223,6 +242,7 @@ class UnitStore:
                 expires_at,
                 header_only=True,
                 lease=held,
+                group_rows=group_rows,
             )
         except BaseException:
             self.arena.taint([held.block])  # the writer is copying into it right now
@@ -284,14 +304,16 @@ class UnitStore:
         *,
         header_only,
         lease: LeasedRegion | None = None,
+        group_rows: dict[str, np.ndarray] | None = None,
     ) -> dict[str, tuple[int, int]]:
         """Validate, wait for room, allocate one region for the write (or take ``lease``'s),
         its fields laid out in it back to back: {field: (block, offset)}."""
         t0 = time.perf_counter()
         keep_s = stage_deadline_s(expires_at, self.stage_ttl_s, self.index)  # or Overloaded
+        group_rows = unit_groups.checked_rows(group_rows, encoded, len(sample_ids))
         for name, enc in encoded.items():
             enc.validate(name, header_only=header_only)
-            if enc.num_rows != len(sample_ids):
+            if name not in group_rows and enc.num_rows != len(sample_ids):
                 raise SchemaConflict(
                     f"{enc.num_rows} rows for {len(sample_ids)} ids", fields=[name]
                 )
@@ -330,10 +352,21 @@ class UnitStore:
             if len(nbytes) > 1:
                 offs[1:] += np.cumsum(nbytes[:-1])
             lengths = enc.lengths if enc.kind != DENSE else None
+            rows = group_rows.get(name)
+            if rows is not None:  # a group field: each sample's cell is its group's row
+                offs, nbytes = offs[rows], nbytes[rows]
+                lengths = None if lengths is None else lengths[rows]
             fields[name] = (enc.schema, block, offs, nbytes, lengths)
         deadline = time.monotonic() + keep_s
         self.discard(write_id)  # a retried stage under the same id replaces the first
-        self.staged[write_id] = Staged(partition_id, list(sample_ids), fields, deadline, owner)
+        self.staged[write_id] = Staged(
+            partition_id,
+            list(sample_ids),
+            fields,
+            deadline,
+            owner,
+            shared=frozenset(group_rows),
+        )
         self.stats.inc("put_bytes_total", sum(sizes))
         self.stats.inc("put_requests_total")
         self.stats.observe("put_latency_seconds", time.perf_counter() - t0)
@@ -443,6 +476,7 @@ class UnitStore:
             return
         st = self._staged_or_raise(write_id)
         self._check_schema(st.partition_id, st.schemas())
+        self._stored_group_values(st, meta, strict=True)  # differing values refused here
         st.meta = meta
         st.staged_units = list(staged_units)
         # A controller that dies now is rebuilt and rolls the write forward or back; if none
@@ -460,6 +494,9 @@ class UnitStore:
         st = self._staged_or_raise(write_id)
         # Refused here, nothing published: a column must never hold bytes of two schemas.
         self._check_schema(st.partition_id, st.schemas())
+        # A prepared write must publish (other units did): a differing group value it
+        # meets now (another write stored it since its prepare) keeps its own bytes.
+        reuse = self._stored_group_values(st, meta or st.meta, strict=st.meta is None)
         del self.staged[write_id]
         part = self.partitions.setdefault(st.partition_id, Partition())
         slots = part.slots_for(st.sample_ids)
@@ -476,13 +513,39 @@ class UnitStore:
             col.nbytes[slots] = nbytes
             if lengths is not None:
                 col.length[slots] = lengths
-            self.arena.hold(block, len(slots))
+            if name not in st.shared:
+                self.arena.hold(block, len(slots))
+                continue
+            col.shared = True
+            if name in reuse:  # the group's value stored before: the cells point at it
+                unit_groups.point_at_stored(col, slots, reuse[name])
+                cells[name] = Cells(
+                    col.chunk[slots].copy(), col.offset[slots].copy(), cells[name].added
+                )
+            blocks, counts = np.unique(col.chunk[slots], return_counts=True)
+            for b, n in zip(blocks.tolist(), counts.tolist()):
+                self.arena.hold(b, n)
         self._release([*replaced, st.blocks()])
         self.undo.add(write_id, PublishedWrite(st.partition_id, st.sample_ids, cells))
         self.published[write_id] = None
         while len(self.published) > _PUBLISHED_REMEMBERED:
             self.published.popitem(last=False)
         return True
+
+    def _stored_group_values(
+        self, st: Staged, meta: SampleMeta | None, *, strict: bool
+    ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Which of a staged write's group-field cells point at values stored before."""
+        return unit_groups.stored_values(
+            self.partitions.get(st.partition_id),
+            self.arena,
+            st.partition_id,
+            st.sample_ids,
+            st.fields,
+            st.shared,
+            meta,
+            strict=strict,
+        )
 
     def unpublish(
         self, partition_id: str, write_id: str, sample_ids: list[str] | None = None
@@ -516,8 +579,9 @@ class UnitStore:
         dropped, held = 0, []
         for name, cells in write.fields.items():
             rows = np.flatnonzero(cells.added & only)
+            block = cells.block[rows] if isinstance(cells.block, np.ndarray) else cells.block
             nbytes, blocks = part.empty_cells(
-                name, [ids[i] for i in rows.tolist()], cells.block, cells.offsets[rows]
+                name, [ids[i] for i in rows.tolist()], block, cells.offsets[rows]
             )
             dropped += nbytes
             held.append(blocks)

@@ -26,10 +26,11 @@ _SAMPLES_REMEMBERED = 1 << 20
 
 @dataclass(frozen=True)
 class Cells:
-    """Where one field of a write went: its block, per row the offset, and per row
+    """Where one field of a write went: its block (or, where a group field's cells
+    point at a value stored before, one per row), per row the offset, and per row
     whether the cell was empty before (False: the write replaced earlier bytes)."""
 
-    block: int
+    block: int | np.ndarray
     offsets: np.ndarray
     added: np.ndarray
 
