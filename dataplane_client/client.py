@@ -48,11 +48,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import ray
 import ray._private.state as ray_state
+import torch
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError, RayTaskError
 
-from dataplane_client import arguments, placement, prepare
+from dataplane_client import arguments, devices, placement, prepare
 from dataplane_client.admission import Admission
-from dataplane_client.assembly import assemble
+from dataplane_client.assembly import assemble_fields
 from dataplane_client.call_batcher import CallBatcher
 from dataplane_client.claim_batcher import ClaimBatcher
 from dataplane_client.config import DataPlaneConfig
@@ -720,29 +721,45 @@ class RayDataPlaneClient(DataPlaneService):
     # ---- get ----------------------------------------------------------------------
     @_flow_verb
     def get_samples(
-        self, sample_ids: Sequence[str], partition_id: str, select_fields: Sequence[str]
+        self,
+        sample_ids: Sequence[str],
+        partition_id: str,
+        select_fields: Sequence[str],
+        device: Any = None,
     ) -> Flow:
-        """Read fields of samples as a TensorDict in ``sample_ids`` order (touches no cursor)."""
-        return self._read(sample_ids, partition_id, select_fields)
+        """Read fields of samples as a TensorDict in ``sample_ids`` order (touches no cursor);
+        ``device`` (ours): its tensors on that device (None: in host memory)."""
+        return self._read(sample_ids, partition_id, select_fields, device)
 
     @_flow_verb
-    def get_data(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None) -> Flow:
-        """Read a meta's samples as a TensorDict: ``select_fields``, else the meta's fields."""
+    def get_data(
+        self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None, device: Any = None
+    ) -> Flow:
+        """Read a meta's samples as a TensorDict: ``select_fields``, else the meta's fields;
+        ``device`` (ours): its tensors on that device (None: in host memory)."""
         meta = arguments.batch_meta(meta, "get_data")
         return self._read(
-            meta.sample_ids, meta.partition_id, prepare.read_fields(meta, select_fields)
+            meta.sample_ids, meta.partition_id, prepare.read_fields(meta, select_fields), device
         )
 
-    def _read(self, sample_ids: Sequence[str], partition_id: str, fields: Sequence[str]) -> Flow:
+    def _read(
+        self, sample_ids: Sequence[str], partition_id: str, fields: Sequence[str], device: Any
+    ) -> Flow:
         """The get flow, once its arguments are valid (checked before anything is sent)."""
         return self._get_flow(
             arguments.id_list(sample_ids, partition_id=arguments.partition_name(partition_id)),
             partition_id,
             arguments.name_list(fields, "select_fields"),
+            device=devices.parse_device(device),
         )
 
     def _get_flow(
-        self, sample_ids: list[str], partition_id: str, fields: list[str], failover: bool = True
+        self,
+        sample_ids: list[str],
+        partition_id: str,
+        fields: list[str],
+        failover: bool = True,
+        device: torch.device | None = None,
     ) -> Flow:
         locate = self._open_controller().locate
         where = _one((yield [locate.remote(partition_id, sample_ids, fields)]))
@@ -760,7 +777,9 @@ class RayDataPlaneClient(DataPlaneService):
             if isinstance(r, RayActorError):
                 yield from self._unit_died(u)
                 if self._replicas > 1 and failover:  # their second copies serve them now
-                    return (yield from self._get_flow(sample_ids, partition_id, fields, False))
+                    return (
+                        yield from self._get_flow(sample_ids, partition_id, fields, False, device)
+                    )
                 raise SamplesLost(
                     "their storage unit died",
                     ids=[sample_ids[i] for i in rows],
@@ -773,7 +792,7 @@ class RayDataPlaneClient(DataPlaneService):
         order = np.empty(len(sample_ids), dtype=np.int64)
         order[position] = np.arange(len(sample_ids))
         try:
-            decoded = {name: assemble([r[name] for r in results], order) for name in fields}
+            decoded = assemble_fields({n: [r[n] for r in results] for n in fields}, order, device)
         except OSError:
             # A chunk was freed between our validation and our mapping (a concurrent
             # clear or overwrite): read through Ray, which re-validates on the unit.
@@ -783,7 +802,7 @@ class RayDataPlaneClient(DataPlaneService):
             for r in results:
                 if isinstance(r, BaseException):
                     raise r from None
-            decoded = {name: assemble([r[name] for r in results], order) for name in fields}
+            decoded = assemble_fields({n: [r[n] for r in results] for n in fields}, order, device)
         codecs = yield from self._codecs_of(partition_id)
         if codecs.key != where.codecs_key:  # registered again (samples deleted) while we read
             raise SamplesNotFound(
@@ -791,7 +810,7 @@ class RayDataPlaneClient(DataPlaneService):
                 ids=sample_ids,
                 partition_id=partition_id,
             )
-        return to_tensordict(decoded, len(sample_ids), enums=codecs.enums)
+        return to_tensordict(decoded, len(sample_ids), enums=codecs.enums, device=device)
 
     # ---- claims and consumption ---------------------------------------------------
     def _claims(self) -> ClaimBatcher:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from dataplane_client import parallel_copy, shm
+from dataplane_client import devices, parallel_copy, shm
 from dataplane_client.call_batcher import CallBatcher
 from dataplane_client.codec import (
     EncodedField,
@@ -257,7 +257,9 @@ class Transport:
                 nbytes = take_rows(enc, rows, header_only=True).nbytes
                 dest = shm.map_for_write(chunk, offset, nbytes)
                 field_pairs = row_copy_pairs(enc, rows, dest)
-                if field_pairs is None:
+                if enc.device_values is not None:  # a CUDA tensor's: device-to-host, into place
+                    devices.copy_rows_to_host(enc, rows, dest)
+                elif field_pairs is None:
                     take_rows(enc, rows, out=dest)  # a string column, written row by row
                 else:
                     pairs.extend(field_pairs)
