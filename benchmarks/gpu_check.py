@@ -257,6 +257,10 @@ def check_logprobs(service: Any, client: Any) -> dict[str, Any]:
         num_gpus_per_worker=1,
         data_plane=service.config,
     )
+    import ray
+
+    if ray.cluster_resources().get("GPU", 0) < 1:  # a GPU worker would wait for ever
+        raise RuntimeError(f"the local Ray has no GPU: {ray.cluster_resources()}")
     policy = TQPolicy(cfg)
     try:
         pid = f"gpu-logprobs-{uuid.uuid4().hex[:6]}"
@@ -366,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cuda": torch.version.cuda,
         "memcpy_gibps": round(memcpy_gibps(), 2),
     }
-    start_ray(args.num_cpus, max(2 * GiB, 2 * nbytes + 256 * MiB))
+    start_ray(args.num_cpus, max(2 * GiB, 2 * nbytes + 256 * MiB), torch.cuda.device_count())
     service = start_service(
         SERVICE_NAME, BENCH_NAMESPACE, num_storage_units=1, unit_capacity_bytes=4 * nbytes + GiB
     )

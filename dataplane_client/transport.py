@@ -9,6 +9,9 @@ below it there are two paths, chosen per unit:
   maps the unit's chunks, zero-copy when the rows are contiguous, and holds the
   unit's read lease on them (:class:`ReadLease`) until its last mapping is gone;
 - otherwise through Ray actor calls whose numpy buffers Ray moves out-of-band.
+
+A put's CUDA tensor is copied device-to-host straight into the unit's region
+(``devices.copy_rows_to_host``); through Ray it goes to host memory first.
 """
 
 from __future__ import annotations

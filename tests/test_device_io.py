@@ -97,7 +97,8 @@ def _assert_same(got, want: dict) -> None:
 @pytest.fixture(params=["ray", "in_process"])
 def any_client(request):
     if request.param == "ray":
-        return request.getfixturevalue("client")
+        yield request.getfixturevalue("client")
+        return
     c = InProcessDataPlaneClient()
     yield c
     c.close()
@@ -147,7 +148,8 @@ def test_read_to_cpu_device_equals_host_read_bit_for_bit(any_client):
     shuffled = [ids[i] for i in np.random.default_rng(3).permutation(ROWS)]
     host = any_client.get_samples(shuffled, pid, list(fields))
     on_cpu = any_client.get_samples(shuffled, pid, list(fields), device="cpu")
-    assert host.device is None and on_cpu.device == torch.device("cpu")
+    assert host.device is None
+    assert on_cpu.device == torch.device("cpu")
     for name in fields:
         if isinstance(host[name], torch.Tensor):
             assert _bits(on_cpu[name]) == _bits(host[name]), name
@@ -177,7 +179,8 @@ def test_async_twins_take_the_device(client):
     client.register_partition(pid, fields=["f32"], consumer_tasks=[])
     meta = client.put_samples([f"s{i}" for i in range(ROWS)], pid, fields)
     got = asyncio.run(client.get_data_async(meta, device="cpu"))
-    assert got.device == torch.device("cpu") and torch.equal(got["f32"], fields["f32"])
+    assert got.device == torch.device("cpu")
+    assert torch.equal(got["f32"], fields["f32"])
     with pytest.raises(InvalidBatch, match="device"):
         asyncio.run(client.get_data_async(meta, device="gpu"))
     client.delete_partition(pid)
@@ -203,7 +206,9 @@ def cpu_tensors_deferred(monkeypatch):
 def test_device_bytes_are_copied_into_place_by_row_runs(cpu_tensors_deferred):
     rows = [torch.arange(n, dtype=torch.int32) + 100 * n for n in (3, 0, 5, 2, 4)]
     enc = codec.encode_field("x", rows)
-    assert enc.kind == JAGGED and enc.values is None and enc.device_values is not None
+    assert enc.kind == JAGGED
+    assert enc.values is None
+    assert enc.device_values is not None
     assert codec.row_copy_pairs(enc, np.arange(5), np.empty(0, np.uint8)) is None
     pick = np.array([4, 0, 1, 2, 3])  # out of order: runs [4], [0..3]
     out = np.empty(take_rows(enc, pick, header_only=True).nbytes, dtype=np.uint8)
@@ -270,7 +275,8 @@ def test_a_refused_registration_is_not_retried_nor_undone():
         maps.pin_with(registrar)
         for _ in range(3):
             maps.region(chunk.ref(), 0, 4096)
-        assert len(registrar.registered) == 1 and maps.pinned_bytes() == 0
+        assert len(registrar.registered) == 1
+        assert maps.pinned_bytes() == 0
         maps.forget([chunk.name])
         assert registrar.unregistered == []
     finally:
@@ -280,13 +286,20 @@ def test_a_refused_registration_is_not_retried_nor_undone():
 def test_a_device_read_pins_the_chunk_mapping_once(client, monkeypatch):
     """The Ray client's same-node device read goes through the kept, pinned mapping."""
     registrar = RecordingRegistrar()
-    monkeypatch.setattr(shm.write_maps, "registrar", registrar)
+    monkeypatch.setattr(shm.write_maps, "registrar", None)  # restored after the test
+    shm.write_maps.pin_with(registrar)
     big = _fields()["big"]
     pid = f"dev-{uuid.uuid4().hex[:8]}"
     client.register_partition(pid, fields=["big"], consumer_tasks=[])
     meta = client.put_samples([f"s{i}" for i in range(ROWS)], pid, {"big": big})
+    shm.write_maps.forget([], prefix="")  # the put's kept mappings gone: the read maps anew
+    assert shm.write_maps.pinned_bytes() == 0
+    before = len(registrar.registered)
+    assert torch.equal(client.get_data(meta)["big"], big)  # device=None: no kept mapping
+    assert len(registrar.registered) == before
     assert torch.equal(client.get_data(meta, device="cpu")["big"], big)
-    assert shm.write_maps.pinned_bytes() > 0  # the chunks it read through are pinned
+    assert len(registrar.registered) > before  # the chunks it read through, pinned
+    assert shm.write_maps.pinned_bytes() > 0
     registered = len(registrar.registered)
     for _ in range(3):
         assert torch.equal(client.get_data(meta, device="cpu")["big"], big)
@@ -353,6 +366,7 @@ def test_gpu_check_skips_cleanly_without_cuda(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     last = json.loads(run.stdout.strip().splitlines()[-1])
-    assert last["check"] == "gpu" and "no CUDA device" in last["skipped"]
+    assert last["check"] == "gpu"
+    assert "no CUDA device" in last["skipped"]
     assert json.loads(out.read_text()) == last
     assert time.monotonic() - started < 60  # a skip, not a run: no Ray started
