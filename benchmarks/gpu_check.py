@@ -56,21 +56,30 @@ def skip_reason() -> str | None:
 
 
 def _bits(t: Any) -> Any:
-    """A tensor's bytes on the host (a jagged one's values and offsets), to compare exactly."""
+    """A dense tensor's bytes on the host, to compare exactly (NaN patterns included)."""
     import torch
 
-    if t.is_nested:
-        return (_bits(t.values()), _bits(t.offsets()))
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _same_bits(a: Any, b: Any) -> bool:
+def _rows(value: Any) -> list:
+    """A field's rows: of a dense tensor, a jagged one or a list of tensors."""
+    if isinstance(value, list):
+        return value
+    return list(value.unbind()) if value.is_nested else list(value.unbind(0))
+
+
+def _same_rows(got: Any, sent: Any, order: Sequence[int]) -> bool:
+    """Row j of ``got`` is row ``order[j]`` of ``sent``, bit for bit, dtype and shape too."""
     import torch
 
-    x, y = _bits(a), _bits(b)
-    if isinstance(x, tuple):
-        return all(torch.equal(p, q) for p, q in zip(x, y))
-    return bool(torch.equal(x, y))
+    rows, want = _rows(got), _rows(sent)
+    return len(rows) == len(order) and all(
+        r.dtype == want[i].dtype
+        and r.shape == want[i].shape
+        and torch.equal(_bits(r), _bits(want[i]))
+        for r, i in zip(rows, order)
+    )
 
 
 def _timed(fn: Callable[[], Any], repeats: int) -> float:
@@ -88,7 +97,8 @@ def _timed(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def _cuda_fields(device: Any, rows: int) -> dict[str, Any]:
-    """One field per (dtype, layout), random bits (NaN patterns included), on ``device``."""
+    """One field per (dtype, layout), random bits (NaN patterns included), on ``device``;
+    each over the unit's inline-answer size (64 KiB), so a read maps the unit's chunk."""
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -116,10 +126,10 @@ def _cuda_fields(device: Any, rows: int) -> dict[str, Any]:
             raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * size), generator=g)
             return raw.to(torch.uint8).view(dt)
 
-        out[f"dense_{name}"] = random(rows, 3, 5).to(device)
-        values = random(int(offsets[-1]), 4).to(device)
+        out[f"dense_{name}"] = random(rows, 80, 64).to(device)
+        values = random(int(offsets[-1]), 1024).to(device)
         out[f"nested_{name}"] = torch.nested.nested_tensor_from_jagged(values, offsets.to(device))
-        out[f"rows_{name}"] = [random(int(n) + 1, 2).to(device) for n in lengths]
+        out[f"rows_{name}"] = [random(int(n) + 1, 1024).to(device) for n in lengths]
     out["dense_noncontiguous"] = random(7, rows, dt=torch.float32).to(device).t()
     return out
 
@@ -128,9 +138,10 @@ def check_roundtrip(client: Any, in_process: Any, device: Any) -> dict[str, Any]
     """CUDA tensors put, read to the host and to the GPU, on both clients: bit for bit."""
     from dataplane_client import shm
 
-    rows = 16
+    rows = 32
     fields = _cuda_fields(device, rows)
     notes = [f"row {i}" for i in range(rows)]
+    order = [*range(1, rows, 2), *range(0, rows, 2)]  # out of order: many runs to gather
     failed: list[str] = []
     for label, c in (("ray", client), ("in_process", in_process)):
         pid = f"gpu-roundtrip-{label}-{uuid.uuid4().hex[:6]}"
@@ -139,17 +150,18 @@ def check_roundtrip(client: Any, in_process: Any, device: Any) -> dict[str, Any]
         ids = [f"s{i}" for i in range(rows)]
         c.put_samples(ids, pid, {**fields, "note": notes})
         for target in (None, device):
-            got = c.get_samples(ids, pid, names, device=target)
-            where = "host" if target is None else str(target)
-            for name, sent in fields.items():
-                value = got[name]
-                if isinstance(sent, list):  # a list of rows comes back jagged
-                    sent = torch_nested(sent)
-                on = value.device.type
-                if on != ("cpu" if target is None else "cuda") or not _same_bits(value, sent):
-                    failed.append(f"{label}/{where}/{name}")
-            if list(got["note"]) != notes:
-                failed.append(f"{label}/{where}/note")
+            for read in (list(range(rows)), order):
+                got = c.get_samples([ids[i] for i in read], pid, names, device=target)
+                kind = "shuffled" if read == order else "in order"
+                where = f"{'host' if target is None else target}/{kind}"
+                for name, sent in fields.items():
+                    on = got[name].device.type
+                    if on != ("cpu" if target is None else "cuda") or not _same_rows(
+                        got[name], sent, read
+                    ):
+                        failed.append(f"{label}/{where}/{name}")
+                if list(got["note"]) != [notes[i] for i in read]:
+                    failed.append(f"{label}/{where}/note")
         c.delete_partition(pid)
     return {
         "ok": not failed,
@@ -157,12 +169,6 @@ def check_roundtrip(client: Any, in_process: Any, device: Any) -> dict[str, Any]
         "failed": failed,
         "pinned_bytes": shm.write_maps.pinned_bytes(),
     }
-
-
-def torch_nested(rows: Sequence[Any]) -> Any:
-    import torch
-
-    return torch.nested.nested_tensor(list(rows), layout=torch.jagged)
 
 
 # ---- 2. throughput, against torch's own copies ----------------------------------------------
@@ -200,7 +206,7 @@ def check_fetch(client: Any, device: Any, nbytes: int, repeats: int) -> dict[str
 
     reference = _timed(pinned_copy, repeats)
     pageable = _timed(pageable_copy, repeats)
-    same = _same_bits(client.get_data(meta, device=device)["x"], host)
+    same = _same_rows(client.get_data(meta, device=device)["x"], host, range(rows))
 
     # A put from the GPU (overwriting the same rows) vs a pinned device-to-host copy.
     on_gpu = host.to(device)
@@ -231,8 +237,9 @@ def check_fetch(client: Any, device: Any, nbytes: int, repeats: int) -> dict[str
 # ---- 3. the one-rank logprob pass on the GPU --------------------------------------------------
 
 
-def check_logprobs(service: Any, client: Any) -> dict[str, Any]:
+def check_logprobs(service: Any, client: Any, num_gpus: int = 1) -> dict[str, Any]:
     """One policy worker on the GPU vs the CPU reference of the same seeded tiny model."""
+    import ray
     import torch
 
     from policy_workers.config import ModelConfig, PolicyConfig
@@ -254,12 +261,10 @@ def check_logprobs(service: Any, client: Any) -> dict[str, Any]:
         logprob_batch_size=4,
         pad_token_id=0,
         num_cpus_per_worker=1,
-        num_gpus_per_worker=1,
+        num_gpus_per_worker=num_gpus,
         data_plane=service.config,
     )
-    import ray
-
-    if ray.cluster_resources().get("GPU", 0) < 1:  # a GPU worker would wait for ever
+    if ray.cluster_resources().get("GPU", 0) < num_gpus:  # a GPU worker would wait for ever
         raise RuntimeError(f"the local Ray has no GPU: {ray.cluster_resources()}")
     policy = TQPolicy(cfg)
     try:

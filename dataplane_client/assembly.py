@@ -89,9 +89,10 @@ def assemble_fields(
         return {name: assemble(p, order) for name, p in parts.items()}
     devices.pin_kept_mappings(device)
     sources: list = []  # every copy's source stays alive until the copies are done
-    out = {name: assemble_on(p, order, device, sources) for name, p in parts.items()}
-    devices.synchronize(device)
-    return out
+    try:
+        return {name: assemble_on(p, order, device, sources) for name, p in parts.items()}
+    finally:  # a failed mapping too (the caller reads again): no copy outlives its source
+        devices.synchronize(device)
 
 
 def assemble_on(
