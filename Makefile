@@ -8,10 +8,11 @@ CPU_TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 BENCH_ARGS ?=
+GPU_CHECK_ARGS ?=
 
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: setup test test-fast demo bench bench-setup bench-tq lint format proto clean
+.PHONY: setup test test-fast demo bench bench-setup bench-tq gpu-check lint format proto clean
 
 setup: $(VENV)/.installed
 
@@ -38,6 +39,12 @@ demo: setup
 
 bench: setup
 	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
+
+# Every path that needs CUDA in one call (under 5 minutes on one GPU): put/get of CUDA
+# tensors bit for bit, fetch-to-GPU against a pinned torch copy, the logprob pass on the
+# GPU against the CPU. Without CUDA: one JSON "skipped" line, exit 0, in seconds.
+gpu-check: setup
+	$(BIN)/python -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 # The same benchmarks with the transferqueue package beside ours, in a venv of their own
 # (transferqueue is never a runtime dependency).

@@ -43,8 +43,9 @@ class Options:
 # ---------------------------------------------------------------------------- Ray
 
 
-def start_ray(num_cpus: int, object_store_bytes: int) -> None:
-    """One local Ray on loopback for the whole run (no dashboard, explicit sizes)."""
+def start_ray(num_cpus: int, object_store_bytes: int, num_gpus: int | None = None) -> None:
+    """One local Ray on loopback for the whole run (no dashboard, explicit sizes; GPUs as
+    Ray detects them unless ``num_gpus`` says)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from dataplane_server.local_ray import init_local_ray
@@ -54,6 +55,7 @@ def start_ray(num_cpus: int, object_store_bytes: int) -> None:
         namespace=BENCH_NAMESPACE,
         object_store_memory=int(object_store_bytes),
         log_to_driver=False,
+        num_gpus=num_gpus,
     )
 
 

@@ -3,18 +3,22 @@
 A read asks several units for rows; each answers a part: its rows' bytes
 (``EncodedField``, come through Ray or inline) or where they lie in its shared-memory
 chunks (``SharedRows``). :func:`assemble` joins them in the order the caller asked
-for. Shared by the Ray client's transport and the in-process client.
+for; :func:`assemble_fields` with a ``device`` copies them straight into one buffer on
+that device instead (``devices``). Shared by the Ray client's transport and the
+in-process client.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
-from dataplane_client import shm
+from dataplane_client import devices, shm
 from dataplane_client.codec import (
     DENSE,
     OBJECT,
@@ -23,6 +27,7 @@ from dataplane_client.codec import (
     gather_bytes,
     row_byte_offsets,
     run_bounds,
+    tensor_from_bytes,
 )
 from dataplane_client.messages import ChunkRef, SharedRows
 
@@ -54,6 +59,67 @@ def assemble(parts: Sequence[EncodedField | SharedRows], order: np.ndarray) -> A
         # No copy: tensors view this read's own copy in the local object store
         # (read-only to numpy; the client module's docstring says so).
         return decode_field(parts[0], writable=False)
+    sources, leases, which, starts, ends = _rows_in_order(parts, order)
+    lengths = _lengths_in_order(headers, order)
+    # One run: every row is from one source and each starts where the one before ended.
+    run_firsts, _ = run_bounds(starts, ends, which)
+    if len(run_firsts) == 1 and isinstance(sources[int(which[0])], ChunkRef) and len(order):
+        first_src = int(which[0])
+        # Object rows are read whole (decoded into Python values, a copy): map them
+        # read-only with every page faulted in at once, not one fault per page.
+        mapper = shm.map_for_read if first.kind == OBJECT else shm.map_private
+        values = mapper(sources[first_src], int(starts[0]), int(ends[-1]), keep=leases[first_src])
+    else:
+        buffers, starts, ends = _spans(
+            sources, which, starts, ends, functools.partial(_read_map, leases)
+        )
+        values = gather_bytes(buffers, which, starts, ends)
+    out = dataclasses.replace(first, values=values, lengths=lengths, num_rows=len(order))
+    return decode_field(out, writable=False)
+
+
+def assemble_fields(
+    parts: Mapping[str, Sequence[EncodedField | SharedRows]],
+    order: np.ndarray,
+    device: torch.device | None = None,
+) -> dict[str, Any]:
+    """Each field of ``parts`` assembled (:func:`assemble`), or with ``device`` on that
+    device (:func:`assemble_on`), the copies of every field awaited once."""
+    if device is None:
+        return {name: assemble(p, order) for name, p in parts.items()}
+    devices.pin_kept_mappings(device)
+    sources: list = []  # every copy's source stays alive until the copies are done
+    try:
+        return {name: assemble_on(p, order, device, sources) for name, p in parts.items()}
+    finally:  # a failed mapping too (the caller reads again): no copy outlives its source
+        devices.synchronize(device)
+
+
+def assemble_on(
+    parts: Sequence[EncodedField | SharedRows], order: np.ndarray, device: torch.device, keep: list
+) -> Any:
+    """One field as :func:`assemble` decodes it, its tensor on ``device``: the rows are
+    copied straight from where they are (a unit's chunk, through this process's kept
+    mapping of it, pinned on a GPU; bytes that came in an answer) into one new buffer on
+    ``device``, issued, not awaited (the caller waits: ``devices.synchronize``).
+    ``keep`` receives the copies' sources, to hold until then. Object fields are Python
+    values: decoded on the host, as by :func:`assemble`."""
+    headers = [p.header if isinstance(p, SharedRows) else p for p in parts]
+    if headers[0].kind == OBJECT:
+        return assemble(parts, order)
+    sources, _, which, starts, ends = _rows_in_order(parts, order)
+    buffers, starts, ends = _spans(sources, which, starts, ends, _kept_map)
+    keep.extend([parts, buffers])
+    flat = devices.gather_to_device(buffers, which, starts, ends, device)
+    lengths = _lengths_in_order(headers, order)
+    field = dataclasses.replace(headers[0], values=None, lengths=lengths, num_rows=len(order))
+    return tensor_from_bytes(field, flat)
+
+
+def _rows_in_order(
+    parts: Sequence[EncodedField | SharedRows], order: np.ndarray
+) -> tuple[list, list, np.ndarray, np.ndarray, np.ndarray]:
+    """(sources, leases, which, starts, ends) of every part's rows, rows in output order."""
     sources: list = []
     leases: list = []
     which, starts, ends = [], [], []
@@ -64,32 +130,52 @@ def assemble(parts: Sequence[EncodedField | SharedRows], order: np.ndarray) -> A
         ends.append(e)
         sources.extend(src)
         leases.extend(held)
-    which = np.concatenate(which)[order]
-    starts = np.concatenate(starts)[order]
-    ends = np.concatenate(ends)[order]
-    lengths = None
-    if first.kind != DENSE:
-        lengths = np.concatenate([h.lengths for h in headers])[order]
-    # One run: every row is from one source and each starts where the one before ended.
-    run_firsts, _ = run_bounds(starts, ends, which)
-    if len(run_firsts) == 1 and isinstance(sources[int(which[0])], ChunkRef) and len(order):
-        first_src = int(which[0])
-        # Object rows are read whole (decoded into Python values, a copy): map them
-        # read-only with every page faulted in at once, not one fault per page.
-        mapper = shm.map_for_read if first.kind == OBJECT else shm.map_private
-        values = mapper(sources[first_src], int(starts[0]), int(ends[-1]), keep=leases[first_src])
-    else:
-        buffers = []
-        for i, src in enumerate(sources):
-            if isinstance(src, ChunkRef):  # map only the span this read touches
-                mine = which == i
-                lo = int(starts[mine].min()) if mine.any() else 0
-                hi = int(ends[mine].max()) if mine.any() else 0
-                buffers.append(shm.map_for_read(src, lo, hi, keep=leases[i]))
-                starts = np.where(mine, starts - lo, starts)
-                ends = np.where(mine, ends - lo, ends)
-            else:
-                buffers.append(src)
-        values = gather_bytes(buffers, which, starts, ends)
-    out = dataclasses.replace(first, values=values, lengths=lengths, num_rows=len(order))
-    return decode_field(out, writable=False)
+    return (
+        sources,
+        leases,
+        np.concatenate(which)[order],
+        np.concatenate(starts)[order],
+        np.concatenate(ends)[order],
+    )
+
+
+def _lengths_in_order(headers: list[EncodedField], order: np.ndarray) -> np.ndarray | None:
+    if headers[0].kind == DENSE:
+        return None
+    return np.concatenate([h.lengths for h in headers])[order]
+
+
+def _spans(
+    sources: list,
+    which: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    mapper: Callable[[int, ChunkRef, int, int], np.ndarray],
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """(buffers, starts, ends): each chunk source mapped (``mapper(i, chunk, lo, hi)``) over
+    only the span its rows touch, their offsets made relative to that span."""
+    buffers = []
+    for i, src in enumerate(sources):
+        if isinstance(src, ChunkRef):
+            mine = which == i
+            lo = int(starts[mine].min()) if mine.any() else 0
+            hi = int(ends[mine].max()) if mine.any() else 0
+            buffers.append(mapper(i, src, lo, hi))
+            starts = np.where(mine, starts - lo, starts)
+            ends = np.where(mine, ends - lo, ends)
+        else:
+            buffers.append(src)
+    return buffers, starts, ends
+
+
+def _read_map(leases: list, i: int, chunk: ChunkRef, lo: int, hi: int) -> np.ndarray:
+    """A fresh read-only mapping that holds the read's lease (the bytes' source of a gather)."""
+    return shm.map_for_read(chunk, lo, hi, keep=leases[i])
+
+
+def _kept_map(_i: int, chunk: ChunkRef, lo: int, hi: int) -> np.ndarray:
+    """This process's kept mapping of the chunk (pinned where it feeds a GPU); the read's
+    lease is held by the caller's parts until the copies are done."""
+    if hi <= lo:  # none of the read's rows lie in it: nothing to map
+        return np.empty(0, dtype=np.uint8)
+    return shm.write_maps.region(chunk, lo, hi - lo)

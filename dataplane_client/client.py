@@ -48,11 +48,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import ray
 import ray._private.state as ray_state
+import torch
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError, RayTaskError
 
-from dataplane_client import arguments, placement, prepare, routes
+from dataplane_client import arguments, devices, placement, prepare, routes
 from dataplane_client.admission import Admission
-from dataplane_client.assembly import assemble
+from dataplane_client.assembly import assemble_fields
 from dataplane_client.call_batcher import CallBatcher
 from dataplane_client.claim_batcher import ClaimBatcher
 from dataplane_client.config import DataPlaneConfig
@@ -298,13 +299,20 @@ def _one(results: list) -> Any:
     return r
 
 
-def _assembled(results: list, plan: dict[int, np.ndarray], fields: list[str], n: int) -> dict:
-    """Each field decoded from the units' answers (in ``plan``'s order), rows in request order."""
+def _assembled(
+    results: list,
+    plan: dict[int, np.ndarray],
+    fields: list[str],
+    n: int,
+    device: torch.device | None,
+) -> dict:
+    """Each field decoded from the units' answers (in ``plan``'s order), rows in request
+    order, on ``device`` (None: in host memory)."""
     # Row j of the output is row order[j] of the units' results concatenated.
     position = np.concatenate(list(plan.values()))
     order = np.empty(n, dtype=np.int64)
     order[position] = np.arange(n)
-    return {name: assemble([r[name] for r in results], order) for name in fields}
+    return assemble_fields({name: [r[name] for r in results] for name in fields}, order, device)
 
 
 class _RouteCache:
@@ -792,19 +800,31 @@ class RayDataPlaneClient(DataPlaneService):
     # ---- get ----------------------------------------------------------------------
     @_flow_verb
     def get_samples(
-        self, sample_ids: Sequence[str], partition_id: str, select_fields: Sequence[str]
+        self,
+        sample_ids: Sequence[str],
+        partition_id: str,
+        select_fields: Sequence[str],
+        device: Any = None,
     ) -> Flow:
-        """Read fields of samples as a TensorDict in ``sample_ids`` order (touches no cursor)."""
-        return self._read(sample_ids, partition_id, select_fields)
+        """Read fields of samples as a TensorDict in ``sample_ids`` order (touches no cursor);
+        ``device`` (ours): its tensors on that device (None: in host memory)."""
+        return self._read(sample_ids, partition_id, select_fields, device)
 
     @_flow_verb
-    def get_data(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None) -> Flow:
-        """Read a meta's samples as a TensorDict: ``select_fields``, else the meta's fields.
-        A claimed meta says where its rows live (``routes``): read straight from the units."""
+    def get_data(
+        self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None, device: Any = None
+    ) -> Flow:
+        """Read a meta's samples as a TensorDict: ``select_fields``, else the meta's fields;
+        ``device`` (ours): its tensors on that device (None: in host memory). A claimed
+        meta says where its rows live (``routes``): read straight from the units."""
         meta = arguments.batch_meta(meta, "get_data")
         hints = routes.hinted(meta.extra_info, meta.sample_ids)
         return self._read(
-            meta.sample_ids, meta.partition_id, prepare.read_fields(meta, select_fields), hints
+            meta.sample_ids,
+            meta.partition_id,
+            prepare.read_fields(meta, select_fields),
+            device,
+            hints,
         )
 
     def _read(
@@ -812,6 +832,7 @@ class RayDataPlaneClient(DataPlaneService):
         sample_ids: Sequence[str],
         partition_id: str,
         fields: Sequence[str],
+        device: Any,
         hints: tuple[str | None, np.ndarray, np.ndarray] | None = None,
     ) -> Flow:
         """The get flow, once its arguments are valid (checked before anything is sent):
@@ -819,15 +840,16 @@ class RayDataPlaneClient(DataPlaneService):
         ``hints``, else this client's route cache), else located by the controller."""
         ids = arguments.id_list(sample_ids, partition_id=arguments.partition_name(partition_id))
         names = arguments.name_list(fields, "select_fields")
+        to = devices.parse_device(device)
         if hints is None:
             known = self._routes.routes(partition_id, ids)
             hints = None if known is None else (None, *known)
         if hints is not None:
             codecs_key, units, gens = hints
-            got = yield from self._direct_get(ids, partition_id, names, units, gens, codecs_key)
+            got = yield from self._direct_get(ids, partition_id, names, units, gens, codecs_key, to)
             if got is not None:
                 return got
-        return (yield from self._get_flow(ids, partition_id, names))
+        return (yield from self._get_flow(ids, partition_id, names, device=to))
 
     def _direct_get(
         self,
@@ -837,6 +859,7 @@ class RayDataPlaneClient(DataPlaneService):
         units: np.ndarray,
         gens: np.ndarray,
         codecs_key: str | None,
+        device: torch.device | None,
     ) -> Flow:
         """A get straight from the units that hold the rows at generations ``gens``: one
         round trip. None when it cannot be served so (a unit no longer holds a row at its
@@ -858,7 +881,7 @@ class RayDataPlaneClient(DataPlaneService):
         if any(isinstance(r, BaseException) for r in results):
             return None
         try:
-            decoded = _assembled(results, plan, fields, len(sample_ids))
+            decoded = _assembled(results, plan, fields, len(sample_ids), device)
         except OSError:  # a chunk freed under us: the locate path re-reads
             return None
         codecs = cached
@@ -872,10 +895,15 @@ class RayDataPlaneClient(DataPlaneService):
             self._codecs[partition_id] = codecs
         assert codecs is not None
         self._remember(partition_id, sample_ids, units, gens)
-        return to_tensordict(decoded, len(sample_ids), enums=codecs.enums)
+        return to_tensordict(decoded, len(sample_ids), enums=codecs.enums, device=device)
 
     def _get_flow(
-        self, sample_ids: list[str], partition_id: str, fields: list[str], failover: bool = True
+        self,
+        sample_ids: list[str],
+        partition_id: str,
+        fields: list[str],
+        failover: bool = True,
+        device: torch.device | None = None,
     ) -> Flow:
         locate = self._open_controller().locate
         where = _one((yield [locate.remote(partition_id, sample_ids, fields)]))
@@ -898,7 +926,9 @@ class RayDataPlaneClient(DataPlaneService):
             if isinstance(r, RayActorError):
                 yield from self._unit_died(u)
                 if self._replicas > 1 and failover:  # their second copies serve them now
-                    return (yield from self._get_flow(sample_ids, partition_id, fields, False))
+                    return (
+                        yield from self._get_flow(sample_ids, partition_id, fields, False, device)
+                    )
                 raise SamplesLost(
                     "their storage unit died",
                     ids=[sample_ids[i] for i in rows],
@@ -907,7 +937,7 @@ class RayDataPlaneClient(DataPlaneService):
             if isinstance(r, BaseException):
                 raise r
         try:
-            decoded = _assembled(results, plan, fields, len(sample_ids))
+            decoded = _assembled(results, plan, fields, len(sample_ids), device)
         except OSError:
             # A chunk was freed between our validation and our mapping (a concurrent
             # clear or overwrite): read through Ray, which re-validates on the unit.
@@ -917,7 +947,7 @@ class RayDataPlaneClient(DataPlaneService):
             for r in results:
                 if isinstance(r, BaseException):
                     raise r from None
-            decoded = _assembled(results, plan, fields, len(sample_ids))
+            decoded = _assembled(results, plan, fields, len(sample_ids), device)
         codecs = yield from self._codecs_of(partition_id)
         if codecs.key != where.codecs_key:  # registered again (samples deleted) while we read
             raise SamplesNotFound(
@@ -925,7 +955,7 @@ class RayDataPlaneClient(DataPlaneService):
                 ids=sample_ids,
                 partition_id=partition_id,
             )
-        return to_tensordict(decoded, len(sample_ids), enums=codecs.enums)
+        return to_tensordict(decoded, len(sample_ids), enums=codecs.enums, device=device)
 
     # ---- claims and consumption ---------------------------------------------------
     def _claims(self) -> ClaimBatcher:

@@ -86,6 +86,10 @@ class EncodedField:
     # A string column not yet written anywhere: its bytes are produced where they land
     # (take_rows(out=...)), or on the first require_values().
     strings: object_columns.StringRows | None = None
+    # A CUDA tensor's bytes (flat uint8, on its device) not yet copied anywhere: copied
+    # straight to where they land (devices.copy_rows_to_host), or on the first
+    # require_values() (a plain .cpu()).
+    device_values: torch.Tensor | None = None
 
     def require_values(self) -> np.ndarray:
         """``values``; CorruptPayload if absent (only a header-only field lacks its bytes)."""
@@ -93,6 +97,9 @@ class EncodedField:
             self.values = np.empty(int(self.require_lengths().sum()), dtype=np.uint8)
             self.strings.write(np.arange(self.num_rows), self.values)
             self.strings = None
+        if self.values is None and self.device_values is not None:
+            self.values = self.device_values.cpu().numpy()
+            self.device_values = None
         if self.values is None:
             raise CorruptPayload(f"this {self.kind} field is a header without its bytes")
         return self.values
@@ -188,6 +195,23 @@ class EncodedField:
 # tensors <-> EncodedField
 
 
+def _device_bytes(t: torch.Tensor) -> torch.Tensor | None:
+    """A contiguous CUDA tensor's bytes, flat uint8 on its device (no copy), kept for a copy
+    straight to their destination; None for any other tensor (copied to host memory now)."""
+    if t.device.type != "cuda" or not t.is_contiguous() or t.numel() == 0:
+        return None
+    flat = t.detach().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _bytes_of(t: torch.Tensor) -> dict[str, Any]:
+    """``values`` (host bytes) or ``device_values`` (a CUDA tensor's) of an EncodedField."""
+    on_device = _device_bytes(t)
+    if on_device is not None:
+        return {"device_values": on_device}
+    return {"values": _as_bytes(t)}
+
+
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
     """A uint8 numpy view of a contiguous CPU tensor (copies only if needed)."""
     t = t.detach()
@@ -233,12 +257,14 @@ def _encode_jagged_list(name: str, rows: list[torch.Tensor]) -> EncodedField:
                 f"row 0 has {first.dtype} / {tuple(first.shape[1:])}",
                 fields=[name],
             )
-    values = torch.cat([r.detach().cpu().reshape(r.shape[0], *first.shape[1:]) for r in rows])
+    # Rows all on one device are joined there (a CUDA field then goes to host memory once).
+    device = first.device if len({r.device for r in rows}) == 1 else torch.device("cpu")
+    values = torch.cat([r.detach().to(device).reshape(r.shape[0], *first.shape[1:]) for r in rows])
     return EncodedField(
         kind=JAGGED,
         dtype=_dtype_name(first, name),
         shape=tuple(int(d) for d in first.shape[1:]),
-        values=_as_bytes(values),
+        **_bytes_of(values),
         lengths=np.array([r.shape[0] for r in rows], dtype=np.int64),
         num_rows=len(rows),
     )
@@ -256,7 +282,7 @@ def _encode_tensor(name: str, value: torch.Tensor) -> EncodedField:
             kind=JAGGED,
             dtype=_dtype_name(values, name),
             shape=tuple(int(d) for d in values.shape[1:]),
-            values=_as_bytes(values[start:end]),
+            **_bytes_of(values[start:end]),
             lengths=(offsets[1:] - offsets[:-1]).cpu().numpy().astype(np.int64),
             num_rows=len(offsets) - 1,
         )
@@ -266,7 +292,7 @@ def _encode_tensor(name: str, value: torch.Tensor) -> EncodedField:
         kind=DENSE,
         dtype=_dtype_name(value, name),
         shape=tuple(int(d) for d in value.shape[1:]),
-        values=_as_bytes(value),
+        **_bytes_of(value),
         num_rows=int(value.shape[0]),
     )
 
@@ -386,12 +412,11 @@ def decode_field(enc: EncodedField, *, writable: bool = True) -> Any:
         return decode_objects(enc)
     if enc.dtype is None:
         raise CorruptPayload(f"a {enc.kind} field has no dtype")
-    dtype = DTYPES[enc.dtype]
     buf = enc.require_values()
     if writable and not buf.flags.writeable:
         buf = buf.copy()
     if buf.nbytes == 0:
-        flat = torch.empty(0, dtype=dtype)  # a 0-byte array has no stride to reinterpret
+        flat = torch.empty(0, dtype=torch.uint8)  # a 0-byte array has no stride to reinterpret
     elif buf.flags.writeable:
         flat = torch.from_numpy(buf)
     else:
@@ -400,7 +425,18 @@ def decode_field(enc: EncodedField, *, writable: bool = True) -> Any:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")
             flat = torch.from_numpy(buf)
-    if buf.nbytes and dtype != torch.uint8:
+    return tensor_from_bytes(enc, flat)
+
+
+def tensor_from_bytes(enc: EncodedField, flat: torch.Tensor) -> torch.Tensor:
+    """A dense or jagged field's tensor over its bytes ``flat`` (1-D uint8, on any device;
+    no copy): ``[N, *shape]``, or a jagged ``torch.nested`` tensor on the same device."""
+    if enc.dtype is None:
+        raise CorruptPayload(f"a {enc.kind} field has no dtype")
+    dtype = DTYPES[enc.dtype]
+    if flat.numel() == 0:
+        flat = torch.empty(0, dtype=dtype, device=flat.device)
+    elif dtype != torch.uint8:
         flat = flat.view(dtype)
     if enc.kind == DENSE:
         return flat.reshape(enc.num_rows, *enc.shape)
@@ -408,7 +444,7 @@ def decode_field(enc: EncodedField, *, writable: bool = True) -> Any:
     offsets = torch.zeros(enc.num_rows + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
     values = flat.reshape(int(offsets[-1]), *enc.shape)
-    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets.to(flat.device))
 
 
 def decode_objects(enc: EncodedField) -> list:
@@ -506,8 +542,9 @@ def row_copy_pairs(
 ) -> list[tuple[np.ndarray, np.ndarray]] | None:
     """The copies that put ``rows`` of ``enc`` back to back into ``out``, to run together
     with other fields' (``parallel_copy.copy_pairs``); None for a string column, which
-    ``take_rows(out=...)`` writes row by row."""
-    if enc.values is None and enc.strings is not None:
+    ``take_rows(out=...)`` writes row by row, and for bytes still on a device
+    (``devices.copy_rows_to_host`` copies them)."""
+    if enc.values is None and (enc.strings is not None or enc.device_values is not None):
         return None
     rows = np.asarray(rows, dtype=np.int64)
     offs = row_byte_offsets(enc)

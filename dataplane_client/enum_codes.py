@@ -52,7 +52,7 @@ def to_codes(name: str, values: Sequence[Any], vocab: Sequence[str]) -> torch.Te
 
 def to_strings(name: str, codes: torch.Tensor, vocab: Sequence[str]) -> list[str]:
     """The vocabulary entries at ``codes`` (CorruptPayload when a code is out of range)."""
-    positions = codes.reshape(-1).numpy().astype(np.int64)
+    positions = codes.reshape(-1).cpu().numpy().astype(np.int64)  # codes read to a GPU too
     if len(positions) and (positions.min() < 0 or positions.max() >= len(vocab)):
         raise CorruptPayload(
             f"enum codes outside a vocabulary of {len(vocab)} entries", fields=[name]

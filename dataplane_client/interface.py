@@ -135,6 +135,7 @@ class DataPlaneService(DataPlaneClient):
     - ``describe_partition``: fields, produced counts, consumption, bytes per unit.
     - ``service_info``: units, samples, bytes held and capacity (what rollout actors
       back off on).
+    - ``get_data`` / ``get_samples`` take ``device=``: the batch read to a GPU (or CPU).
 
     Ray-only extras, not declared here: ``checkpoint`` / ``restore`` (the in-process
     store has no files to save), ``list_partitions`` and the admin endpoint's views.
@@ -146,6 +147,27 @@ class DataPlaneService(DataPlaneClient):
     verbs' twins pass their arguments on as given (implementations take keyword
     extras after the contract's, e.g. ``task_leases``, ``overwrite``, ``claim_policy``).
     """
+
+    # ---- the contract's reads, to a device (ours: one keyword more) ------------------
+    @abstractmethod
+    def get_data(
+        self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None, device: Any = None
+    ) -> TensorDict:
+        """``DataPlaneClient.get_data``. ``device`` (``'cpu'``, ``'cuda'``, ``'cuda:<i>'`` or
+        a ``torch.device``): the TensorDict and its tensors on that device, copied there
+        straight from where the rows lie (host-to-device from pinned memory on a GPU, one
+        wait for the whole batch). None, the default: in host memory, zero-copy where the
+        rows allow. Any other value: ``InvalidBatch`` naming ``device``."""
+
+    @abstractmethod
+    def get_samples(
+        self,
+        sample_ids: Sequence[str],
+        partition_id: str,
+        select_fields: Sequence[str],
+        device: Any = None,
+    ) -> TensorDict:
+        """``DataPlaneClient.get_samples``; ``device`` as in :meth:`get_data`."""
 
     # ---- extras --------------------------------------------------------------------
     @abstractmethod

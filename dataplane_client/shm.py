@@ -35,7 +35,7 @@ import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -176,6 +176,9 @@ class _Mapping:
             raise OSError(code, f"mmap of {length} bytes failed: {os.strerror(code)}")
         self.addr, self.length = addr, length
         self.keep = keep  # e.g. the read lease, released only once this mapping is gone
+        # The registrar (e.g. CUDA's) that pinned this range, undone before the unmap;
+        # None: not pinned; False: pinning was refused (not asked again).
+        self.pinned_by: Any = None
         read_only = not prot & mmap.PROT_WRITE
         self.__array_interface__ = {
             "shape": (length,),
@@ -185,6 +188,11 @@ class _Mapping:
         }
 
     def __del__(self, _munmap=_libc.munmap):  # bound now: module globals go at exit
+        if self.pinned_by:  # last view gone: no device copy can still be using the range
+            try:
+                self.pinned_by.unregister(self.addr)
+            except Exception:  # noqa: BLE001 - CUDA already torn down (exit): nothing to undo
+                pass
         _munmap(self.addr, self.length)
 
 
@@ -218,6 +226,15 @@ def _map(
     return view if whole else view[start - base : end - base]
 
 
+class Registrar(Protocol):
+    """Pins host memory for a device's copies (``devices.CudaRegistrar``; tests inject
+    their own): ``register`` says whether it pinned the range."""
+
+    def register(self, addr: int, nbytes: int) -> bool: ...
+
+    def unregister(self, addr: int) -> None: ...
+
+
 class WriteMaps:
     """A writer's mappings of units' chunks, kept across writes (one per chunk).
 
@@ -226,6 +243,11 @@ class WriteMaps:
     Bounded: least recently used mappings beyond ``max(floor, 2 x the largest
     chunk)`` bytes are dropped, as are chunks the unit reports closed (a kept
     mapping of a closed chunk would hold its memory).
+
+    A process that moves bytes to or from a GPU also reads through these mappings
+    (``assembly.assemble_on``) and pins them (``pin_with``): each kept mapping is
+    registered once, when kept, and unregistered when it goes (its last view gone),
+    since registering costs about as much as copying the bytes.
     """
 
     FLOOR_BYTES = 512 << 20
@@ -235,6 +257,26 @@ class WriteMaps:
         self._bytes = 0
         self._largest = 0
         self._lock = threading.Lock()  # async puts of several threads share one process
+        self.registrar: Registrar | None = None  # set by pin_with: pin every kept mapping
+        self._pin_lock = threading.Lock()  # one registration at a time, apart from lookups
+
+    def pin_with(self, registrar: Registrar) -> None:
+        """Pin every kept mapping with ``registrar`` from now on (those kept already too)."""
+        self.registrar = registrar
+        with self._lock:
+            kept = list(self._maps.values())
+        for whole in kept:
+            self._pin(whole)
+
+    def _pin(self, whole: np.ndarray) -> None:
+        """Register a kept mapping once (never again after a refusal)."""
+        registrar, mapping = self.registrar, whole.base
+        if registrar is None or not isinstance(mapping, _Mapping):
+            return
+        with self._pin_lock:
+            if mapping.pinned_by is None:
+                ok = registrar.register(mapping.addr, mapping.length)
+                mapping.pinned_by = registrar if ok else False
 
     def region(self, chunk: ChunkRef, start: int, nbytes: int) -> np.ndarray:
         """A writable shared view of bytes [start, start + nbytes) of ``chunk``."""
@@ -252,6 +294,7 @@ class WriteMaps:
                 populate=True,
                 whole=True,
             )
+            self._pin(whole)
             self._keep(chunk.name, whole)
         return whole[start : start + nbytes]
 
@@ -281,6 +324,11 @@ class WriteMaps:
             if not prefix:
                 return self._bytes
             return sum(len(m) for name, m in self._maps.items() if name.startswith(prefix))
+
+    def pinned_bytes(self) -> int:
+        """Bytes of the kept mappings a registrar pinned (reports, ``make gpu-check``)."""
+        with self._lock:
+            return sum(len(m) for m in self._maps.values() if getattr(m.base, "pinned_by", None))
 
 
 write_maps = WriteMaps()  # one per process: every client of this process shares it

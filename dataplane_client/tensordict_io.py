@@ -75,15 +75,17 @@ def to_tensordict(
     num_rows: int,
     *,
     enums: Mapping[str, tuple[str, ...]] | None = None,
+    device: Any = None,
 ) -> TensorDict:
     """Decoded fields (tensors, jagged tensors, lists) as a TensorDict of ``num_rows`` rows.
 
-    A field named in ``enums`` holds codes and comes back as its strings.
+    A field named in ``enums`` holds codes and comes back as its strings. ``device``:
+    the TensorDict's device (its tensors are there already: ``assembly.assemble_fields``).
     """
     from tensordict import TensorDict
 
     enums = enums or {}
-    out = TensorDict({}, batch_size=[num_rows])
+    out = TensorDict({}, batch_size=[num_rows], device=device)
     for name, value in decoded.items():
         if name in enums:
             value = to_strings(name, value, enums[name])

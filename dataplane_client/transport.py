@@ -9,6 +9,9 @@ below it there are two paths, chosen per unit:
   maps the unit's chunks, zero-copy when the rows are contiguous, and holds the
   unit's read lease on them (:class:`ReadLease`) until its last mapping is gone;
 - otherwise through Ray actor calls whose numpy buffers Ray moves out-of-band.
+
+A put's CUDA tensor is copied device-to-host straight into the unit's region
+(``devices.copy_rows_to_host``); through Ray it goes to host memory first.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from dataplane_client import group_fields, parallel_copy, shm
+from dataplane_client import devices, group_fields, parallel_copy, shm
 from dataplane_client.call_batcher import CallBatcher
 from dataplane_client.codec import (
     EncodedField,
@@ -282,7 +285,9 @@ class Transport:
                 nbytes = take_rows(enc, rows, header_only=True).nbytes
                 dest = shm.map_for_write(chunk, offset, nbytes)
                 field_pairs = row_copy_pairs(enc, rows, dest)
-                if field_pairs is None:
+                if enc.device_values is not None:  # a CUDA tensor's: device-to-host, into place
+                    devices.copy_rows_to_host(enc, rows, dest)
+                elif field_pairs is None:
                     take_rows(enc, rows, out=dest)  # a string column, written row by row
                 else:
                     pairs.extend(field_pairs)

@@ -22,11 +22,14 @@ def init_local_ray(
     namespace: str | None = None,
     object_store_memory: int | None = None,
     log_to_driver: bool = False,
+    num_gpus: int | None = None,
 ) -> None:
     """Start a fresh single-node Ray bound to 127.0.0.1 (no-op if Ray is already up here).
 
     ``num_cpus`` is explicit because every actor holds logical CPUs even when idle;
-    the default leaves room for the controller, units and a few workers.
+    the default leaves room for the controller, units and a few workers. ``num_gpus``:
+    None lets Ray detect them (``make gpu-check`` says how many, so a GPU worker is never
+    left waiting for a GPU Ray did not see).
     """
     if ray.is_initialized():
         return
@@ -36,6 +39,7 @@ def init_local_ray(
         num_cpus=num_cpus or max(8, os.cpu_count() or 1),
         namespace=namespace,
         object_store_memory=object_store_memory,
+        num_gpus=num_gpus,
         include_dashboard=False,
         log_to_driver=log_to_driver,
         _node_ip_address="127.0.0.1",

@@ -121,6 +121,12 @@ class TQWorkerMixin:
         """True iff this rank does its DP rank's unique side effects (fetch, write-back)."""
         return NamedSharding.is_axis_zero(self._local_coords(), REPLICA_AXES)
 
+    def _fetch_device(self) -> torch.device | None:
+        """Where the leader's fetch puts the batch: the worker's GPU (read there straight
+        from the store's pinned memory), or None: host memory, as stored. The default,
+        None, suits a CPU worker: its fetch then maps the store's memory with no copy."""
+        return None
+
     def _replica_leader_rank(self) -> int:
         """Global rank of the replica leader (the broadcast source)."""
         group = self._get_replica_group()
@@ -146,7 +152,9 @@ class TQWorkerMixin:
 
         # get_data returns a TensorDict; as a plain dict, fields can be added
         # (and ``in`` tests keys: a TensorDict refuses membership tests).
-        raw = as_field_mapping(self._require_dp_client().get_data(meta))
+        raw = as_field_mapping(
+            self._require_dp_client().get_data(meta, device=self._fetch_device())
+        )
         if "input_lengths" not in raw:
             ids = raw.get("input_ids")
             if isinstance(ids, torch.Tensor) and ids.is_nested:

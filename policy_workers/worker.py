@@ -121,6 +121,11 @@ class PolicyWorker(TQWorkerMixin, DistributedWorker):
     def _get_replica_group(self) -> Any:
         return self.replica_group
 
+    def _fetch_device(self) -> torch.device | None:
+        # A GPU worker reads its batch straight to its GPU; a CPU one keeps the zero-copy
+        # host mapping (a copy "to" the CPU would only cost).
+        return None if self.device.type == "cpu" else self.device
+
     def _replica_leader_rank(self) -> int:
         return self.sharding.get_rank(
             **{PIPELINE_PARALLEL: 0, CONTEXT_PARALLEL: 0, TENSOR_PARALLEL: 0},

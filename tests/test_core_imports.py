@@ -70,6 +70,7 @@ CORE_MODULES = (
     "dataplane_client.claim_batcher",
     "dataplane_client.codec",
     "dataplane_client.config",
+    "dataplane_client.devices",
     "dataplane_client.enum_codes",
     "dataplane_client.errors",
     "dataplane_client.failpoints",

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from dataplane_client import arguments, group_fields, prepare
-from dataplane_client.assembly import assemble
+from dataplane_client import arguments, devices, group_fields, prepare
+from dataplane_client.assembly import assemble_fields
 from dataplane_client.codec import EncodedField, row_byte_offsets
 from dataplane_client.errors import (
     ClaimTimeout,
@@ -282,21 +282,30 @@ class InProcessDataPlaneClient(DataPlaneService):
 
     # ---- get ----------------------------------------------------------------------
     def get_samples(
-        self, sample_ids: Sequence[str], partition_id: str, select_fields: Sequence[str]
+        self,
+        sample_ids: Sequence[str],
+        partition_id: str,
+        select_fields: Sequence[str],
+        device: Any = None,
     ) -> Any:
-        """Read fields of samples as a TensorDict in ``sample_ids`` order (touches no cursor)."""
-        return self._read(sample_ids, partition_id, select_fields)
+        """Read fields of samples as a TensorDict in ``sample_ids`` order (touches no cursor);
+        ``device``: its tensors on that device (None: in host memory)."""
+        return self._read(sample_ids, partition_id, select_fields, device)
 
-    def get_data(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None) -> Any:
-        """Read a meta's samples as a TensorDict: ``select_fields``, else the meta's fields."""
+    def get_data(
+        self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None, device: Any = None
+    ) -> Any:
+        """Read a meta's samples as a TensorDict: ``select_fields``, else the meta's fields;
+        ``device``: its tensors on that device (None: in host memory)."""
         meta = arguments.batch_meta(meta, "get_data")
         return self._read(
-            meta.sample_ids, meta.partition_id, prepare.read_fields(meta, select_fields)
+            meta.sample_ids, meta.partition_id, prepare.read_fields(meta, select_fields), device
         )
 
-    def _read(self, sample_ids: Any, partition_id: str, fields: Any) -> Any:
+    def _read(self, sample_ids: Any, partition_id: str, fields: Any, device: Any) -> Any:
         ids = arguments.id_list(sample_ids, partition_id=arguments.partition_name(partition_id))
         names = arguments.name_list(fields, "select_fields")
+        target = devices.parse_device(device)
         with self._changed:
             keys = self._open()
             keys.locate(partition_id, ids, names)
@@ -308,8 +317,8 @@ class InProcessDataPlaneClient(DataPlaneService):
             rows = {name: [s[name] for s in samples] for name in names}
             codecs = self._codecs_of(keys, partition_id)
         order = np.arange(len(ids))
-        decoded = {name: assemble(rows[name], order) for name in names}
-        return to_tensordict(decoded, len(ids), enums=codecs.enums)
+        decoded = assemble_fields({name: rows[name] for name in names}, order, target)
+        return to_tensordict(decoded, len(ids), enums=codecs.enums, device=target)
 
     # ---- claims and consumption ---------------------------------------------------
     def claim_meta(
