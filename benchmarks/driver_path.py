@@ -14,6 +14,9 @@ as refs) and deserializes (``ray.get`` results); then timed passes, interleaved
 (classic, dataplane, classic, ...), record wall time and the driver's peak RSS
 above its level at the start of the pass. Getting the rollouts into the
 driver's memory (classic) is not counted, which favours the classic path.
+
+The section then runs the same pass at GRPO sizes with compute replaced by a
+GPU-speed stand-in (``driver_fast_compute``), where data movement decides.
 """
 
 from __future__ import annotations
