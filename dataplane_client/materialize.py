@@ -59,7 +59,9 @@ def _pad(values: torch.Tensor, offsets: torch.Tensor, pad_value: Any, min_len: i
     lengths = offsets[1:] - offsets[:-1]
     longest = int(lengths.max()) if n else 0
     width = max(longest, min_len)
-    out = torch.full((n, width, *values.shape[1:]), pad_value, dtype=values.dtype, device=values.device)
+    out = torch.full(
+        (n, width, *values.shape[1:]), pad_value, dtype=values.dtype, device=values.device
+    )
     if values.size(0):
         # One sequential pass over a row-major mask: 2-4x faster than scattering through
         # (row, column) index tensors, which the pad of a GRPO batch spent most of its time on.

@@ -19,14 +19,13 @@ from benchmarks.common import MiB, Options, Section
 def _batch(ids, lengths):
     from dataplane_client.batched_data_dict import BatchedDataDict
 
-    return BatchedDataDict(
-        {"input_ids": torch.tensor(ids), "input_lengths": torch.tensor(lengths)}
-    )
+    return BatchedDataDict({"input_ids": torch.tensor(ids), "input_lengths": torch.tensor(lengths)})
 
 
 def test_standin_logprobs_follow_every_token_and_stop_at_each_length():
     out = fast.standin_logprobs(_batch([[5, 7, 9], [3, 0, 0]], [3, 1]), 0.0)
-    assert out.dtype == torch.float32 and out.shape == (2, 3)
+    assert out.dtype == torch.float32
+    assert out.shape == (2, 3)
     want = torch.tensor([[-0.005, -0.007, -0.009], [-0.003, 0.0, 0.0]])
     torch.testing.assert_close(out, want)
     # another token, another logprob: the stand-in reads its input
@@ -107,11 +106,13 @@ def test_targets_are_judged_at_the_largest_level_for_every_dp():
     section = Section("driver")
     fast._report(section, results, 3, 0.0, (2, 4))
     verdicts = {t.name: t.verdict for t in section.targets}
-    assert len(verdicts) == 4 and all("64 x 64" in name for name in verdicts)
+    assert len(verdicts) == 4
+    assert all("64 x 64" in name for name in verdicts)
     assert [v for n, v in verdicts.items() if "DP=2" in n] == ["met", "met"]
     assert [v for n, v in verdicts.items() if "DP=4" in n] == ["MISSED", "MISSED"]
     (table,) = section.tables
-    assert len(table.rows) == 3 and all(len(r) == len(table.headers) for r in table.rows)
+    assert len(table.rows) == 3
+    assert all(len(r) == len(table.headers) for r in table.rows)
     speedups = [r[table.headers.index("data-movement speed-up")] for r in table.rows]
     assert speedups == pytest.approx([1.0, 10.0, 2.0])
     assert section.data["fast_compute"]["results"] is results
@@ -126,9 +127,11 @@ def test_one_tiny_level_through_the_real_policy(ray_session):
     assert row["max_abs_diff_logprobs"] == 0.0
     assert 32 * 8 // 2 <= row["tokens"] <= 32 * 8
     (phases_dp,) = row["worker_phases_s"]["dataplane"]
-    assert phases_dp["fetch"] > 0 and phases_dp["write_back"] > 0
+    assert phases_dp["fetch"] > 0
+    assert phases_dp["write_back"] > 0
     (phases_cl,) = row["worker_phases_s"]["classic"]
-    assert "fetch" not in phases_cl and phases_cl["compute"] > 0
+    assert "fetch" not in phases_cl
+    assert phases_cl["compute"] > 0
     dp_bytes, cl_bytes = row["driver_bytes_dataplane"], row["driver_bytes_classic"]
     # the classic driver ships the padded batch and takes [B, S] logprobs back
     assert cl_bytes["put_bytes"] >= row["tensor_bytes_classic_batch"]
