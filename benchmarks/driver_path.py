@@ -14,12 +14,14 @@ as refs) and deserializes (``ray.get`` results); then timed passes, interleaved
 (classic, dataplane, classic, ...), record wall time and the driver's peak RSS
 above its level at the start of the pass. Getting the rollouts into the
 driver's memory (classic) is not counted, which favours the classic path.
+
+The section then runs the same pass at GRPO sizes with compute replaced by a
+GPU-speed stand-in (``driver_fast_compute``), where data movement decides.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import io
 import time
 from contextlib import contextmanager
 from typing import Any
@@ -52,10 +54,14 @@ VOCAB = 128
 # ---------------------------------------------------------------------------- data
 
 
-def make_rollouts(batch: int, max_len: int, seed: int) -> dict[str, Any]:
-    """GRPO-shaped rollouts: jagged per-token fields plus per-sample scalars."""
+def make_rollouts(
+    batch: int, max_len: int, seed: int, min_len: int | None = None
+) -> dict[str, Any]:
+    """GRPO-shaped rollouts: jagged per-token fields plus per-sample scalars; lengths
+    uniform in ``min_len..max_len`` (default ``max_len // 8``)."""
     gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(max(2, max_len // 8), max_len + 1, (batch,), generator=gen)
+    low = max(2, max_len // 8 if min_len is None else min_len)
+    lengths = torch.randint(low, max_len + 1, (batch,), generator=gen)
     rows = [int(n) for n in lengths]
     return {
         "input_ids": [torch.randint(1, VOCAB, (n,), generator=gen) for n in rows],
@@ -82,14 +88,21 @@ def padded(rollouts: dict[str, Any]) -> Any:
 
 @ray.remote(num_cpus=0)
 def write_rollouts(
-    service: str, namespace: str, partition: str, batch: int, max_len: int, seed: int
+    service: str,
+    namespace: str,
+    partition: str,
+    batch: int,
+    max_len: int,
+    seed: int,
+    min_len: int | None = None,
+    consumer_tasks: tuple[str, ...] = ("logprob",),
 ) -> int:
     """A rollout task: writes the batch straight into the store (not through the driver)."""
     from dataplane_client.client import connect
 
     client = connect(service, namespace)
-    data = make_rollouts(batch, max_len, seed)
-    client.register_partition(partition, fields=list(data), consumer_tasks=["logprob"])
+    data = make_rollouts(batch, max_len, seed, min_len)
+    client.register_partition(partition, fields=list(data), consumer_tasks=list(consumer_tasks))
     client.put_samples([f"{partition}-{i}" for i in range(batch)], partition, data)
     return sum(int(n) for n in data["input_lengths"])
 
@@ -106,9 +119,21 @@ def payload_nbytes(obj: Any) -> int:
             return id(o) if isinstance(o, ray.ObjectRef) else None
 
     buffers: list = []
-    f = io.BytesIO()
-    _Pickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
-    return f.tell() + sum(memoryview(b.raw()).nbytes for b in buffers)
+    sink = _ByteCounter()  # counts what is written, keeps nothing: a batch can be GiBs
+    _Pickler(sink, protocol=5, buffer_callback=buffers.append).dump(obj)
+    return sink.nbytes + sum(memoryview(b.raw()).nbytes for b in buffers)
+
+
+class _ByteCounter:
+    """A write-only file that counts bytes."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        self.nbytes += n
+        return n
 
 
 class DriverBytes:
@@ -176,11 +201,12 @@ def count_driver_bytes():
 # ---------------------------------------------------------------------------- workers
 
 
-def _timed_worker_cls() -> type:
-    """PolicyWorker that adds up the seconds it spends fetching, computing and writing back."""
+def timed_worker_cls(base: type | None = None) -> type:
+    """``base`` (default PolicyWorker) adding up the seconds it spends fetching, computing
+    and writing back."""
     from policy_workers.worker import PolicyWorker
 
-    class TimedPolicyWorker(PolicyWorker):
+    class TimedPolicyWorker(base or PolicyWorker):  # type: ignore[misc]
         def _timed(self, phase: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
@@ -204,7 +230,7 @@ def _timed_worker_cls() -> type:
     return TimedPolicyWorker
 
 
-def _take_phases(policy: Any) -> dict[str, float]:
+def slowest_rank_phases(policy: Any) -> dict[str, float]:
     """Per phase, the slowest rank's seconds (ranks run in parallel)."""
     per_rank = policy.run_on_all_workers("take_phases")
     keys = {k for r in per_rank for k in r}
@@ -214,13 +240,16 @@ def _take_phases(policy: Any) -> dict[str, float]:
 # ---------------------------------------------------------------------------- run
 
 
-def _policy(max_len: int) -> Any:
+def make_policy(
+    max_len: int, *, service: str = SERVICE_NAME, dp: int = DP, worker_cls: type | None = None
+) -> Any:
+    """A TQPolicy of ``dp`` timed workers (TP=1) on the benchmark's service."""
     from dataplane_client.config import DataPlaneConfig
     from policy_workers.config import ModelConfig, PolicyConfig
     from policy_workers.tq_policy import TQPolicy
 
     cfg = PolicyConfig(
-        dp=DP,
+        dp=dp,
         tp=1,
         model=ModelConfig(vocab_size=VOCAB, max_position_embeddings=max(512, max_len)),
         logprob_batch_size=16,
@@ -228,10 +257,10 @@ def _policy(max_len: int) -> Any:
         num_gpus_per_worker=0,
         torch_threads=1,
         data_plane=DataPlaneConfig(
-            name=SERVICE_NAME, namespace=NAMESPACE, admin_enabled=False, metrics_enabled=False
+            name=service, namespace=NAMESPACE, admin_enabled=False, metrics_enabled=False
         ),
     )
-    return TQPolicy(cfg, worker_cls=_timed_worker_cls())
+    return TQPolicy(cfg, worker_cls=timed_worker_cls(worker_cls))
 
 
 def _check_same(
@@ -245,6 +274,68 @@ def _check_same(
         n = lengths[i]
         worst = max(worst, float((row[:n] - classic_logprobs[i, :n]).abs().max()))
     return worst
+
+
+def compare_paths(
+    policy: Any,
+    client: Any,
+    partition: str,
+    task: str,
+    data: Any,
+    repeats: int,
+    *,
+    lengths: list[int],
+) -> dict[str, Any]:
+    """The classic and the data-plane logprob pass over the same batch, side by side.
+
+    One instrumented pass per path counts the driver's bytes (the data-plane one
+    includes its ``claim_meta`` for ``task``); the two results are compared; then
+    ``repeats`` timed passes, interleaved, record wall time, the driver's peak RSS
+    above its level when the pass began, and the slowest rank's worker phases.
+    """
+    b = len(lengths)
+    with count_driver_bytes() as dp_bytes:
+        meta = client.claim_meta(partition, task, ["input_ids"], batch_size=b)
+        policy.get_logprobs_from_meta(meta, overwrite=True)
+    with count_driver_bytes() as cl_bytes:
+        classic = policy.get_logprobs(data)
+    max_diff = _check_same(policy, meta, classic["logprobs"], lengths)
+    del classic
+
+    slowest_rank_phases(policy)  # drop what the instrumented passes recorded
+    times: dict[str, list[float]] = {"classic": [], "dataplane": []}
+    rss: dict[str, list[int]] = {"classic": [], "dataplane": []}
+    phases: dict[str, list[dict[str, float]]] = {"classic": [], "dataplane": []}
+    for _ in range(repeats):
+        for path in ("classic", "dataplane"):
+            with PeakRSS() as mem:
+                t0 = time.perf_counter()
+                if path == "classic":
+                    out = policy.get_logprobs(data)
+                    del out
+                else:
+                    policy.get_logprobs_from_meta(meta, overwrite=True)
+                times[path].append(time.perf_counter() - t0)
+            rss[path].append(mem.delta)
+            phases[path].append(slowest_rank_phases(policy))
+    return {
+        "driver_bytes_dataplane": dp_bytes.to_dict(),
+        "driver_bytes_classic": cl_bytes.to_dict(),
+        "seconds": times,
+        "peak_rss_delta_bytes": rss,
+        "worker_phases_s": phases,
+        "max_abs_diff_logprobs": max_diff,
+    }
+
+
+def summary_line(row: dict[str, Any]) -> str:
+    """One log line per measured row: both paths' median seconds and driver bytes."""
+    t, dp, cl = row["seconds"], row["driver_bytes_dataplane"], row["driver_bytes_classic"]
+    return (
+        f"classic {median(t['classic']):.3f}s, dataplane {median(t['dataplane']):.3f}s; "
+        f"driver bytes classic {cl['sent'] + cl['received']:,} "
+        f"dataplane {dp['sent'] + dp['received']:,}"
+    )
 
 
 def _require_demo_extra() -> None:
@@ -266,7 +357,7 @@ def run(opts: Options) -> Section:
     policy = None
     results = []
     try:
-        policy = _policy(max_len)
+        policy = make_policy(max_len)
         client = handle.client()
         for b in batches:
             partition = f"rollouts-{b}"
@@ -279,55 +370,29 @@ def run(opts: Options) -> Section:
             # bytes the data-plane pass moves: input_ids (+lengths) in, prev_logprobs out
             moved = tokens * 8 + b * 8 + tokens * 4
 
-            with count_driver_bytes() as dp_bytes:
-                meta = client.claim_meta(partition, "logprob", ["input_ids"], batch_size=b)
-                policy.get_logprobs_from_meta(meta, overwrite=True)
-            with count_driver_bytes() as cl_bytes:
-                classic = policy.get_logprobs(data)
-            max_diff = _check_same(policy, meta, classic["logprobs"], lengths)
-            del classic
-
-            _take_phases(policy)  # drop what the instrumented passes recorded
-            times = {"classic": [], "dataplane": []}
-            rss = {"classic": [], "dataplane": []}
-            phases: dict[str, list[dict[str, float]]] = {"classic": [], "dataplane": []}
-            for _ in range(repeats):
-                for path in ("classic", "dataplane"):
-                    with PeakRSS() as mem:
-                        t0 = time.perf_counter()
-                        if path == "classic":
-                            out = policy.get_logprobs(data)
-                            del out
-                        else:
-                            policy.get_logprobs_from_meta(meta, overwrite=True)
-                        times[path].append(time.perf_counter() - t0)
-                    rss[path].append(mem.delta)
-                    phases[path].append(_take_phases(policy))
+            measured = compare_paths(
+                policy, client, partition, "logprob", data, repeats, lengths=lengths
+            )
             row = {
                 "batch": b,
                 "max_len": max_len,
                 "tokens": tokens,
                 "tensor_bytes_moved_dataplane": moved,
                 "tensor_bytes_classic_batch": tensor_bytes_classic,
-                "driver_bytes_dataplane": dp_bytes.to_dict(),
-                "driver_bytes_classic": cl_bytes.to_dict(),
-                "seconds": times,
-                "peak_rss_delta_bytes": rss,
-                "worker_phases_s": phases,
-                "max_abs_diff_logprobs": max_diff,
+                **measured,
             }
             results.append(row)
-            opts.log(
-                f"driver B={b}: classic {median(times['classic']):.3f}s, dataplane "
-                f"{median(times['dataplane']):.3f}s; driver bytes classic "
-                f"{cl_bytes.sent + cl_bytes.received:,} dataplane {dp_bytes.sent + dp_bytes.received:,}"
-            )
+            opts.log(f"driver B={b}: {summary_line(row)}")
             client.clear_samples(None, partition)
     finally:
         if policy is not None:
             policy.shutdown()
         handle.shutdown()
     _report(section, results, repeats)
+    # the same pass with GPU-speed compute, at GRPO sizes (its own service and policies)
+    from benchmarks import driver_fast_compute
+
+    driver_fast_compute.run(opts, section)
     return section
 
 

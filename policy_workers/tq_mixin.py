@@ -60,6 +60,20 @@ def _to_cpu(value: Any) -> Any:
     return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
 
+def _cut_to_lengths(value: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Rows ``value[i, :lengths[i]]`` as one jagged nested tensor.
+
+    One masked gather instead of a slice per row: the codec stores the nested
+    tensor's values as they are, where a list of rows was concatenated again.
+    """
+    width = value.shape[1]
+    kept = torch.tensor(lengths, dtype=torch.long, device=value.device).clamp(0, width)
+    real = torch.arange(width, device=value.device)[None, :] < kept[:, None]
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.long, device=value.device)
+    torch.cumsum(kept, 0, out=offsets[1:])
+    return torch.nested.nested_tensor_from_jagged(value[real], offsets)
+
+
 class TQWorkerMixin:
     """Adds data-plane per-rank entry points to a policy worker (see the module docstring)."""
 
@@ -303,7 +317,7 @@ class TQWorkerMixin:
                     raise ValueError(
                         f"{len(lengths)} lengths for {value.shape[0]} rows of {name!r}"
                     )
-                out[name] = [value[i, : lengths[i]].contiguous() for i in range(value.shape[0])]
+                out[name] = _cut_to_lengths(value, lengths)
             else:
                 out[name] = value
         result = self._require_dp_client().put_samples(

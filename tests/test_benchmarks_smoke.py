@@ -109,6 +109,11 @@ def test_key_figures_are_present(results):
         assert r["driver_bytes_dataplane"]["sent"] > 0
         assert r["driver_bytes_classic"]["sent"] > r["driver_bytes_dataplane"]["sent"]
         assert r["max_abs_diff_logprobs"] < 1e-4  # both paths computed the same logprobs
+    fast = s["driver"]["data"]["fast_compute"]  # the GPU-speed stand-in regime
+    assert {r["dp"] for r in fast["results"]} == {2, 4}
+    for r in fast["results"]:
+        assert r["max_abs_diff_logprobs"] == 0.0
+        assert r["driver_bytes_classic"]["sent"] > r["driver_bytes_dataplane"]["sent"]
     summary = s["controller"]["data"]["summary"]
     assert summary["claim_p99_ms"] > 0
     assert summary["commit_samples_per_s"]
