@@ -119,7 +119,7 @@ class ClaimerActor:
                     partition, "train", ["x"], CLAIM_BATCH, blocking=False
                 )
                 latencies.append(time.perf_counter() - t0)
-                if meta is not None:
+                if meta:  # nothing ready: an empty (falsy) meta, not None
                     got.extend(meta.sample_ids)
                 elif done:
                     return
