@@ -50,12 +50,15 @@ def start_ray(num_cpus: int, object_store_bytes: int, num_gpus: int | None = Non
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from dataplane_server.local_ray import init_local_ray
 
+    # Passed only when asked for: a base checkout run side by side (many_writers) may
+    # predate init_local_ray's num_gpus.
+    gpus = {} if num_gpus is None else {"num_gpus": num_gpus}
     init_local_ray(
         num_cpus,
         namespace=BENCH_NAMESPACE,
         object_store_memory=int(object_store_bytes),
         log_to_driver=False,
-        num_gpus=num_gpus,
+        **gpus,
     )
 
 
