@@ -259,6 +259,7 @@ def test_the_wheel_without_extras_imports_and_serves(installed_without_extras, t
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # its Ray processes too go with the group if it hangs
     )
     seen = []
     try:
@@ -270,7 +271,11 @@ def test_the_wheel_without_extras_imports_and_serves(installed_without_extras, t
         assert seen[-1].startswith("admin_address=127.0.0.1:"), "\n".join(seen)
     finally:
         serve.send_signal(signal.SIGTERM)
-        rest, _ = serve.communicate(timeout=120)
+        try:
+            rest, _ = serve.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)  # no service left behind for later tests
+            raise
     assert serve.returncode == 0, "\n".join(seen) + rest
 
 
