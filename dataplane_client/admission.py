@@ -139,27 +139,37 @@ class Admission:
         self._lock.notify()
 
     def _reap(self) -> None:
-        """Refuse the waiters whose deadline passed, oldest first, and report changes."""
+        """Refuse the waiters whose deadline passed, oldest first, and report changes.
+
+        The report is sent outside the lock: every put's ``enter`` and ``leave`` takes
+        it (on the caller's event loop thread, in an async actor), so a send that is slow
+        to leave would hold every put of the process up behind it."""
+        while True:
+            if self._reap_once():
+                self._send_report()
+
+    def _reap_once(self) -> bool:
+        """One round of ``_reap`` under the lock; True when the figures are due a report."""
         with self._lock:
-            while True:
-                while not self._waiting and not self._changed:
-                    self._lock.wait()
-                now = time.monotonic()
-                while self._waiting and self._waiting[0][0] + self.timeout_s <= now:
-                    _, future = self._waiting.popleft()
-                    self._refuse(
-                        future,
-                        f"not admitted within {self.timeout_s}s in the {QUEUE} queue of this "
-                        f"process ({len(self._waiting)} puts behind it, {len(self._holders)} "
-                        "in flight; put_admission_timeout_s); nothing was staged, retry later",
-                    )
-                if self._changed and now - self._reported_at >= REPORT_EVERY_S:
-                    self._changed, self._reported_at = False, now
-                    self._send_report()
-                wait_s = REPORT_EVERY_S
-                if self._waiting:
-                    wait_s = min(wait_s, self._waiting[0][0] + self.timeout_s - now)
-                self._lock.wait(max(wait_s, 0.0))
+            while not self._waiting and not self._changed:
+                self._lock.wait()
+            now = time.monotonic()
+            while self._waiting and self._waiting[0][0] + self.timeout_s <= now:
+                _, future = self._waiting.popleft()
+                self._refuse(
+                    future,
+                    f"not admitted within {self.timeout_s}s in the {QUEUE} queue of this "
+                    f"process ({len(self._waiting)} puts behind it, {len(self._holders)} "
+                    "in flight; put_admission_timeout_s); nothing was staged, retry later",
+                )
+            if self._changed and now - self._reported_at >= REPORT_EVERY_S:
+                self._changed, self._reported_at = False, now
+                return True
+            wait_s = REPORT_EVERY_S
+            if self._waiting:
+                wait_s = min(wait_s, self._waiting[0][0] + self.timeout_s - now)
+            self._lock.wait(max(wait_s, 0.0))
+            return False
 
     def _send_report(self) -> None:
         if self._report is None:
