@@ -280,16 +280,20 @@ def test_retention_keeps_only_the_newest_emptied_partitions(fresh):
 
 
 def test_a_controller_gone_for_good_is_service_unavailable_never_a_ray_error(fresh):
-    """Killed with no restart left, every verb (sync and async) raises ServiceUnavailable,
-    which is also a ConnectionError, and no Ray exception reaches the caller."""
+    """Killed with no restart left, every verb (sync and async) that needs the controller
+    raises ServiceUnavailable, which is also a ConnectionError, and no Ray exception
+    reaches the caller. A get of rows the client knows the place of is served by their
+    unit under the generation check (direct reads), controller or not."""
     h = fresh(num_storage_units=1)
     c = h.client()
     c.register_partition("p", ["x"], None, ["t"])
-    c.put_samples(["a"], "p", {"x": torch.ones(1)})
+    c.put_samples(["a", "z"], "p", {"x": torch.tensor([1.0, 2.0])})
+    h.client().clear_samples(["z"], "p")  # another client: ours still remembers z's place
     ray.kill(h.controller, no_restart=True)
+    assert torch.equal(c.get_samples(["a"], "p", ["x"])["x"], torch.ones(1))
     verbs = [
         lambda: c.put_samples(["b"], "p", {"x": torch.ones(1)}),
-        lambda: c.get_samples(["a"], "p", ["x"]),
+        lambda: c.get_samples(["z"], "p", ["x"]),  # cleared: the unit refuses, locate fails
         lambda: c.claim_meta("p", "t", ["x"], 1, timeout_s=5),
         lambda: c.check_consumption_status("p", ["t"]),
         lambda: c.clear_samples(["a"], "p"),
@@ -328,11 +332,14 @@ def test_a_restart_past_the_retry_budget_is_service_unavailable_then_serving_aga
     c = h.client()
     c.register_partition("p", ["x"], None, ["t"])
     c.put_samples(["a"], "p", {"x": _values(["a"])})
+    h.client().put_samples(["c"], "p", {"x": _values(["c"])})  # a place ours does not know
     ray.kill(h.controller, no_restart=False)
     _wait_until(lambda: _controller_state(h) == "RESTARTING", 60, "the controller to restart")
+    # A row whose place the client knows is read from its unit meanwhile (direct read).
+    assert torch.equal(c.get_samples(["a"], "p", ["x"])["x"], _values(["a"]))
     verbs = [
         lambda: c.put_samples(["b"], "p", {"x": _values(["b"])}),
-        lambda: c.get_samples(["a"], "p", ["x"]),
+        lambda: c.get_samples(["c"], "p", ["x"]),
         lambda: c.check_consumption_status("p", ["t"]),
         lambda: asyncio.run(c.claim_meta_async("p", "t", ["x"], 1, timeout_s=5)),
     ]
@@ -349,7 +356,7 @@ def test_a_restart_past_the_retry_budget_is_service_unavailable_then_serving_aga
     _wait_until(lambda: _controller_state(h) == "ALIVE", 120, "the restart to finish")
     assert torch.equal(c.get_samples(["a"], "p", ["x"])["x"], _values(["a"]))
     c.put_samples(["b"], "p", {"x": _values(["b"])})
-    assert c.claim_meta("p", "t", ["x"], 2, timeout_s=60).sample_ids == ["a", "b"]
+    assert c.claim_meta("p", "t", ["x"], 3, timeout_s=60).sample_ids == ["a", "c", "b"]
 
 
 def _checkpoints_under(root) -> list[str]:
