@@ -47,11 +47,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
-import ray._private.state as ray_state
 import torch
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError, RayTaskError
 
 from dataplane_client import arguments, devices, placement, prepare, routes
+from dataplane_client.actor_states import ActorStates
 from dataplane_client.admission import Admission
 from dataplane_client.assembly import assemble_fields
 from dataplane_client.call_batcher import CallBatcher
@@ -111,13 +111,13 @@ def _retry_budget_s() -> float:
     return _budget_s
 
 
+# Shared by every call this process waits on: one GCS query per actor per poll.
+_actor_states = ActorStates(max_age_s=_POLL_S)
+
+
 def _actor_state(actor_id: str) -> tuple[str, str]:
-    """(class name, state) of an actor in Ray's view; ('', '') when unknown."""
-    try:
-        info = ray_state.actors(actor_id)
-    except Exception:  # noqa: BLE001 - unknown is treated as not restarting
-        return "", ""
-    return info.get("ActorClassName", ""), info.get("State", "")
+    """(class name, state) of an actor in Ray's view, now; ('', '') when unknown."""
+    return _actor_states.ask(actor_id)
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -146,7 +146,7 @@ class _RestartClock:
     def check(self) -> None:
         if self.actor_id is None:
             return
-        cls, state = _actor_state(self.actor_id)
+        cls, state = _actor_states.get(self.actor_id)  # shared, <= _POLL_S old
         if state != "RESTARTING":
             self.since = None
             return

@@ -2,7 +2,8 @@
 
 A put that cannot be admitted within its deadline fails fast with the typed,
 retryable ``Overloaded`` and stages nothing; concurrent puts of one process
-share commit calls while each keeps its own outcome; and (slow) 4,096
+share commit calls while each keeps its own outcome; calls waiting on one actor
+share its state queries; and (slow) 4,096
 concurrent writers of the ``benchmarks.many_writers`` fleet lose nothing,
 corrupt nothing, see no untyped or ``KeyError`` error and keep their goodput.
 """
@@ -19,8 +20,10 @@ from pathlib import Path
 
 import pytest
 import ray
+import ray._private.state as ray_state
 import torch
 
+from dataplane_client import client as client_module
 from dataplane_client import failpoints
 from dataplane_client.errors import FieldAlreadyProduced, Overloaded, SamplesNotFound
 
@@ -111,6 +114,35 @@ def test_concurrent_puts_of_one_process_share_commit_calls_and_keep_their_own_ou
     got = client.get_samples([f"s{i}" for i in range(64)], "p", ["x"])["x"]
     assert torch.equal(got, torch.stack([_rows(1, i)["x"][0] for i in range(64)]))
     assert torch.equal(client.get_samples(["taken"], "p", ["x"])["x"], _rows(1, 9)["x"])
+
+
+@ray.remote(num_cpus=0)
+class _SlowActor:
+    async def answer_after(self, seconds: float) -> float:
+        await asyncio.sleep(seconds)  # the call's own work: it takes this long
+        return seconds
+
+
+def test_calls_waiting_on_one_actor_share_its_restart_checks(ray_session, monkeypatch):
+    """Found under load: every call the client waited on asked the GCS for its actor's
+    state once a second (the restart budget's check), a synchronous query on the event
+    loop. 512 puts in flight per writer process spent a third of the loop in them and
+    goodput fell as writers were added. Calls waiting on one actor share one answer."""
+    asked: list = []
+    real_actors = ray_state.actors
+
+    def counting_actors(actor_id=None, *args, **kwargs):
+        asked.append(actor_id)
+        return real_actors(actor_id, *args, **kwargs)
+
+    monkeypatch.setattr(ray_state, "actors", counting_actors)
+    slow = _SlowActor.remote()
+    ray.get(slow.__ray_ready__.remote())
+    refs = [slow.answer_after.remote(2.5) for _ in range(200)]  # each waited > 2 polls
+    assert asyncio.run(client_module._resolve_async(refs)) == [2.5] * 200
+    # One query per poll (about 1 s) for all 200 calls, not one per call per poll (~400).
+    assert 1 <= len(asked) <= 8, f"200 waiting calls made {len(asked)} state queries"
+    ray.kill(slow)
 
 
 @pytest.mark.slow
