@@ -439,6 +439,10 @@ class RayDataPlaneClient(DataPlaneService):
         # partition -> its enums and object fields, as declared to the controller (asked once).
         # Only single-key operations (atomic); a stale entry is caught by its key.
         self._codecs: dict[str, FieldCodecs] = {}
+        # partition -> the controller call asking its codecs, while one is out: every flow
+        # that misses the cache meanwhile shares it (a fleet's first puts of a partition
+        # asked once each, hundreds of calls queued at the controller per process).
+        self._codecs_asked: dict[str, Any] = {}
         self._batcher: ClaimBatcher | None = None
         self._commit_batcher: CallBatcher | None = None
         self._batcher_lock = threading.Lock()  # one batcher each per client; none after close
@@ -469,11 +473,28 @@ class RayDataPlaneClient(DataPlaneService):
         codecs = self._codecs.get(partition_id)
         if codecs is None:
             try:
-                codecs = _one((yield [self._open_controller().field_codecs.remote(partition_id)]))
+                codecs = _one((yield [self._ask_codecs(partition_id)]))
             except UnknownPartition:
                 return FieldCodecs()
+            finally:
+                self._codecs_asked.pop(partition_id, None)  # answered: a later miss asks anew
             self._codecs[partition_id] = codecs
         return codecs
+
+    def _ask_codecs(self, partition_id: str) -> Any:
+        """The controller call answering the partition's codecs: the one already out, or a
+        new one. (Two threads may both start one: harmless, one answer wins the cache.)"""
+        ref = self._codecs_asked.get(partition_id)
+        if ref is None:
+            ref = self._open_controller().field_codecs.remote(partition_id)
+            self._codecs_asked[partition_id] = ref
+        return ref
+
+    def _drop_codecs(self, partition_id: str) -> None:
+        """Forget the partition's codecs, and any call asking them (its answer may be the
+        codecs being dropped)."""
+        self._codecs.pop(partition_id, None)
+        self._codecs_asked.pop(partition_id, None)
 
     def _remember(
         self,
@@ -487,7 +508,7 @@ class RayDataPlaneClient(DataPlaneService):
     def _forget(self, partition_id: str, sample_ids: Sequence[str] | None) -> None:
         arguments.partition_name(partition_id)  # a typed error before any dict lookup
         if sample_ids is None:
-            self._codecs.pop(partition_id, None)
+            self._drop_codecs(partition_id)
         self._routes.forget(partition_id, sample_ids)
 
     def _assign_new(
@@ -628,7 +649,7 @@ class RayDataPlaneClient(DataPlaneService):
             return (yield from self._put_making_room(partition_id, w, codecs.key, deadline))
         except CodecsChanged:
             # Registered again with another vocabulary since we cached it: encode anew.
-            self._codecs.pop(partition_id, None)
+            self._drop_codecs(partition_id)
             codecs = yield from self._codecs_of(partition_id)
             w = prepare.write(sample_ids, partition_id, fields, tags, overwrite, codecs)
             return (yield from self._put_making_room(partition_id, w, codecs.key, deadline))
@@ -871,8 +892,9 @@ class RayDataPlaneClient(DataPlaneService):
             return None
         cached = self._codecs.get(partition_id)
         codecs_ref = None
-        if cached is None or (codecs_key is not None and cached.key != codecs_key):
-            # Asked now, answered while the units read: no round trip of its own.
+        if cached is None:  # asked now, answered while the units read: no round trip of its own
+            codecs_ref = self._ask_codecs(partition_id)
+        elif codecs_key is not None and cached.key != codecs_key:  # registered again since
             codecs_ref = self._open_controller().field_codecs.remote(partition_id)
         plan = {int(u): np.nonzero(units == u)[0] for u in np.unique(units)}
         by_unit = {u: [sample_ids[i] for i in rows] for u, rows in plan.items()}
@@ -887,6 +909,7 @@ class RayDataPlaneClient(DataPlaneService):
         codecs = cached
         if codecs_ref is not None:
             answer = (yield [codecs_ref])[0]
+            self._codecs_asked.pop(partition_id, None)  # answered: a later miss asks anew
             if isinstance(answer, BaseException):
                 return None
             codecs = answer
@@ -911,7 +934,7 @@ class RayDataPlaneClient(DataPlaneService):
         if cached is not None and cached.key != where.codecs_key:
             # Registered again since: decode with its codecs. Another thread may have
             # dropped it already (no KeyError), or cached the new ones (asked again).
-            self._codecs.pop(partition_id, None)
+            self._drop_codecs(partition_id)
         units = np.asarray(where.units, dtype=np.int64)
         self._remember(
             partition_id,

@@ -116,6 +116,48 @@ def test_concurrent_puts_of_one_process_share_commit_calls_and_keep_their_own_ou
     assert torch.equal(client.get_samples(["taken"], "p", ["x"])["x"], _rows(1, 9)["x"])
 
 
+class _CountingController:
+    """The client's real controller handle, counting ``field_codecs`` calls."""
+
+    def __init__(self, handle):
+        self._handle = handle
+        self.codecs_asked = 0
+
+    def __getattr__(self, name):
+        method = getattr(self._handle, name)
+        if name != "field_codecs":
+            return method
+        counter = self
+
+        class _Counted:
+            def remote(self, *args):
+                counter.codecs_asked += 1
+                return method.remote(*args)
+
+        return _Counted()
+
+
+def test_the_first_puts_of_a_partition_in_a_process_ask_its_codecs_once(service_factory):
+    """Found under load: every put that found the partition's codecs not yet cached asked
+    the controller for them, so a writer process's first wave of puts on a partition (256
+    at once, one per credit) queued 256 identical calls at the controller and waited on
+    them. They now share the one call in flight."""
+    handle = service_factory("dp-codecs-once", num_storage_units=1)
+    handle.client().register_partition("p", fields=["x"])
+    writer = handle.client()  # its own process-side state: has not seen "p" yet
+    counting = _CountingController(writer._controller)
+    writer._controller = counting
+
+    async def puts():
+        calls = [writer.put_samples_async([f"s{i}"], "p", _rows(1, i)) for i in range(64)]
+        return await asyncio.gather(*calls)
+
+    assert len(asyncio.run(puts())) == 64
+    assert counting.codecs_asked == 1, f"64 first puts asked {counting.codecs_asked} times"
+    got = writer.get_samples([f"s{i}" for i in range(64)], "p", ["x"])["x"]
+    assert torch.equal(got, torch.stack([_rows(1, i)["x"][0] for i in range(64)]))
+
+
 @ray.remote(num_cpus=0)
 class _SlowActor:
     async def answer_after(self, seconds: float) -> float:
