@@ -13,11 +13,14 @@ claimers (coroutines of claimer actors) claim the partition for one task; every
 sample must be delivered exactly once, and the claim p99 is reported beside a
 no-op controller call's.
 
-``--base-code DIR`` (``python -m benchmarks.many_writers``, or the
-``BENCH_WRITERS_BASE`` environment variable under ``benchmarks.run``) runs the
-same levels again against another checkout's packages (e.g. the commit before a
-change, from ``git worktree add``) in a subprocess with its own Ray, so the two
-rows of a level come from one run on one machine.
+Every full level makes the same number of puts, and the levels run twice,
+round-robin; a level's rates are its median round (``FULL_LEVELS``,
+``FULL_ROUNDS``: why).
+
+``BENCH_WRITERS_BASE=DIR`` (under ``benchmarks.run``) runs the issue's levels
+(``BASE_LEVELS``) again against another checkout's packages (e.g. the commit
+before a change, from ``git worktree add``) in a subprocess with its own Ray,
+so the two rows of a level come from one run on one machine.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import asyncio
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,8 +50,17 @@ NAMESPACE = "bench"
 WRITER_ACTORS = 8
 SAMPLES_PER_PUT = 4
 SAMPLE_BYTES = 4096
-FULL_LEVELS = [(256, 2), (1024, 2), (4096, 1), (8192, 1)]  # (concurrent writers, puts each)
+# (concurrent writers, puts each). Every full level makes the same 8,192 puts, so each is
+# measured over a like stretch of steady state: its ramp (every writer's first put at
+# once) and drain are the same share of every level, not most of a short one's.
+FULL_LEVELS = [(256, 32), (1024, 8), (4096, 2), (8192, 1)]
 QUICK_LEVELS = [(64, 2), (256, 1)]
+# The base code is slow (the issue's 144 puts/s, less here): its levels are the issue's.
+BASE_LEVELS = [(256, 2), (1024, 2)]
+# Full runs go through the levels twice, round-robin, and report each level's median round:
+# the shared machine's load drifts by 10% and more over a minute, as much as the levels
+# differ. Rounds interleave so a drift weighs on every level alike.
+FULL_ROUNDS, QUICK_ROUNDS = 2, 1
 CLAIMERS, QUICK_CLAIMERS = 1024, 64
 CLAIM_BATCH = 4
 SPEEDUP_TARGET = 5.0  # puts/s at >= 1,024 writers over the base's
@@ -158,6 +171,7 @@ def _read_back(client: Any, partition: str, ids: list[str]) -> tuple[int, int]:
 
 
 def run_level(client: Any, actors: list, writers: int, puts: int, level: int) -> dict[str, Any]:
+    """One round of a level on a partition of its own: the writes, timed, then the read-back."""
     partition = f"w{level}"
     client.register_partition(partition, fields=["x"])
     per_actor = [
@@ -189,6 +203,31 @@ def run_level(client: Any, actors: list, writers: int, puts: int, level: int) ->
         "errors": dict(errors),
         "lost": lost,
         "corrupt": corrupt,
+        "latencies": latencies,  # merged over rounds, then dropped (merge_rounds)
+    }
+
+
+def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A level's rounds as one row: rates of the median round, latency percentiles over
+    every put, counts (puts, errors, lost, corrupt) summed."""
+    latencies = [lat for r in rounds for lat in r.pop("latencies")]
+    errors: Counter = Counter()
+    for r in rounds:
+        errors.update(r["errors"])
+    return {
+        "writers": rounds[0]["writers"],
+        "puts": sum(r["puts"] for r in rounds),
+        "rounds": len(rounds),
+        "seconds": sum(r["seconds"] for r in rounds),
+        "puts_per_s": statistics.median(r["puts_per_s"] for r in rounds),
+        "completed_puts": sum(r["completed_puts"] for r in rounds),
+        "goodput_samples_per_s": statistics.median(r["goodput_samples_per_s"] for r in rounds),
+        "goodput_by_round": [r["goodput_samples_per_s"] for r in rounds],
+        "p50_s": percentile(latencies, 50),
+        "p99_s": percentile(latencies, 99),
+        "errors": dict(errors),
+        "lost": sum(r["lost"] for r in rounds),
+        "corrupt": sum(r["corrupt"] for r in rounds),
     }
 
 
@@ -231,9 +270,10 @@ def run_claims(
     }
 
 
-def measure(levels: list[tuple[int, int]], claimers: int | None) -> dict[str, Any]:
-    """Every level on a fresh service at the default config (one unit), then claims; one
-    fleet of writer actors for all of it (their start is not what is measured)."""
+def measure(levels: list[tuple[int, int]], claimers: int | None, rounds: int = 1) -> dict[str, Any]:
+    """Every level ``rounds`` times, round-robin, on one service at the default config (one
+    unit), then claims; one fleet of writer actors for all of it (their start is not what
+    is measured)."""
     handle = start_service(SERVICE_NAME, NAMESPACE, num_storage_units=1)
     try:
         client = handle.client()
@@ -241,7 +281,11 @@ def measure(levels: list[tuple[int, int]], claimers: int | None) -> dict[str, An
         # Which code the writers run (a base run checks it is the other checkout's).
         out: dict[str, Any] = {"code": str(Path(ray.get(actors[0].code.remote())).resolve())}
         ray.get([a.__ray_ready__.remote() for a in actors])
-        out["levels"] = [run_level(client, actors, w, p, i) for i, (w, p) in enumerate(levels)]
+        by_level: list[list[dict[str, Any]]] = [[] for _ in levels]
+        for r in range(rounds):
+            for i, (w, p) in enumerate(levels):
+                by_level[i].append(run_level(client, actors, w, p, r * len(levels) + i))
+        out["levels"] = [merge_rounds(level) for level in by_level]
         if claimers:
             out["claims"] = run_claims(client, handle.controller, actors, levels[-1][0], claimers)
         for a in actors:
@@ -296,6 +340,7 @@ def _row(label: str, r: dict[str, Any]) -> list[Any]:
         r["puts"],
         r["puts_per_s"],
         r["goodput_samples_per_s"],
+        " / ".join(f"{g:.0f}" for g in r.get("goodput_by_round", [])),
         r["p50_s"],
         r["p99_s"],
         errors,
@@ -308,17 +353,20 @@ def run(opts: Options) -> Section:
     section = Section("writers")
     levels = QUICK_LEVELS if opts.quick else FULL_LEVELS
     claimers = QUICK_CLAIMERS if opts.quick else CLAIMERS
-    ours = measure(levels, claimers)
+    rounds = QUICK_ROUNDS if opts.quick else FULL_ROUNDS
+    ours = measure(levels, claimers, rounds)
     base_dir = os.environ.get("BENCH_WRITERS_BASE")
-    base = measure_base(base_dir, levels[:2]) if base_dir else None
-    headers = ["code", "writers", "puts", "puts/s", "goodput samples/s", "p50 s", "p99 s",
-               "failed puts by error", "lost", "corrupt"]  # fmt: skip
+    base_levels = levels[:2] if opts.quick else BASE_LEVELS
+    base = measure_base(base_dir, base_levels) if base_dir else None
+    headers = ["code", "writers", "puts", "puts/s", "goodput samples/s", "goodput by round",
+               "p50 s", "p99 s", "failed puts by error", "lost", "corrupt"]  # fmt: skip
     rows = [_row("this", r) for r in ours["levels"]]
     if base:
         rows += [_row(f"base ({base_dir})", r) for r in base["levels"]]
     section.tables.append(
         Table(
-            f"{WRITER_ACTORS} writer actors, puts of {SAMPLES_PER_PUT} x {SAMPLE_BYTES} B",
+            f"{WRITER_ACTORS} writer actors, puts of {SAMPLES_PER_PUT} x {SAMPLE_BYTES} B; "
+            f"rates: the median of {rounds} interleaved round(s)",
             headers,
             rows,
         )
@@ -369,7 +417,7 @@ def run(opts: Options) -> Section:
         )
     )
     if base:
-        at = [i for i, (w, _) in enumerate(levels[:2]) if w >= 1024] or [len(base["levels"]) - 1]
+        at = [i for i, (w, _) in enumerate(base_levels) if w >= 1024] or [len(base_levels) - 1]
         i = at[0]
         section.targets.append(
             Target(
@@ -394,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--levels", default=None, help="e.g. 256x2,1024x2 (writers x puts each)")
     p.add_argument("--claimers", type=int, default=0, help="0: no claims run")
+    p.add_argument("--rounds", type=int, default=1, help="each level this often, round-robin")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     from benchmarks.common import start_ray
@@ -405,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     start_ray(16, 1 << 30)
     try:
-        result = measure(levels, args.claimers or None)  # type: ignore[arg-type]
+        result = measure(levels, args.claimers or None, args.rounds)  # type: ignore[arg-type]
     finally:
         ray.shutdown()
     Path(args.out).write_text(json.dumps(result, indent=1))
