@@ -45,7 +45,7 @@ from policy_workers.config import (
 from policy_workers.loss import ClippedPGLoss, valid_token_mask
 from policy_workers.model import build_hf_model, reference_logprobs
 from policy_workers.recording import DispatchRecorder, IORecorder, batch_digest
-from policy_workers.tq_mixin import NotReplicaLeader, TQWorkerMixin
+from policy_workers.tq_mixin import NotReplicaLeader, TQWorkerMixin, _cut_to_lengths
 from policy_workers.tq_policy import TQPolicy, contains_tensor
 from policy_workers.worker import PolicyWorker
 
@@ -428,6 +428,23 @@ def test_write_back_is_leader_only():
     with pytest.raises(NotReplicaLeader):
         sibling._write_back(_meta(), {"prev_logprobs": torch.zeros(4, 4)})
     assert _Host()._is_replica_leader()
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.complex64],
+)
+def test_write_back_cuts_each_row_to_its_length_in_every_dtype(dtype):
+    """The cut of a [N, S, ...] result to jagged rows (numpy's gather on the CPU, a
+    reinterpretation for dtypes numpy lacks): row i is exactly value[i, :length_i]
+    (lengths past S clamp), in the value's dtype and trailing shape."""
+    g = torch.Generator().manual_seed(1)
+    value = (torch.randn(16, 12, 3, generator=g) * 8).to(dtype)
+    lengths = [0, 12, 20, *torch.randint(0, 13, (13,), generator=g).tolist()]
+    cut = _cut_to_lengths(value, lengths)
+    assert cut.values().dtype == dtype
+    for i, row in enumerate(cut.unbind()):
+        assert torch.equal(row, value[i, : min(lengths[i], 12)]), i
 
 
 @pytest.mark.parametrize("mode", ["dynamic", "packing"])
