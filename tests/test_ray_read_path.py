@@ -5,6 +5,7 @@ would: rows back to back in one block leave the unit as a view of it, arrive as
 this get's own object-store copy and are decoded in place (read-only); other
 selections are gathered."""
 
+import time
 import uuid
 
 import numpy as np
@@ -72,7 +73,10 @@ def test_a_get_racing_clears_and_rewrites_returns_whole_rows_or_a_typed_error(
 ):
     """Reads in a thread while the partition is cleared and rewritten with new values
     (freed chunks are recycled for the rewrites): every row that comes back is one
-    whole version, every failure a typed error."""
+    whole version, every failure a typed error. Every other version stays until a read
+    that began after it was written has ended, so some reads are sure to meet no clear
+    (in a tight loop every read could lose the race under load: a flaky "whole > 0");
+    the versions between are cleared at once, racing the reads."""
     import threading
 
     from dataplane_client.errors import DataPlaneError
@@ -91,25 +95,39 @@ def test_a_get_racing_clears_and_rewrites_returns_whole_rows_or_a_typed_error(
 
     rewrite(0)
     outcomes = {"whole": 0, "typed": 0, "torn": [], "other": []}
+    reads = {"started": 0, "ended": 0}  # one reader thread: read k ends before k + 1 starts
     done = threading.Event()
+
+    def read_once() -> None:
+        try:
+            got = reader.get_samples(ids, pid, ["dense", "text"])
+        except DataPlaneError:
+            outcomes["typed"] += 1
+            return
+        except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
+            outcomes["other"].append(repr(e))
+            return
+        text = got["text"].tolist()
+        for j in range(N):
+            v = round(float(got["dense"][j][0] - 3 * j) / 1000)
+            want = version(v)
+            if not torch.equal(got["dense"][j], want["dense"][j]) or text[j] != want["text"][j]:
+                outcomes["torn"].append((j, v))
+        outcomes["whole"] += 1
 
     def read_loop() -> None:
         while not done.is_set():
+            reads["started"] += 1
             try:
-                got = reader.get_samples(ids, pid, ["dense", "text"])
-            except DataPlaneError:
-                outcomes["typed"] += 1
-                continue
-            except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
-                outcomes["other"].append(repr(e))
-                continue
-            text = got["text"].tolist()
-            for j in range(N):
-                v = round(float(got["dense"][j][0] - 3 * j) / 1000)
-                want = version(v)
-                if not torch.equal(got["dense"][j], want["dense"][j]) or text[j] != want["text"][j]:
-                    outcomes["torn"].append((j, v))
-            outcomes["whole"] += 1
+                read_once()
+            finally:
+                reads["ended"] += 1
+
+    def wait_for_a_read_begun_after(started: int) -> None:
+        deadline = time.monotonic() + 60
+        while reads["ended"] <= started and thread.is_alive():
+            assert time.monotonic() < deadline, "no read ended within 60 s"
+            time.sleep(0.005)  # polling the reader's progress, not synchronisation
 
     thread = threading.Thread(target=read_loop)
     thread.start()
@@ -119,6 +137,8 @@ def test_a_get_racing_clears_and_rewrites_returns_whole_rows_or_a_typed_error(
             v += 1
             writer.clear_samples(None, pid)
             rewrite(v)
+            if v % 2 == 0:
+                wait_for_a_read_begun_after(reads["started"])
     finally:
         done.set()
         thread.join()
