@@ -22,8 +22,9 @@ from dataplane_server import start
 from dataplane_server.admin_pb import admin_pb2, admin_pb2_grpc
 
 
-@pytest.fixture
-def two_services(ray_session):
+@pytest.fixture(scope="module")
+def service_pair(ray_session):
+    """Started once for this module (two services cost about 20 s to start here)."""
     handles = [
         start(
             DataPlaneConfig(
@@ -38,6 +39,19 @@ def two_services(ray_session):
     yield handles
     for h in handles:
         h.shutdown()
+
+
+@pytest.fixture
+def two_services(service_pair):
+    """A source and a destination holding no partition: the first test gets them fresh,
+    the next ones emptied by the one before (restore needs an empty service)."""
+    clients = [h.client() for h in service_pair]
+    for c in clients:
+        assert c.service_info().num_partitions == 0
+    yield service_pair
+    for c in clients:
+        if c.service_info().num_partitions:
+            c.delete_partition("p")  # every test here uses one partition, "p"
 
 
 def _fields(n: int) -> dict:

@@ -8,6 +8,7 @@ operator as one line with the gRPC code it maps to.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from dataplane_client.config import DataPlaneConfig
+from dataplane_client.errors import UnknownPartition
 from dataplane_server import start
 from dataplane_server.admin_pb import admin_pb2, admin_pb2_grpc
 
@@ -56,13 +58,14 @@ def refused(proc, code: int, *needles: str) -> str:
     return err
 
 
-@pytest.fixture
-def services(ray_session, monkeypatch):
-    monkeypatch.delenv("DATAPLANE_ADMIN_TOKEN", raising=False)
-    handles = []
+PARTITIONS = ("rollouts", "p")  # every partition a test here makes
 
-    def make():
-        h = start(
+
+@pytest.fixture(scope="module")
+def started(ray_session):
+    """Two services for the module: each start costs seconds here, and no test needs more."""
+    handles = [
+        start(
             DataPlaneConfig(
                 name=f"cli-ckpt-{uuid.uuid4().hex[:6]}",
                 num_storage_units=2,
@@ -71,12 +74,26 @@ def services(ray_session, monkeypatch):
                 admin_token=TOKEN,
             )
         )
-        handles.append(h)
-        return h
-
-    yield make
+        for _ in range(2)
+    ]
+    yield handles
     for h in handles:
         h.shutdown()
+
+
+@pytest.fixture
+def services(started, monkeypatch):
+    """``services()`` gives the next service holding no partition (restore needs an empty
+    one): the first test gets them fresh, the next ones emptied by the test before."""
+    monkeypatch.delenv("DATAPLANE_ADMIN_TOKEN", raising=False)
+    for h in started:
+        assert h.client().service_info().num_partitions == 0
+    yield iter(started).__next__
+    for h in started:
+        c = h.client()
+        for pid in PARTITIONS:
+            with contextlib.suppress(UnknownPartition):
+                c.delete_partition(pid)
 
 
 def _fields(n: int) -> dict:
