@@ -38,7 +38,8 @@ def _sources(
     unit's chunk, a lease what mappings of that source hold."""
     if isinstance(part, SharedRows):
         leases = [part.lease] * len(part.chunks)
-        return list(part.chunks), leases, part.which.astype(np.int64), part.starts, part.ends
+        which, starts, ends = (a.astype(np.int64) for a in (part.which, part.starts, part.ends))
+        return list(part.chunks), leases, which, starts, ends  # narrowed on the wire
     offs = row_byte_offsets(part)
     return [part.values], [None], np.zeros(part.num_rows, dtype=np.int64), offs[:-1], offs[1:]
 
