@@ -362,15 +362,16 @@ class ViewMaps(KeptMaps):
     gets sharing a mapping would see each other's writes, so a mapping is lent to one
     get (a :class:`_Loan`, which its views hold) and a get that finds it lent maps the
     chunk afresh, as before mappings were kept. Once a loan's views are all gone, the
-    pages its caller wrote are found (``/proc/self/pagemap``: present, no longer the
-    chunk's page) and dropped before the next loan, whose views then read the chunk's
-    bytes again: a steady-state get faults in nothing but those pages.
+    pages its caller wrote are found (the ``PAGEMAP_SCAN`` ioctl of ``/proc/self/pagemap``,
+    Linux 6.7+: present, no longer the chunk's page) and dropped before the next loan,
+    whose views then read the chunk's bytes again: a steady-state get faults in nothing
+    but those pages. Without that ioctl every get maps afresh.
     """
 
     def lend(self, chunk: ChunkRef, end: int, lease: Any) -> np.ndarray | None:
         """A writable view of the whole of ``chunk`` (at least ``end`` bytes long) for one
         get, holding ``lease`` until its last view goes; None when another get's views
-        still use the kept mapping, or this process cannot read its page map."""
+        still use the kept mapping, or the kernel cannot scan this process's page map."""
         if _pagemap() is None:
             return None
         with self._lock:
@@ -409,8 +410,37 @@ _pagemap_fd: tuple[int, int] | None = None  # (pid that opened it, descriptor)
 _pagemap_lock = threading.Lock()
 
 
+class _ScanArgs(ctypes.Structure):
+    """``struct pm_scan_arg`` of the ``PAGEMAP_SCAN`` ioctl (Linux 6.7+, linux/fs.h)."""
+
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "size",
+            "flags",
+            "start",
+            "end",
+            "walk_end",
+            "vec",
+            "vec_len",
+            "max_pages",
+            "category_inverted",
+            "category_mask",
+            "category_anyof_mask",
+            "return_mask",
+        )
+    ]
+
+
+_PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_ScanArgs) << 16) | (ord("f") << 8) | 16  # _IOWR
+_PAGE_IS_FILE, _PAGE_IS_PRESENT = 1 << 2, 1 << 3
+_SCAN_REGIONS = 256  # (start, end, categories) triples per call
+_libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
+
+
 def _pagemap() -> int | None:
-    """This process's ``/proc/self/pagemap``, opened once per process (None: unreadable)."""
+    """This process's ``/proc/self/pagemap``, opened once per process, if the kernel can
+    scan it for written pages (``PAGEMAP_SCAN``); None otherwise."""
     global _pagemap_fd
     held = _pagemap_fd
     if held is not None and held[0] == os.getpid():
@@ -418,13 +448,43 @@ def _pagemap() -> int | None:
     with _pagemap_lock:
         if _pagemap_fd is None or _pagemap_fd[0] != os.getpid():  # none, or a parent's
             try:
-                _pagemap_fd = (os.getpid(), os.open("/proc/self/pagemap", os.O_RDONLY))
+                fd = os.open("/proc/self/pagemap", os.O_RDONLY)
             except OSError:
                 return None
+            try:
+                _written_ranges(fd, 0, 0)
+            except OSError:  # an older kernel: no kept copy-on-write mappings
+                os.close(fd)
+                return None
+            _pagemap_fd = (os.getpid(), fd)
         return _pagemap_fd[1]
 
 
-_PRESENT_BIT, _FILE_PAGE_BIT = 63, 61  # of a pagemap entry (Documentation/admin-guide/mm)
+def _written_ranges(fd: int, addr: int, length: int) -> list[tuple[int, int]]:
+    """(start, end) address ranges of the pages in [addr, addr + length) that are present
+    but no longer a file's page: in a private mapping of a chunk, the pages written since
+    (private copies). The kernel walks the page tables and returns only those ranges."""
+    regions = (ctypes.c_uint64 * (3 * _SCAN_REGIONS))()
+    found, start, end = [], addr, addr + length
+    while True:
+        args = _ScanArgs(
+            size=ctypes.sizeof(_ScanArgs),
+            start=start,
+            end=end,
+            vec=ctypes.addressof(regions),
+            vec_len=_SCAN_REGIONS,
+            category_inverted=_PAGE_IS_FILE,  # matches: present and not a file page
+            category_mask=_PAGE_IS_FILE | _PAGE_IS_PRESENT,
+            return_mask=_PAGE_IS_PRESENT,
+        )
+        count = _libc.ioctl(fd, _PAGEMAP_SCAN, ctypes.addressof(args))
+        if count < 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"PAGEMAP_SCAN failed: {os.strerror(code)}")
+        found += [(regions[3 * i], regions[3 * i + 1]) for i in range(count)]
+        if args.walk_end >= end:
+            return found
+        start = args.walk_end  # the regions were full: go on from where the walk stopped
 
 
 def _drop_written_pages(mapping: _Mapping) -> None:
@@ -432,17 +492,9 @@ def _drop_written_pages(mapping: _Mapping) -> None:
     next read of each faults the chunk's page back in."""
     fd = _pagemap()
     if fd is None:
-        raise OSError(errno.ENOENT, "no /proc/self/pagemap")
-    first, pages = mapping.addr // PAGE, -(-mapping.length // PAGE)
-    entries = np.frombuffer(os.pread(fd, 8 * pages, 8 * first), dtype=np.uint64)
-    if len(entries) != pages:
-        raise OSError(errno.EIO, f"short read of the page map: {len(entries)} of {pages}")
-    written = ((entries >> _PRESENT_BIT) & ~(entries >> _FILE_PAGE_BIT) & 1).astype(bool)
-    if not written.any():
-        return
-    edges = np.flatnonzero(np.diff(np.concatenate(([False], written, [False])).astype(np.int8)))
-    for lo, hi in zip(edges[::2].tolist(), edges[1::2].tolist()):
-        if _libc.madvise(mapping.addr + lo * PAGE, (hi - lo) * PAGE, mmap.MADV_DONTNEED) != 0:
+        raise OSError(errno.ENOTSUP, "this kernel cannot scan its page map (PAGEMAP_SCAN)")
+    for lo, hi in _written_ranges(fd, mapping.addr, mapping.length):
+        if _libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED) != 0:
             code = ctypes.get_errno()
             raise OSError(code, f"madvise of a kept mapping failed: {os.strerror(code)}")
 
