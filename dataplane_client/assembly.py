@@ -11,7 +11,6 @@ in-process client.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,16 +38,25 @@ def _sources(
     unit's chunk, a lease what mappings of that source hold."""
     if isinstance(part, SharedRows):
         leases = [part.lease] * len(part.chunks)
-        return list(part.chunks), leases, part.which.astype(np.int64), part.starts, part.ends
+        which, starts, ends = (a.astype(np.int64) for a in (part.which, part.starts, part.ends))
+        return list(part.chunks), leases, which, starts, ends  # narrowed on the wire
     offs = row_byte_offsets(part)
     return [part.values], [None], np.zeros(part.num_rows, dtype=np.int64), offs[:-1], offs[1:]
 
 
-def assemble(parts: Sequence[EncodedField | SharedRows], order: np.ndarray) -> Any:
+def assemble(
+    parts: Sequence[EncodedField | SharedRows],
+    order: np.ndarray,
+    loans: dict[str, np.ndarray] | None = None,
+) -> Any:
     """Decode one field from the units' parts; output row j is concatenated row ``order[j]``.
 
-    Same-node rows that are contiguous in one chunk come back as a copy-on-write
-    mapping (no copy); anything else is gathered once into a fresh buffer. A chunk
+    Same-node rows that are contiguous in one chunk come back as a view (no copy) of
+    this process's kept copy-on-write mapping of the chunk, lent to this get
+    (``shm.view_maps``: in a steady state nothing is mapped or faulted in), or of a
+    fresh one while another get's views hold it; anything else is gathered once into a
+    fresh buffer out of kept read-only mappings (``shm.read_maps``). ``loans``: the
+    mappings this get borrowed so far, by chunk name (its fields share them). A chunk
     freed since the unit named it raises an ``OSError`` (``shm.ChunkChanged`` when
     its descriptor now holds another chunk): the caller reads through Ray instead.
     """
@@ -64,15 +72,14 @@ def assemble(parts: Sequence[EncodedField | SharedRows], order: np.ndarray) -> A
     # One run: every row is from one source and each starts where the one before ended.
     run_firsts, _ = run_bounds(starts, ends, which)
     if len(run_firsts) == 1 and isinstance(sources[int(which[0])], ChunkRef) and len(order):
-        first_src = int(which[0])
-        # Object rows are read whole (decoded into Python values, a copy): map them
-        # read-only with every page faulted in at once, not one fault per page.
-        mapper = shm.map_for_read if first.kind == OBJECT else shm.map_private
-        values = mapper(sources[first_src], int(starts[0]), int(ends[-1]), keep=leases[first_src])
+        chunk, lease = sources[int(which[0])], leases[int(which[0])]
+        start, end = int(starts[0]), int(ends[-1])
+        if first.kind == OBJECT:  # decoded into Python values (a copy) while the lease is held
+            values = shm.read_maps.region(chunk, start, end - start)
+        else:
+            values = _lent(chunk, start, end, lease, {} if loans is None else loans)
     else:
-        buffers, starts, ends = _spans(
-            sources, which, starts, ends, functools.partial(_read_map, leases)
-        )
+        buffers, starts, ends = _spans(sources, which, starts, ends, _kept_read_map)
         values = gather_bytes(buffers, which, starts, ends)
     out = dataclasses.replace(first, values=values, lengths=lengths, num_rows=len(order))
     return decode_field(out, writable=False)
@@ -86,7 +93,8 @@ def assemble_fields(
     """Each field of ``parts`` assembled (:func:`assemble`), or with ``device`` on that
     device (:func:`assemble_on`), the copies of every field awaited once."""
     if device is None:
-        return {name: assemble(p, order) for name, p in parts.items()}
+        loans: dict[str, np.ndarray] = {}
+        return {name: assemble(p, order, loans) for name, p in parts.items()}
     devices.pin_kept_mappings(device)
     sources: list = []  # every copy's source stays alive until the copies are done
     try:
@@ -168,9 +176,26 @@ def _spans(
     return buffers, starts, ends
 
 
-def _read_map(leases: list, i: int, chunk: ChunkRef, lo: int, hi: int) -> np.ndarray:
-    """A fresh read-only mapping that holds the read's lease (the bytes' source of a gather)."""
-    return shm.map_for_read(chunk, lo, hi, keep=leases[i])
+def _lent(chunk: ChunkRef, start: int, end: int, lease: Any, loans: dict) -> np.ndarray:
+    """Bytes [start, end) of ``chunk``, writable copy-on-write: a view of the kept mapping
+    this get borrowed (``loans``, by chunk name; borrowed now if not yet), or of a fresh
+    mapping when another get's views still hold the kept one. Either holds ``lease``
+    until its last view goes."""
+    whole = loans.get(chunk.name)
+    if whole is None:
+        whole = shm.view_maps.lend(chunk, end, lease)
+        if whole is None:
+            return shm.map_private(chunk, start, end, keep=lease)
+        loans[chunk.name] = whole
+    return whole[start:end]
+
+
+def _kept_read_map(_i: int, chunk: ChunkRef, lo: int, hi: int) -> np.ndarray:
+    """This process's kept read-only mapping of the chunk (the source of a gather; the
+    read's lease is held by the caller's parts until the copy is done)."""
+    if hi <= lo:  # none of the read's rows lie in it: nothing to map
+        return np.empty(0, dtype=np.uint8)
+    return shm.read_maps.region(chunk, lo, hi - lo)
 
 
 def _kept_map(_i: int, chunk: ChunkRef, lo: int, hi: int) -> np.ndarray:

@@ -13,7 +13,7 @@
 A GPU copies at full speed only to and from pinned memory: from pageable memory the
 driver bounces every byte through a pinned buffer of its own. So a process that moves
 bytes to or from a GPU registers its kept mappings with CUDA (:func:`pin_kept_mappings`:
-once per process; ``shm.WriteMaps`` registers each mapping once, as registering costs
+once per process; ``shm.KeptMaps`` registers each mapping once, as registering costs
 about as much as a copy), issues every copy ``non_blocking`` and waits once at the end
 (:func:`synchronize`).
 

@@ -495,6 +495,18 @@ class ShmRegion:
 
 
 @dataclass(frozen=True)
+class ChunkClosures:
+    """The chunks a unit closed since a same-node reader's ``closed_seq``, so it drops its
+    kept mappings of them (``reset``: too many to list, drop every mapping of this unit's
+    chunks, whose names start with ``chunk_prefix``)."""
+
+    closed: list[str]
+    closed_seq: int
+    reset: bool
+    chunk_prefix: str
+
+
+@dataclass(frozen=True)
 class SharedRows:
     """Where a unit holds some rows of one field: row i is bytes [starts[i], ends[i])
     of ``chunks[which[i]]``. ``header`` (an EncodedField without values) describes the field."""
@@ -508,6 +520,7 @@ class SharedRows:
     # handle that releases it once its last mapping of them is gone): a leased chunk
     # is never recycled for another write.
     lease: Any = None
+    closures: ChunkClosures | None = None  # when the reader said which it knows of
 
     @property
     def nbytes(self) -> int:

@@ -9,15 +9,18 @@ exactly one descriptor per chunk and no mapping of its own (it copies with
 A client on the same node opens ``/proc/<unit pid>/fd/<n>`` (same user only) and
 
 - writes a put's bytes straight into the region the unit allocated (one copy),
-  through a mapping of the whole chunk that it keeps (:class:`WriteMaps`): the
+  through a mapping of the whole chunk that it keeps (:class:`KeptMaps`): the
   unit recycles freed chunks for later writes of their size, so the next write
   finds its destination mapped and faulted in, and pays for the copy alone
   (mapping, faulting in and unmapping 128 MiB cost about as much as copying it);
-- reads by mapping the chunk copy-on-write: a contiguous selection becomes a
-  writable tensor with no copy at all, and the mapping keeps the bytes alive
-  even if the unit frees the chunk afterwards. Each read holds the unit's lease
-  on the chunks it named until its last mapping is gone, so a chunk a reader
-  still sees is never recycled for another write.
+- reads a contiguous selection as a writable tensor with no copy at all: a view
+  of a copy-on-write mapping of the chunk, which it keeps too (:class:`ViewMaps`),
+  lent to one get at a time, so a steady-state get maps and faults nothing anew;
+  any other selection is gathered into a fresh buffer out of a kept read-only
+  mapping (:data:`read_maps`). Each read holds the unit's lease on the chunks it
+  named until its last view is gone, so a chunk a reader still sees is never
+  recycled for another write (the mapping keeps the bytes alive if the unit
+  frees the chunk meanwhile).
 
 Descriptor numbers are reused by the kernel, so what was opened is checked
 against the chunk's unique memfd name (:class:`ChunkChanged` on a mismatch).
@@ -157,6 +160,7 @@ _libc.mmap.argtypes = [
     ctypes.c_long,
 ]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -179,6 +183,7 @@ class _Mapping:
         # The registrar (e.g. CUDA's) that pinned this range, undone before the unmap;
         # None: not pinned; False: pinning was refused (not asked again).
         self.pinned_by: Any = None
+        self.lent = False  # a kept copy-on-write mapping some get's views use (ViewMaps)
         read_only = not prot & mmap.PROT_WRITE
         self.__array_interface__ = {
             "shape": (length,),
@@ -235,13 +240,17 @@ class Registrar(Protocol):
     def unregister(self, addr: int) -> None: ...
 
 
-class WriteMaps:
-    """A writer's mappings of units' chunks, kept across writes (one per chunk).
+class KeptMaps:
+    """A process's shared mappings of units' chunks, kept across writes or reads (one per
+    chunk): writable for writers (:data:`write_maps`), read-only as the source of a
+    reader's gathers (:data:`read_maps`).
 
     A unit hands a freed chunk to the next write of its size, so a writer that
-    mapped it before copies into pages that are already mapped and faulted in.
-    Bounded: least recently used mappings beyond ``max(floor, 2 x the largest
-    chunk)`` bytes are dropped, as are chunks the unit reports closed (a kept
+    mapped it before copies into pages that are already mapped and faulted in, and
+    a reader copies out of such pages. A chunk's name is checked when it is mapped
+    (``_open_verified``) and names are never reused, so a mapping found by name is
+    that chunk's. Bounded: least recently used mappings beyond ``max(floor, 2 x the
+    largest chunk)`` bytes are dropped, as are chunks the unit reports closed (a kept
     mapping of a closed chunk would hold its memory).
 
     A process that moves bytes to or from a GPU also reads through these mappings
@@ -252,7 +261,8 @@ class WriteMaps:
 
     FLOOR_BYTES = 512 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, writable: bool = True) -> None:
+        self.writable = writable
         self._maps: OrderedDict[str, np.ndarray] = OrderedDict()
         self._bytes = 0
         self._largest = 0
@@ -279,7 +289,8 @@ class WriteMaps:
                 mapping.pinned_by = registrar if ok else False
 
     def region(self, chunk: ChunkRef, start: int, nbytes: int) -> np.ndarray:
-        """A writable shared view of bytes [start, start + nbytes) of ``chunk``."""
+        """A shared view of bytes [start, start + nbytes) of ``chunk`` (writable if the
+        mappings are)."""
         with self._lock:
             whole = self._maps.get(chunk.name)
             if whole is not None:
@@ -290,7 +301,7 @@ class WriteMaps:
                 start,
                 start + nbytes,
                 private=False,
-                writable=True,
+                writable=self.writable,
                 populate=True,
                 whole=True,
             )
@@ -331,7 +342,174 @@ class WriteMaps:
             return sum(len(m) for m in self._maps.values() if getattr(m.base, "pinned_by", None))
 
 
-write_maps = WriteMaps()  # one per process: every client of this process shares it
+class _Loan:
+    """One get's use of a kept copy-on-write mapping: the base of every view it made, it
+    holds the read's lease while they live and gives the mapping back when they are gone."""
+
+    def __init__(self, mapping: _Mapping, lease: Any):
+        self.mapping, self.lease = mapping, lease
+        self.__array_interface__ = mapping.__array_interface__
+
+    def __del__(self) -> None:
+        self.mapping.lent = False  # one assignment: safe from whichever thread drops it
+
+
+class ViewMaps(KeptMaps):
+    """Copy-on-write mappings of units' chunks, kept across gets and lent to one get at a time.
+
+    A get's tensors view such a mapping with no copy, and stay writable: a caller's
+    write makes a private copy of the page it touches and never reaches the unit. Two
+    gets sharing a mapping would see each other's writes, so a mapping is lent to one
+    get (a :class:`_Loan`, which its views hold) and a get that finds it lent maps the
+    chunk afresh, as before mappings were kept. Once a loan's views are all gone, the
+    pages its caller wrote are found (the ``PAGEMAP_SCAN`` ioctl of ``/proc/self/pagemap``,
+    Linux 6.7+: present, no longer the chunk's page) and dropped before the next loan,
+    whose views then read the chunk's bytes again: a steady-state get faults in nothing
+    but those pages. Without that ioctl every get maps afresh.
+    """
+
+    def lend(self, chunk: ChunkRef, end: int, lease: Any) -> np.ndarray | None:
+        """A writable view of the whole of ``chunk`` (at least ``end`` bytes long) for one
+        get, holding ``lease`` until its last view goes; None when another get's views
+        still use the kept mapping, or the kernel cannot scan this process's page map."""
+        if _pagemap() is None:
+            return None
+        with self._lock:
+            whole = self._maps.get(chunk.name)
+            kept = None if whole is None else _mapping_of(whole)
+            if kept is not None:
+                self._maps.move_to_end(chunk.name)
+                if kept.lent:
+                    return None
+                if kept.length < end:
+                    kept = None  # mapped before the chunk was this long: map it again
+                else:
+                    kept.lent = True
+        if kept is None:
+            whole = _map(chunk, 0, end, private=True, writable=True, populate=False, whole=True)
+            kept = _mapping_of(whole)
+            kept.lent = True
+            self._keep(chunk.name, whole)
+        else:
+            try:
+                _drop_written_pages(kept)
+            except OSError:
+                self.forget([chunk.name])  # not made pristine: never lent again
+                return None
+        return np.asarray(_Loan(kept, lease))
+
+
+def _mapping_of(whole: np.ndarray) -> _Mapping:
+    """The mapping a kept array views (``_map(..., whole=True)`` made it)."""
+    mapping = whole.base
+    assert isinstance(mapping, _Mapping)
+    return mapping
+
+
+_pagemap_fd: tuple[int, int] | None = None  # (pid that opened it, descriptor)
+_pagemap_lock = threading.Lock()
+
+
+class _ScanArgs(ctypes.Structure):
+    """``struct pm_scan_arg`` of the ``PAGEMAP_SCAN`` ioctl (Linux 6.7+, linux/fs.h)."""
+
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "size",
+            "flags",
+            "start",
+            "end",
+            "walk_end",
+            "vec",
+            "vec_len",
+            "max_pages",
+            "category_inverted",
+            "category_mask",
+            "category_anyof_mask",
+            "return_mask",
+        )
+    ]
+
+
+_PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_ScanArgs) << 16) | (ord("f") << 8) | 16  # _IOWR
+_PAGE_IS_FILE, _PAGE_IS_PRESENT = 1 << 2, 1 << 3
+_SCAN_REGIONS = 256  # (start, end, categories) triples per call
+_libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
+
+
+def _pagemap() -> int | None:
+    """This process's ``/proc/self/pagemap``, opened once per process, if the kernel can
+    scan it for written pages (``PAGEMAP_SCAN``); None otherwise."""
+    global _pagemap_fd
+    held = _pagemap_fd
+    if held is not None and held[0] == os.getpid():
+        return held[1]
+    with _pagemap_lock:
+        if _pagemap_fd is None or _pagemap_fd[0] != os.getpid():  # none, or a parent's
+            try:
+                fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+            except OSError:
+                return None
+            try:
+                _written_ranges(fd, 0, 0)
+            except OSError:  # an older kernel: no kept copy-on-write mappings
+                os.close(fd)
+                return None
+            _pagemap_fd = (os.getpid(), fd)
+        return _pagemap_fd[1]
+
+
+def _written_ranges(fd: int, addr: int, length: int) -> list[tuple[int, int]]:
+    """(start, end) address ranges of the pages in [addr, addr + length) that are present
+    but no longer a file's page: in a private mapping of a chunk, the pages written since
+    (private copies). The kernel walks the page tables and returns only those ranges."""
+    regions = (ctypes.c_uint64 * (3 * _SCAN_REGIONS))()
+    found, start, end = [], addr, addr + length
+    while True:
+        args = _ScanArgs(
+            size=ctypes.sizeof(_ScanArgs),
+            start=start,
+            end=end,
+            vec=ctypes.addressof(regions),
+            vec_len=_SCAN_REGIONS,
+            category_inverted=_PAGE_IS_FILE,  # matches: present and not a file page
+            category_mask=_PAGE_IS_FILE | _PAGE_IS_PRESENT,
+            return_mask=_PAGE_IS_PRESENT,
+        )
+        count = _libc.ioctl(fd, _PAGEMAP_SCAN, ctypes.addressof(args))
+        if count < 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"PAGEMAP_SCAN failed: {os.strerror(code)}")
+        found += [(regions[3 * i], regions[3 * i + 1]) for i in range(count)]
+        if args.walk_end >= end:
+            return found
+        start = args.walk_end  # the regions were full: go on from where the walk stopped
+
+
+def _drop_written_pages(mapping: _Mapping) -> None:
+    """Drop the pages of a copy-on-write mapping that were written (now private copies): the
+    next read of each faults the chunk's page back in."""
+    fd = _pagemap()
+    if fd is None:
+        raise OSError(errno.ENOTSUP, "this kernel cannot scan its page map (PAGEMAP_SCAN)")
+    for lo, hi in _written_ranges(fd, mapping.addr, mapping.length):
+        if _libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"madvise of a kept mapping failed: {os.strerror(code)}")
+
+
+# One of each per process: every client of this process shares them.
+write_maps = KeptMaps()
+read_maps = KeptMaps(writable=False)
+view_maps = ViewMaps()
+
+
+def forget_closed(names: list[str], prefix: str | None = None) -> None:
+    """A unit closed these chunks (``prefix``: maybe any of its chunks): drop this process's
+    kept mappings of them, which would otherwise hold their memory."""
+    for maps in (write_maps, read_maps, view_maps):
+        maps.forget(names, prefix)
 
 
 def map_for_write(chunk: ChunkRef, start: int, nbytes: int) -> np.ndarray:

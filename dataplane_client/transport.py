@@ -6,8 +6,9 @@ below it there are two paths, chosen per unit:
 - same node (the unit's node is ours and it keeps chunks in shared memory): a
   put allocates the region in the unit and copies the rows straight into it,
   through this process's kept mapping of the chunk (``shm.write_maps``); a get
-  maps the unit's chunks, zero-copy when the rows are contiguous, and holds the
-  unit's read lease on them (:class:`ReadLease`) until its last mapping is gone;
+  copies the rows out of this process's kept read-only mapping of the chunk
+  (``shm.read_maps``, see ``assembly.assemble``) while it holds the unit's read
+  lease on them (:class:`ReadLease`);
 - otherwise through Ray actor calls whose numpy buffers Ray moves out-of-band.
 
 A put's CUDA tensor is copied device-to-host straight into the unit's region
@@ -62,8 +63,8 @@ class StagedRegionGone(SharedMemoryUnavailable):
 class ReadLease:
     """A unit's lease on the chunks one read named, released when this object goes.
 
-    Every mapping made from the read holds it, so it goes with the last of them
-    (the tensors the caller kept). The release is one message, not awaited.
+    The read's parts (``SharedRows``) hold it, so it goes once their rows are copied
+    out and the parts dropped. The release is one message, not awaited.
     """
 
     def __init__(self, unit: Any, lease: int):
@@ -217,7 +218,7 @@ class Transport:
             if alloc is None:  # the unit took the lease back: the copy went nowhere visible
                 results[i] = StagedRegionGone(f"unit {u}: its write lease was reclaimed")
                 continue
-            shm.write_maps.forget(alloc.closed, alloc.chunk_prefix if alloc.reset else None)
+            shm.forget_closed(alloc.closed, alloc.chunk_prefix if alloc.reset else None)
             self._closed_seq[u] = alloc.closed_seq
             with self._lease_lock:
                 self._leases[u] = (alloc.next_lease, time.monotonic()) if alloc.next_lease else None
@@ -322,7 +323,9 @@ class Transport:
         owner = self._stage_owner()  # a dead reader's leases are released by the unit
         expect = expect or {}
         refs = [
-            self.units[u].read_shm.remote(partition_id, ids, fields, owner, expect.get(u))
+            self.units[u].read_shm.remote(
+                partition_id, ids, fields, owner, expect.get(u), self._closed_seq[u]
+            )
             if self.shared[u] and not via_ray
             else self.units[u].read.remote(partition_id, ids, fields, expect.get(u))
             for u, ids in plan.items()
@@ -330,10 +333,21 @@ class Transport:
         results = yield refs
         for u, result in zip(plan, results):
             if isinstance(result, dict):
+                self._forget_closed(u, result)
                 result.update(self._leased(u, result))
                 if self.shared[u] and not via_ray:
                     result.update(_writable(result))
         return results
+
+    def _forget_closed(self, unit: int, result: dict) -> None:
+        """Drop this process's kept mappings of the chunks a unit's read answer says it
+        closed (every shared part of one answer carries the same closures)."""
+        for part in result.values():
+            if isinstance(part, SharedRows) and part.closures is not None:
+                c = part.closures
+                shm.forget_closed(c.closed, c.chunk_prefix if c.reset else None)
+                self._closed_seq[unit] = c.closed_seq
+                return
 
     def _leased(self, unit: int, result: dict) -> dict:
         """The result's shared rows holding one :class:`ReadLease` (a lease id came back)."""

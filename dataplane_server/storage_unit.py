@@ -215,9 +215,13 @@ class StorageUnit:
         fields: list[str],
         owner: list | None = None,
         expect: list[int] | None = None,
+        closed_seq: int | None = None,
     ) -> dict:
-        """Where the fields' bytes sit in shared memory, leased to a same-node reader."""
-        out = self.store.read_shm(partition_id, sample_ids, fields, _owner(owner), expect)
+        """Where the fields' bytes sit in shared memory, leased to a same-node reader
+        (with the chunks closed since ``closed_seq``)."""
+        out = self.store.read_shm(
+            partition_id, sample_ids, fields, _owner(owner), expect, closed_seq
+        )
         if self.store.leases.reads:
             self._start_sweeper()  # a dead reader's leases are released by the sweeper
         return out

@@ -241,7 +241,7 @@ def test_device_bytes_copy_needs_device_bytes():
 
 
 def test_each_kept_mapping_is_registered_once_and_unregistered_when_it_goes():
-    maps, registrar = shm.WriteMaps(), RecordingRegistrar()
+    maps, registrar = shm.KeptMaps(), RecordingRegistrar()
     a, b = shm.create(1 << 20), shm.create(1 << 20)
     try:
         first = maps.region(a.ref(), 0, 4096)  # kept before pinning: registered by pin_with
@@ -269,7 +269,7 @@ def test_each_kept_mapping_is_registered_once_and_unregistered_when_it_goes():
 
 
 def test_a_refused_registration_is_not_retried_nor_undone():
-    maps, registrar = shm.WriteMaps(), RecordingRegistrar(refuse=True)
+    maps, registrar = shm.KeptMaps(), RecordingRegistrar(refuse=True)
     chunk = shm.create(1 << 20)
     try:
         maps.pin_with(registrar)

@@ -11,6 +11,7 @@ can tell that a process died (``owners_died`` is what it calls then).
 
 import asyncio
 import dataclasses
+import pickle
 import time
 
 import numpy as np
@@ -241,6 +242,23 @@ def test_a_small_field_comes_back_inline_with_no_lease(stores):
     assert torch.equal(decode_field(answer["small"]), small)
     assert store.holdings().read_leases == 0
     assert isinstance(store.read_shm("p", _ids("s", 8), ["large"])["large"], SharedRows)
+
+
+@needs_shm
+def test_a_read_answer_sends_row_offsets_in_the_narrowest_dtype(stores):
+    """Ray ships an answer of up to 100 KiB inline, a larger one through its object store
+    (about 2 ms more): 1,024 rows of 4 fields at int64 offsets were just over."""
+    store = stores(use_shm=True)
+    fields = {f"f{i}": _rows(1024, 256, start=i) for i in range(4)}
+    _put(store, "p", "w", _ids("a", 1024), fields)
+    answer = store.read_shm("p", _ids("a", 1024), list(fields), owner="reader")
+    for name, rows in answer.items():
+        assert rows.which.dtype == np.uint8
+        assert rows.starts.dtype.itemsize <= 4
+        assert rows.ends.dtype.itemsize <= 4
+        assert torch.equal(_mapped(rows), fields[name])
+    assert len(pickle.dumps(answer)) < 48 * 1024
+    store.release_reads([answer["f0"].lease])
 
 
 @needs_shm

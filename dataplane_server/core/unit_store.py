@@ -56,7 +56,14 @@ from dataplane_client.errors import (
     SchemaConflict,
     StageReclaimed,
 )
-from dataplane_client.messages import SharedRows, ShmAlloc, ShmRegion, UnitSnapshot, WriteLease
+from dataplane_client.messages import (
+    ChunkClosures,
+    SharedRows,
+    ShmAlloc,
+    ShmRegion,
+    UnitSnapshot,
+    WriteLease,
+)
 from dataplane_client.put_deadline import stage_deadline_s
 from dataplane_server.core import unit_checkpoint, unit_groups, unit_preview
 from dataplane_server.core.arena import Arena
@@ -108,6 +115,15 @@ class UnitHoldings:
     reserve_bytes: int  # pre-faulted chunks ready in the warm reserve
     reserve_settled: bool  # the reserve is making nothing and was asked for nothing
     chunk_prefix: str  # what the names of this unit's chunks start with
+
+
+def _narrowest(values: np.ndarray) -> np.ndarray:
+    """Non-negative ints in the narrowest unsigned dtype that holds them, for an answer's
+    row offsets: Ray ships an answer of up to 100 KiB inline, a larger one through its
+    object store (about 2 ms more per get here); 1,024 rows of 4 fields at int64 were
+    just over (the reader widens them back, ``assembly._sources``)."""
+    top = int(values.max()) if len(values) else 0
+    return values.astype(np.min_scalar_type(top), copy=False)
 
 
 class UnitStore:
@@ -763,18 +779,22 @@ class UnitStore:
         fields: list[str],
         owner: Hashable | None = None,
         expect: list[int] | None = None,
+        closed_seq: int | None = None,
     ) -> dict:
         """Where the fields' bytes sit in shared memory, for a reader on this node to map.
 
         The chunks named are leased to the reader until it calls ``release_reads``
         (or its process, ``owner``, dies): a leased chunk is never recycled. A field
         of at most ``INLINE_READ_BYTES`` comes back as its bytes instead (no lease).
-        ``expect``: as ``read``.
+        ``expect``: as ``read``. ``closed_seq``: the chunk closures the reader knows of;
+        the chunks closed since come with the rows (``SharedRows.closures``), so it drops
+        its kept mappings of them.
         """
         t0 = time.perf_counter()
         self._check_generations(partition_id, sample_ids, expect)
         out: dict = {}
         lease, leased = self.leases.next_id, []
+        closures = None
         for name, (header, chunk_ids, which, starts, ends) in self._rows(
             partition_id, sample_ids, fields
         ):
@@ -783,7 +803,12 @@ class UnitStore:
                 out[name] = dataclasses.replace(header, values=values)
             else:
                 chunks = [self.arena.ref(c) for c in chunk_ids]
-                out[name] = SharedRows(header, chunks, which, starts, ends, lease)
+                if closures is None and closed_seq is not None:
+                    closures = ChunkClosures(
+                        *self.arena.closed_since(closed_seq), shm.chunk_prefix()
+                    )
+                which, starts, ends = (_narrowest(a) for a in (which, starts, ends))
+                out[name] = SharedRows(header, chunks, which, starts, ends, lease, closures)
                 leased.extend(chunk_ids)
         if leased:
             self.leases.lend_reads(leased, owner)
