@@ -81,8 +81,8 @@ def _cut_to_lengths(value: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     torch.cumsum(kept, 0, out=offsets[1:])
     as_int = _SAME_WIDTH_INT.get(value.element_size())
     if value.device.type == "cpu" and as_int is not None and not value.is_complex():
-        real = np.arange(width)[None, :] < kept.numpy()[:, None]
-        values = torch.from_numpy(value.contiguous().view(as_int).numpy()[real]).view(value.dtype)
+        in_row = np.arange(width)[None, :] < kept.numpy()[:, None]
+        values = torch.from_numpy(value.contiguous().view(as_int).numpy()[in_row]).view(value.dtype)
     else:
         kept = kept.to(value.device)
         real = torch.arange(width, device=value.device)[None, :] < kept[:, None]
