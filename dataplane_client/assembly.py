@@ -11,6 +11,7 @@ in-process client.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -79,7 +80,9 @@ def assemble(
         else:
             values = _lent(chunk, start, end, lease, {} if loans is None else loans)
     else:
-        buffers, starts, ends = _spans(sources, which, starts, ends, _kept_read_map)
+        buffers, starts, ends = _spans(
+            sources, which, starts, ends, functools.partial(_kept_region, shm.read_maps)
+        )
         values = gather_bytes(buffers, which, starts, ends)
     out = dataclasses.replace(first, values=values, lengths=lengths, num_rows=len(order))
     return decode_field(out, writable=False)
@@ -116,7 +119,9 @@ def assemble_on(
     if headers[0].kind == OBJECT:
         return assemble(parts, order)
     sources, _, which, starts, ends = _rows_in_order(parts, order)
-    buffers, starts, ends = _spans(sources, which, starts, ends, _kept_map)
+    buffers, starts, ends = _spans(
+        sources, which, starts, ends, functools.partial(_kept_region, shm.write_maps)
+    )
     keep.extend([parts, buffers])
     flat = devices.gather_to_device(buffers, which, starts, ends, device)
     lengths = _lengths_in_order(headers, order)
@@ -190,17 +195,10 @@ def _lent(chunk: ChunkRef, start: int, end: int, lease: Any, loans: dict) -> np.
     return whole[start:end]
 
 
-def _kept_read_map(_i: int, chunk: ChunkRef, lo: int, hi: int) -> np.ndarray:
-    """This process's kept read-only mapping of the chunk (the source of a gather; the
-    read's lease is held by the caller's parts until the copy is done)."""
+def _kept_region(maps: shm.KeptMaps, _i: int, chunk: ChunkRef, lo: int, hi: int) -> np.ndarray:
+    """Bytes [lo, hi) of this process's kept mapping of the chunk in ``maps``: read-only for
+    a host gather, the writable (pinned) ones where it feeds a GPU. The read's lease is
+    held by the caller's parts until the copies are done."""
     if hi <= lo:  # none of the read's rows lie in it: nothing to map
         return np.empty(0, dtype=np.uint8)
-    return shm.read_maps.region(chunk, lo, hi - lo)
-
-
-def _kept_map(_i: int, chunk: ChunkRef, lo: int, hi: int) -> np.ndarray:
-    """This process's kept mapping of the chunk (pinned where it feeds a GPU); the read's
-    lease is held by the caller's parts until the copies are done."""
-    if hi <= lo:  # none of the read's rows lie in it: nothing to map
-        return np.empty(0, dtype=np.uint8)
-    return shm.write_maps.region(chunk, lo, hi - lo)
+    return maps.region(chunk, lo, hi - lo)

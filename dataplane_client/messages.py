@@ -496,9 +496,9 @@ class ShmRegion:
 
 @dataclass(frozen=True)
 class ChunkClosures:
-    """The chunks a unit closed since a same-node reader's ``closed_seq``, so it drops its
-    kept mappings of them (``reset``: too many to list, drop every mapping of this unit's
-    chunks, whose names start with ``chunk_prefix``)."""
+    """The chunks a unit closed since a same-node client's ``closed_seq`` (in a stage's or
+    a read's answer), so it drops its kept mappings of them (``reset``: too many to list,
+    drop every mapping of this unit's chunks, whose names start with ``chunk_prefix``)."""
 
     closed: list[str]
     closed_seq: int
@@ -543,12 +543,8 @@ class WriteLease:
 @dataclass(frozen=True)
 class ShmAlloc:
     """A unit's answer to a same-node writer's allocation: per field the region to copy
-    into, and which chunks were closed since the writer's ``closed_seq`` (so it drops its
-    mappings of them; ``reset``: too many to list, drop every mapping of this unit's)."""
+    into, and the chunks closed since the writer's ``closed_seq``."""
 
     regions: dict[str, ShmRegion]
-    closed: list[str]
-    closed_seq: int
-    reset: bool
-    chunk_prefix: str  # names of this unit's chunks start with it
+    closures: ChunkClosures
     next_lease: WriteLease | None = None  # for the writer's next put to this unit

@@ -6,9 +6,10 @@ below it there are two paths, chosen per unit:
 - same node (the unit's node is ours and it keeps chunks in shared memory): a
   put allocates the region in the unit and copies the rows straight into it,
   through this process's kept mapping of the chunk (``shm.write_maps``); a get
-  copies the rows out of this process's kept read-only mapping of the chunk
-  (``shm.read_maps``, see ``assembly.assemble``) while it holds the unit's read
-  lease on them (:class:`ReadLease`);
+  views contiguous rows through this process's kept copy-on-write mapping of the
+  chunk (no copy) and gathers any others out of its kept read-only mapping (see
+  ``assembly.assemble``), holding the unit's read lease on the chunks
+  (:class:`ReadLease`) until its last view is gone;
 - otherwise through Ray actor calls whose numpy buffers Ray moves out-of-band.
 
 A put's CUDA tensor is copied device-to-host straight into the unit's region
@@ -35,7 +36,7 @@ from dataplane_client.codec import (
     take_rows,
 )
 from dataplane_client.errors import DataPlaneError
-from dataplane_client.messages import ChunkRef, SharedRows, ShmAlloc, WriteLease
+from dataplane_client.messages import ChunkClosures, ChunkRef, SharedRows, ShmAlloc, WriteLease
 
 Flow = Generator[list, list, Any]
 # A stage of at most this many bytes goes to its unit with the other small stages of this
@@ -63,8 +64,9 @@ class StagedRegionGone(SharedMemoryUnavailable):
 class ReadLease:
     """A unit's lease on the chunks one read named, released when this object goes.
 
-    The read's parts (``SharedRows``) hold it, so it goes once their rows are copied
-    out and the parts dropped. The release is one message, not awaited.
+    The read's parts (``SharedRows``) and every view made of them hold it, so it goes
+    with the last of those (the tensors the caller kept). The release is one message,
+    not awaited.
     """
 
     def __init__(self, unit: Any, lease: int):
@@ -218,8 +220,7 @@ class Transport:
             if alloc is None:  # the unit took the lease back: the copy went nowhere visible
                 results[i] = StagedRegionGone(f"unit {u}: its write lease was reclaimed")
                 continue
-            shm.forget_closed(alloc.closed, alloc.chunk_prefix if alloc.reset else None)
-            self._closed_seq[u] = alloc.closed_seq
+            self._learn_closures(u, alloc.closures)
             with self._lease_lock:
                 self._leases[u] = (alloc.next_lease, time.monotonic()) if alloc.next_lease else None
             if u in copied:
@@ -340,14 +341,17 @@ class Transport:
         return results
 
     def _forget_closed(self, unit: int, result: dict) -> None:
-        """Drop this process's kept mappings of the chunks a unit's read answer says it
-        closed (every shared part of one answer carries the same closures)."""
+        """Learn the closures a unit's read answer carries (every shared part of one answer
+        carries the same)."""
         for part in result.values():
             if isinstance(part, SharedRows) and part.closures is not None:
-                c = part.closures
-                shm.forget_closed(c.closed, c.chunk_prefix if c.reset else None)
-                self._closed_seq[unit] = c.closed_seq
+                self._learn_closures(unit, part.closures)
                 return
+
+    def _learn_closures(self, unit: int, c: ChunkClosures) -> None:
+        """Drop this process's kept mappings of the chunks the unit closed; ask from there."""
+        shm.forget_closed(c.closed, c.chunk_prefix if c.reset else None)
+        self._closed_seq[unit] = c.closed_seq
 
     def _leased(self, unit: int, result: dict) -> dict:
         """The result's shared rows holding one :class:`ReadLease` (a lease id came back)."""

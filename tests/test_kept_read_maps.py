@@ -9,11 +9,10 @@ recycled for a new write never shows through a tensor a reader still holds. A
 chunk the unit closes is dropped from the kept mappings (its memory goes back).
 """
 
-import time
-
 import pytest
 import ray
 import torch
+from polling import wait_until
 
 from dataplane_client import DataPlaneConfig, shm
 from dataplane_server import start
@@ -34,13 +33,6 @@ def _ids(tag: str) -> list[str]:
 
 def _holdings(handle):
     return ray.get(handle.units[0].holdings.remote())
-
-
-def _wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        time.sleep(0.02)  # polling interval while observing the unit, not synchronisation
 
 
 def _mappings(name_prefix: str, perms: str = "rw-p") -> set[int]:
@@ -73,7 +65,7 @@ def client(unit):
 
 def _no_read_leases(unit) -> None:
     """The gets' leases are back (each goes once its copy is done): freed chunks recycle."""
-    _wait_until(lambda: not _holdings(unit).read_leases, 30, "the read leases to be released")
+    wait_until(lambda: not _holdings(unit).read_leases, 30, "the read leases to be released")
 
 
 def test_a_steady_state_get_reuses_the_kept_mapping_of_a_recycled_chunk(unit, client):

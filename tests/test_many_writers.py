@@ -22,6 +22,7 @@ import pytest
 import ray
 import ray._private.state as ray_state
 import torch
+from polling import wait_until
 
 from dataplane_client import client as client_module
 from dataplane_client import failpoints
@@ -39,13 +40,6 @@ def _commits_paused(seconds: float):
         yield lambda: failpoints.fired(failpoints.COMMIT_AFTER_PUBLISH)
     finally:
         failpoints.disarm(failpoints.COMMIT_AFTER_PUBLISH)
-
-
-def _wait_until(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)  # polling an observable state, not synchronisation
 
 
 def _counter(handle, name: str) -> float:
@@ -68,7 +62,7 @@ def test_a_put_not_admitted_in_time_fails_fast_with_overloaded_and_stages_nothin
     with _commits_paused(6.0) as paused:
         first = threading.Thread(target=client.put_samples, args=(["a"], "p", _rows(1, 1)))
         first.start()
-        _wait_until(lambda: paused() >= 1, 30, "the first put's commit to pause")
+        wait_until(lambda: paused() >= 1, 30, "the first put's commit to pause")
         t0 = time.monotonic()
         with pytest.raises(Overloaded) as e:  # the only credit is held by the first put
             client.put_samples(["b"], "p", _rows(1, 2))
@@ -87,7 +81,7 @@ def test_a_put_not_admitted_in_time_fails_fast_with_overloaded_and_stages_nothin
     client.put_samples(["b"], "p", _rows(1, 2))  # retried, it goes through
     assert torch.equal(client.get_samples(["b"], "p", ["x"])["x"], _rows(1, 2)["x"])
     # Operators see it: the writer reported the refusal (and its wait) to the controller.
-    _wait_until(lambda: _counter(handle, "puts_rejected_total") == 1, 30, "the report")
+    wait_until(lambda: _counter(handle, "puts_rejected_total") == 1, 30, "the report")
     assert _counter(handle, "puts_admitted_total") >= 2
 
 

@@ -10,11 +10,11 @@ own bytes back while the memory around them is cleared and written again.
 """
 
 import sys
-import time
 
 import pytest
 import ray
 import torch
+from polling import wait_until
 
 from dataplane_client import DataPlaneConfig, connect, shm
 from dataplane_server import start
@@ -38,13 +38,6 @@ def _holdings(handle) -> UnitHoldings:
 
 def _recycled(handle) -> int:
     return ray.get(handle.units[0].recycled_chunks.remote())
-
-
-def _wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        time.sleep(0.05)  # polling interval while observing the unit, not synchronisation
 
 
 @pytest.fixture
@@ -83,7 +76,7 @@ def test_a_reader_holding_tensors_sees_its_own_bytes_while_the_memory_is_cleared
         client.clear_samples(_ids(f"new{i}-"), "p")
     assert torch.equal(held, _rows(1.0)), "a recycled chunk overwrote bytes a reader holds"
     del held
-    _wait_until(lambda: not _holdings(unit).read_leases, 30, "the lease to be released")
+    wait_until(lambda: not _holdings(unit).read_leases, 30, "the lease to be released")
 
 
 def reader_class():
@@ -111,7 +104,7 @@ def test_the_leases_of_a_dead_reader_are_released_and_its_chunk_recycled(unit):
     assert ray.get(reader.hold.remote("p", _ids("r"))) == 5.0
     assert _holdings(unit).read_leases
     ray.kill(reader)  # its mappings die with it; it never says so
-    _wait_until(lambda: not _holdings(unit).read_leases, 60, "the dead reader's lease to go")
+    wait_until(lambda: not _holdings(unit).read_leases, 60, "the dead reader's lease to go")
     before = _recycled(unit)
     client.clear_samples(_ids("r"), "p")
     assert _recycled(unit) == before + 1
@@ -159,7 +152,7 @@ def test_the_region_leased_to_a_dead_writer_is_reclaimed(unit):
     write = ROWS * ROW_FLOATS * 4
     client.put_samples(_ids("w"), "p", {"x": _rows(1.0)})
     client.clear_samples(_ids("w"), "p")
-    _wait_until(
+    wait_until(
         lambda: _holdings(unit).reserve_bytes >= 2 * write,
         60,
         "the unit's reserve to make the chunks it asked for",
@@ -170,7 +163,7 @@ def test_the_region_leased_to_a_dead_writer_is_reclaimed(unit):
     assert ray.get(writer.put.remote("p", _ids("e"), 4.0))  # the second through the lease
     assert _holdings(unit).write_leases
     ray.kill(writer)
-    _wait_until(lambda: not _holdings(unit).write_leases, 60, "the dead writer's lease to go")
+    wait_until(lambda: not _holdings(unit).write_leases, 60, "the dead writer's lease to go")
     assert torch.equal(client.get_samples(_ids("e"), "p", ["x"])["x"], _rows(4.0))
     client.clear_samples([*_ids("d"), *_ids("e")], "p")
     assert _unit_bytes(unit) == baseline  # nothing of the writer's is held any more

@@ -275,20 +275,20 @@ class UnitStore:
         closed_seq: int,
     ) -> ShmAlloc:
         """A same-node stage's answer: its regions, closed chunks, the writer's next lease."""
-        closed, seq, reset = self.arena.closed_since(closed_seq)
         return ShmAlloc(
             regions={
                 name: ShmRegion(self.arena.ref(block), offset, headers[name].nbytes)
                 for name, (block, offset) in regions.items()
             },
-            closed=closed,
-            closed_seq=seq,
-            reset=reset,
-            chunk_prefix=shm.chunk_prefix(),
+            closures=self._closures(closed_seq),
             next_lease=self._lend_region(
                 shm.layout([h.nbytes for h in headers.values()])[1], owner
             ),
         )
+
+    def _closures(self, closed_seq: int) -> ChunkClosures:
+        """The chunks closed since a same-node client's ``closed_seq``."""
+        return ChunkClosures(*self.arena.closed_since(closed_seq), shm.chunk_prefix())
 
     def _lend_region(self, nbytes: int, owner: Hashable | None) -> WriteLease | None:
         """Set a region of ``nbytes`` aside for the writer's next put, from memory that is
@@ -804,9 +804,7 @@ class UnitStore:
             else:
                 chunks = [self.arena.ref(c) for c in chunk_ids]
                 if closures is None and closed_seq is not None:
-                    closures = ChunkClosures(
-                        *self.arena.closed_since(closed_seq), shm.chunk_prefix()
-                    )
+                    closures = self._closures(closed_seq)
                 which, starts, ends = (_narrowest(a) for a in (which, starts, ends))
                 out[name] = SharedRows(header, chunks, which, starts, ends, lease, closures)
                 leased.extend(chunk_ids)
