@@ -33,6 +33,7 @@ import ray
 
 from benchmarks.common import MiB, median, parse_size, start_ray
 from benchmarks.store_throughput import FIELDS_SIMPLE, SEQ_LEN, make_workload, touch
+from dataplane_client.messages import read_request, unpack_read_answer
 
 SERVICE_NAME = "bench-read-profile"
 NAMESPACE = "bench"
@@ -60,7 +61,9 @@ class Reader:
         unit = self.client._transport.units[0]
         owner = self.client._transport._stage_owner()
         t3 = time.perf_counter()
-        answer = ray.get(unit.read_shm.remote(partition, ids, fields, owner))
+        answer = unpack_read_answer(
+            ray.get(unit.read_shm.remote(read_request(partition, ids, fields, owner)))
+        )
         t4 = time.perf_counter()
         ray.get(unit.recycled_chunks.remote())
         t5 = time.perf_counter()

@@ -68,6 +68,12 @@ def assemble(
         # No copy: tensors view this read's own copy in the local object store
         # (read-only to numpy; the client module's docstring says so).
         return decode_field(parts[0], writable=False)
+    inline = [p for p in parts if isinstance(p, EncodedField)]
+    if first.kind == DENSE and first.row_unit_bytes and len(inline) == len(parts):
+        # Dense rows that came in the answers (a small read's): one row-wise take.
+        rows = np.concatenate([p.require_values().reshape(p.num_rows, -1) for p in inline])
+        out = dataclasses.replace(first, values=rows[order].reshape(-1), num_rows=len(order))
+        return decode_field(out, writable=False)
     sources, leases, which, starts, ends = _rows_in_order(parts, order)
     lengths = _lengths_in_order(headers, order)
     # One run: every row is from one source and each starts where the one before ended.

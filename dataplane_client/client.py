@@ -140,13 +140,14 @@ class _RestartClock:
     """How long the actor behind a call has been restarting; raises past the budget."""
 
     def __init__(self, ref: Any):
-        self.actor_id = ref.task_id().actor_id().hex() if hasattr(ref, "task_id") else None
+        self.ref = ref
         self.since: float | None = None
 
     def check(self) -> None:
-        if self.actor_id is None:
+        if not hasattr(self.ref, "task_id"):
             return
-        cls, state = _actor_states.get(self.actor_id)  # shared, <= _POLL_S old
+        actor_id = self.ref.task_id().actor_id().hex()
+        cls, state = _actor_states.get(actor_id)  # shared, <= _POLL_S old
         if state != "RESTARTING":
             self.since = None
             return
@@ -197,6 +198,11 @@ async def _wait_async(ref: Any) -> Any:
 
 
 def _resolve_sync(refs: list) -> list:
+    if len(refs) > 1 and all(isinstance(r, ray.ObjectRef) for r in refs):
+        try:  # one wait for a step's calls (a get's units): the common, quick case
+            return ray.get(refs, timeout=_POLL_S)
+        except Exception:  # noqa: BLE001 - a failed or slow call: each is waited on (typed) alone
+            pass
     out = []
     for ref in refs:
         try:
@@ -862,12 +868,15 @@ class RayDataPlaneClient(DataPlaneService):
         ids = arguments.id_list(sample_ids, partition_id=arguments.partition_name(partition_id))
         names = arguments.name_list(fields, "select_fields")
         to = devices.parse_device(device)
-        if hints is None:
+        cached = hints is None
+        if cached:
             known = self._routes.routes(partition_id, ids)
             hints = None if known is None else (None, *known)
         if hints is not None:
             codecs_key, units, gens = hints
-            got = yield from self._direct_get(ids, partition_id, names, units, gens, codecs_key, to)
+            got = yield from self._direct_get(
+                ids, partition_id, names, units, gens, codecs_key, to, learn=not cached
+            )
             if got is not None:
                 return got
         return (yield from self._get_flow(ids, partition_id, names, device=to))
@@ -881,12 +890,14 @@ class RayDataPlaneClient(DataPlaneService):
         gens: np.ndarray,
         codecs_key: str | None,
         device: torch.device | None,
+        learn: bool = True,
     ) -> Flow:
         """A get straight from the units that hold the rows at generations ``gens``: one
         round trip. None when it cannot be served so (a unit no longer holds a row at its
         generation, died, or any other failure): the caller asks the controller, whose
         answer is the truth, so a stale hint costs a round trip, never data nor an error.
-        ``codecs_key``: the codecs the rows were written with (a claim's hints say so)."""
+        ``codecs_key``: the codecs the rows were written with (a claim's hints say so);
+        ``learn``: remember the routes once served (False: they came from our cache)."""
         transport = self._open_transport()
         if ((units < 0) | (units >= len(transport.units))).any():
             return None
@@ -917,7 +928,8 @@ class RayDataPlaneClient(DataPlaneService):
                 return None  # registered again since the claim: the locate path says so
             self._codecs[partition_id] = codecs
         assert codecs is not None
-        self._remember(partition_id, sample_ids, units, gens)
+        if learn:
+            self._remember(partition_id, sample_ids, units, gens)
         return to_tensordict(decoded, len(sample_ids), enums=codecs.enums, device=device)
 
     def _get_flow(

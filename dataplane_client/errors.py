@@ -192,6 +192,12 @@ class CodecsChanged(RetryableError, ValueError):
     client encoded the write; nothing was stored (the client re-encodes and retries)."""
 
 
+class ReaderUnknown(RetryableError, KeyError):
+    """A storage unit does not remember the process token a same-node read named by key
+    (the unit restarted, or forgot the least recently seen of many readers): the client
+    sends the token itself again. Never reaches a caller."""
+
+
 class RouteChanged(RetryableError, KeyError):
     """A storage unit does not hold the generation of a sample a direct read asked for (the
     sample was overwritten, cleared, moved, or the unit is not the one that held it): the

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -525,6 +526,34 @@ class SharedRows:
     @property
     def nbytes(self) -> int:
         return int((self.ends - self.starts).sum())
+
+
+def read_request(
+    partition_id: str,
+    sample_ids: list[str],
+    fields: list[str],
+    owner: list | bytes | None = None,
+    expect: list[int] | None = None,
+    closed_seq: int | None = None,
+) -> tuple:
+    """A unit's ``read_shm`` arguments in the one tuple it takes: ``owner``, the reader's
+    boxed process token (its read leases end with it), or the key of one it sent that
+    unit before (``dataplane_server.reader_tokens``); ``expect``, the generations a
+    direct read means; ``closed_seq``, the chunk closures the reader knows of."""
+    return (partition_id, sample_ids, fields, owner, expect, closed_seq)
+
+
+def pack_read_answer(answer: dict) -> bytes:
+    """A same-node read's answer (``{field: EncodedField | SharedRows}``) as one in-band
+    pickle: it holds small arrays only (row offsets, or a field of at most
+    ``INLINE_READ_BYTES``), which Ray would otherwise ship out of band one by one."""
+    return pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack_read_answer(packed: bytes) -> dict:
+    """The answer ``pack_read_answer`` packed; its arrays are the caller's own (writable:
+    what a same-node get returns is writable whichever way it came)."""
+    return pickle.loads(packed)
 
 
 @dataclass(frozen=True)

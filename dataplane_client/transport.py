@@ -35,8 +35,16 @@ from dataplane_client.codec import (
     row_copy_pairs,
     take_rows,
 )
-from dataplane_client.errors import DataPlaneError
-from dataplane_client.messages import ChunkClosures, ChunkRef, SharedRows, ShmAlloc, WriteLease
+from dataplane_client.errors import DataPlaneError, ReaderUnknown
+from dataplane_client.messages import (
+    ChunkClosures,
+    ChunkRef,
+    SharedRows,
+    ShmAlloc,
+    WriteLease,
+    read_request,
+    unpack_read_answer,
+)
 
 Flow = Generator[list, list, Any]
 # A stage of at most this many bytes goes to its unit with the other small stages of this
@@ -98,6 +106,7 @@ class Transport:
             for node, ok in zip(unit_nodes, unit_shm)
         ]
         self._owner: ray.ObjectRef | None = None
+        self._token_sent: set[int] = set()  # units we sent our process token to
         self._closed_seq = [-1] * len(self.units)  # per unit: the chunk closures we know of
         # Per unit: the region it set aside for our next write, and when we got it. Puts of
         # several threads (and coroutines) take and replace it: only under this lock, so no
@@ -321,24 +330,46 @@ class Transport:
         ``expect``: per unit, the generation of each row a direct read means (the unit
         answers ``RouteChanged`` unless it holds every row at it).
         """
-        owner = self._stage_owner()  # a dead reader's leases are released by the unit
         expect = expect or {}
-        refs = [
-            self.units[u].read_shm.remote(
-                partition_id, ids, fields, owner, expect.get(u), self._closed_seq[u]
-            )
-            if self.shared[u] and not via_ray
-            else self.units[u].read.remote(partition_id, ids, fields, expect.get(u))
-            for u, ids in plan.items()
-        ]
-        results = yield refs
+
+        def call(u: int) -> Any:
+            if self.shared[u] and not via_ray:
+                return self.units[u].read_shm.remote(
+                    read_request(
+                        partition_id,
+                        plan[u],
+                        fields,
+                        self._reader_token(u),
+                        expect.get(u),
+                        self._closed_seq[u],
+                    )
+                )
+            return self.units[u].read.remote(partition_id, plan[u], fields, expect.get(u))
+
+        results = list((yield [call(u) for u in plan]))
+        forgot_us = [i for i, r in enumerate(results) if isinstance(r, ReaderUnknown)]
+        for i in forgot_us:  # restarted, or too many readers since: our token itself again
+            self._token_sent.discard(list(plan)[i])
+        if forgot_us:
+            again = yield [call(list(plan)[i]) for i in forgot_us]
+            for i, r in zip(forgot_us, again):
+                results[i] = r
+        results = [unpack_read_answer(r) if isinstance(r, bytes) else r for r in results]
         for u, result in zip(plan, results):
             if isinstance(result, dict):
                 self._forget_closed(u, result)
                 result.update(self._leased(u, result))
-                if self.shared[u] and not via_ray:
-                    result.update(_writable(result))
         return results
+
+    def _reader_token(self, unit: int) -> list | bytes:
+        """Our process token for a same-node read from ``unit`` (a dead reader's leases are
+        released by the unit): the token itself the first time, its key from then on
+        (``dataplane_server.reader_tokens``)."""
+        owner = self._stage_owner()
+        if unit in self._token_sent:
+            return owner[0].binary()
+        self._token_sent.add(unit)  # a call lost on the way is answered ReaderUnknown later
+        return owner
 
     def _forget_closed(self, unit: int, result: dict) -> None:
         """Learn the closures a unit's read answer carries (every shared part of one answer
@@ -362,13 +393,3 @@ class Transport:
         (lease_id,) = ids
         lease = ReadLease(self.units[unit], lease_id)
         return {k: dataclasses.replace(v, lease=lease) for k, v in shared.items()}
-
-
-def _writable(result: dict) -> dict:
-    """A same-node read's small fields, which came back as bytes (not to be mapped), as
-    writable copies: what a same-node get returns is writable whichever way it came."""
-    return {
-        k: dataclasses.replace(v, values=v.values.copy())
-        for k, v in result.items()
-        if isinstance(v, EncodedField) and v.values is not None and not v.values.flags.writeable
-    }

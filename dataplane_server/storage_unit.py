@@ -6,7 +6,8 @@ shell owns what needs Ray:
 
 - who the unit is: its node id and the address Ray registered for that node;
 - writers' and readers' process tokens: each call may pass ``[ObjectRef]``, an
-  object the caller's process owns; the store keeps it as an opaque token;
+  object the caller's process owns; the store keeps it as an opaque token (a
+  same-node reader sends its once, then its key: ``reader_tokens``);
 - telling whether such a process died: resolving its object raises
   ``OwnerDiedError`` once the owner is gone, so a killed writer's stage or a dead
   reader's leases come back within a sweep or two instead of a whole deadline;
@@ -29,9 +30,10 @@ from dataplane_client import failpoints, parallel_copy
 from dataplane_client.codec import EncodedField
 from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import DataPlaneError, InvalidBatch
-from dataplane_client.messages import ShmAlloc, UnitInfo, UnitSnapshot
+from dataplane_client.messages import ShmAlloc, UnitInfo, UnitSnapshot, pack_read_answer
 from dataplane_server.core.recovery_messages import DumpedFile, SampleMeta, UnitRecovery
 from dataplane_server.core.unit_store import UnitHoldings, UnitStore
+from dataplane_server.reader_tokens import ReaderTokens
 
 _STAGE_CALLS = frozenset({"stage", "alloc_shm", "stage_leased"})  # what stage_many runs
 
@@ -56,6 +58,7 @@ class StorageUnit:
             stage_ttl_s=config.stage_ttl_s,
         )
         self._sweeper: asyncio.Task | None = None
+        self._readers = ReaderTokens()  # same-node readers name their process token by key
         self.node_id = ray.get_runtime_context().get_node_id()
         # The address Ray registered for this node (127.0.0.1 on loopback clusters),
         # not the machine's default-route guess.
@@ -208,23 +211,22 @@ class StorageUnit:
         generations a direct read means (``UnitStore.read``)."""
         return self.store.read(partition_id, sample_ids, fields, expect)
 
-    def read_shm(
-        self,
-        partition_id: str,
-        sample_ids: list[str],
-        fields: list[str],
-        owner: list | None = None,
-        expect: list[int] | None = None,
-        closed_seq: int | None = None,
-    ) -> dict:
+    def read_shm(self, request: tuple) -> bytes:
         """Where the fields' bytes sit in shared memory, leased to a same-node reader
-        (with the chunks closed since ``closed_seq``)."""
+        (with the chunks closed since ``closed_seq``).
+
+        ``request``: ``messages.read_request``'s tuple, and the answer comes back pickled (``messages.unpack_read_answer``):
+        this call's floor is one round trip, and Ray serialises each argument on its own
+        (about 0.06 ms each) and ships an answer's small numpy arrays out of band (about
+        0.2 ms more than the same answer as bytes).
+        """
+        partition_id, sample_ids, fields, owner, expect, closed_seq = request
         out = self.store.read_shm(
-            partition_id, sample_ids, fields, _owner(owner), expect, closed_seq
+            partition_id, sample_ids, fields, self._readers.resolve(owner), expect, closed_seq
         )
         if self.store.leases.reads:
             self._start_sweeper()  # a dead reader's leases are released by the sweeper
-        return out
+        return pack_read_answer(out)
 
     def release_reads(self, leases: list[int]) -> None:
         self.store.release_reads(leases)
@@ -266,7 +268,9 @@ class StorageUnit:
                 self.store.reclaim_expired()
                 watched = list(self.store.watched_owners())
                 died = await asyncio.gather(*[_owner_died(o, every_s) for o in watched])
-                self.store.owners_died({o for o, dead in zip(watched, died) if dead})
+                gone = {o for o, dead in zip(watched, died) if dead}
+                self.store.owners_died(gone)
+                self._readers.forget(gone)
             except Exception:  # noqa: BLE001 - a failed sweep must not end sweeping; it is counted
                 self.store.stats.inc("stage_sweep_errors_total")
 

@@ -19,6 +19,7 @@ import torch
 
 from dataplane_client import DataPlaneConfig, connect, failpoints, shm
 from dataplane_client.errors import SamplesNotFound
+from dataplane_client.messages import read_request, unpack_read_answer
 from dataplane_server import start
 
 ROW_INTS = 4096  # 16 KiB per row
@@ -136,16 +137,23 @@ def _batch(tag: str, value: int) -> tuple[list[str], torch.Tensor]:
     return [f"{tag}{i}" for i in range(BATCH)], torch.full((BATCH, ROW_INTS), value)
 
 
+def _read_shm(service, ids: list[str]) -> dict:
+    """Where unit 0 holds these rows of field x (its same-node read answer)."""
+    return unpack_read_answer(
+        ray.get(service.units[0].read_shm.remote(read_request("p", ids, ["x"])))
+    )
+
+
 def test_a_reader_never_maps_a_slab_whose_descriptor_went_to_another(one_unit):
     client = one_unit.client()
     client.register_partition("p", fields=["x"])
     old_ids, old_rows = _batch("old", 1)
     client.put_samples(old_ids, "p", {"x": old_rows})
-    (located,) = ray.get(one_unit.units[0].read_shm.remote("p", old_ids, ["x"])).values()
+    (located,) = _read_shm(one_unit, old_ids).values()
     client.clear_samples(old_ids, "p")  # the slab empties and is freed
     new_ids, new_rows = _batch("new", 2)
     client.put_samples(new_ids, "p", {"x": new_rows})
-    (now,) = ray.get(one_unit.units[0].read_shm.remote("p", new_ids, ["x"])).values()
+    (now,) = _read_shm(one_unit, new_ids).values()
     assert now.chunks[0].path == located.chunks[0].path  # the hazard: same descriptor number
     with pytest.raises(shm.ChunkChanged):
         shm.map_private(located.chunks[0], int(located.starts[0]), int(located.ends[-1]))
@@ -175,7 +183,7 @@ def test_a_writer_whose_stage_was_reclaimed_never_writes_into_another_chunk(
 
     at_chunk_open(reclaim_then_reuse)
     client.put_samples(mine_ids, "p", {"x": mine_rows})  # staged again after the race
-    (now,) = ray.get(one_unit.units[0].read_shm.remote("p", other_ids, ["x"])).values()
+    (now,) = _read_shm(one_unit, other_ids).values()
     assert raced
     assert now.chunks[0].path == raced[0]
     assert torch.equal(client.get_samples(other_ids, "p", ["x"])["x"], other_rows)

@@ -19,7 +19,7 @@ from dataplane_client import DataPlaneConfig
 from dataplane_client.client import _run_sync
 from dataplane_client.codec import EncodedField
 from dataplane_client.errors import SamplesNotFound
-from dataplane_client.messages import SharedRows
+from dataplane_client.messages import SharedRows, read_request, unpack_read_answer
 from dataplane_server import start
 from dataplane_server.core.unit_store import INLINE_READ_BYTES
 
@@ -48,7 +48,9 @@ def test_a_small_field_comes_back_as_bytes_and_a_large_one_as_leased_chunks(unit
     small, large = _rows(8, row_bytes), _rows(8, row_bytes + 4, start=100)
     client.put_samples(ids, "sizes", {"small": small, "large": large})
 
-    answer = ray.get(unit.units[0].read_shm.remote("sizes", ids, ["small", "large"], None))
+    answer = unpack_read_answer(
+        ray.get(unit.units[0].read_shm.remote(read_request("sizes", ids, ["small", "large"])))
+    )
     assert isinstance(answer["small"], EncodedField)  # at the limit: inline
     assert isinstance(answer["large"], SharedRows)  # 32 bytes over it: mapped and leased
     ray.get(unit.units[0].release_reads.remote([answer["large"].lease]))
@@ -57,7 +59,9 @@ def test_a_small_field_comes_back_as_bytes_and_a_large_one_as_leased_chunks(unit
     assert torch.equal(got["small"], small)
     assert torch.equal(got["large"], large)
     del got
-    answer = ray.get(unit.units[0].read_shm.remote("sizes", ids[:4], ["small"], None))
+    answer = unpack_read_answer(
+        ray.get(unit.units[0].read_shm.remote(read_request("sizes", ids[:4], ["small"])))
+    )
     assert isinstance(answer["small"], EncodedField)
     assert _read_leases(unit) == 0  # nothing to release for the inline read
 

@@ -15,6 +15,7 @@ import torch
 from polling import wait_until
 
 from dataplane_client import DataPlaneConfig, shm
+from dataplane_client.messages import read_request, unpack_read_answer
 from dataplane_server import start
 
 ROWS = 8
@@ -129,7 +130,9 @@ def test_a_reader_drops_its_kept_mapping_of_a_chunk_the_unit_closed(unit, client
     assert torch.equal(client.get_samples(_ids("c")[::2], "closing", ["x"])["x"], _rows(7.0)[::2])
     # A lease nobody releases (as a reader still copying would hold): freeing the chunk
     # now closes it instead of recycling it.
-    located = ray.get(unit.units[0].read_shm.remote("closing", _ids("c"), ["x"]))["x"]
+    located = unpack_read_answer(
+        ray.get(unit.units[0].read_shm.remote(read_request("closing", _ids("c"), ["x"])))
+    )["x"]
     (chunk,) = located.chunks
     this_chunk = f"{chunk.name} (deleted)"
     assert _mappings(this_chunk), "the get kept no copy-on-write mapping of its chunk"

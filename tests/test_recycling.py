@@ -102,6 +102,9 @@ def test_the_leases_of_a_dead_reader_are_released_and_its_chunk_recycled(unit):
     client.put_samples(_ids("r"), "p", {"x": _rows(5.0)})
     reader = reader_class().remote(unit.config.name, unit.config.namespace)
     assert ray.get(reader.hold.remote("p", _ids("r"))) == 5.0
+    # Its second read names its process token by key (the first sent the token itself):
+    # the lease that read takes ends with the process all the same.
+    assert ray.get(reader.hold.remote("p", _ids("r"))) == 5.0
     assert _holdings(unit).read_leases
     ray.kill(reader)  # its mappings die with it; it never says so
     wait_until(lambda: not _holdings(unit).read_leases, 60, "the dead reader's lease to go")
