@@ -21,6 +21,7 @@ endpoint call them).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 import numpy as np
@@ -221,6 +222,8 @@ class StorageUnit:
         0.2 ms more than the same answer as bytes).
         """
         partition_id, sample_ids, fields, owner, expect, closed_seq = request
+        if failpoints.once_if_armed(failpoints.READER_TOKENS_LOST):
+            self._readers.forget_all()
         out = self.store.read_shm(
             partition_id, sample_ids, fields, self._readers.resolve(owner), expect, closed_seq
         )
@@ -247,8 +250,8 @@ class StorageUnit:
         return self.store.partition_bytes()
 
     def holdings(self) -> UnitHoldings:
-        """Leases out and memory kept ready (tests and inspection)."""
-        return self.store.holdings()
+        """Leases out, memory kept ready and readers remembered (tests and inspection)."""
+        return dataclasses.replace(self.store.holdings(), reader_tokens=len(self._readers))
 
     def metrics_snapshot(self) -> UnitSnapshot:
         return self.store.metrics_snapshot(self.node_id, self.node_ip)
