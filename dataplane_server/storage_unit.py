@@ -216,12 +216,17 @@ class StorageUnit:
         """Where the fields' bytes sit in shared memory, leased to a same-node reader
         (with the chunks closed since ``closed_seq``).
 
-        ``request``: ``messages.read_request``'s tuple, and the answer comes back pickled (``messages.unpack_read_answer``):
-        this call's floor is one round trip, and Ray serialises each argument on its own
-        (about 0.06 ms each) and ships an answer's small numpy arrays out of band (about
-        0.2 ms more than the same answer as bytes).
+        ``request``: ``messages.read_request``'s tuple, and the answer comes back pickled
+        (``messages.unpack_read_answer``): this call's floor is one round trip, and Ray
+        serialises each argument on its own (about 0.06 ms each) and ships an answer's
+        small numpy arrays out of band (about 0.2 ms more than the same answer as bytes).
         """
-        partition_id, sample_ids, fields, owner, expect, closed_seq = request
+        try:
+            partition_id, sample_ids, fields, owner, expect, closed_seq = request
+        except (TypeError, ValueError):
+            raise InvalidBatch(
+                f"read_shm takes messages.read_request's 6-tuple, not {request!r:.200}"
+            ) from None
         if failpoints.once_if_armed(failpoints.READER_TOKENS_LOST):
             self._readers.forget_all()
         out = self.store.read_shm(

@@ -73,3 +73,8 @@ def test_reads_send_the_token_once_and_survive_a_unit_that_forgot_it(unit):
     assert failpoints.fired(failpoints.READER_TOKENS_LOST) == 1
     assert _remembered(unit) == 1  # the reader's token, sent again
     assert ray.get(unit.units[0].holdings.remote()).read_leases, "the read holds its lease"
+
+
+def test_a_malformed_read_request_is_refused_by_name(unit):
+    with pytest.raises(InvalidBatch, match="read_request"):
+        ray.get(unit.units[0].read_shm.remote(("p", ["a0"])))
