@@ -442,6 +442,7 @@ class RayDataPlaneClient(DataPlaneService):
         self._alive = list(routing.alive)
         self._nodes, self._replicas = list(routing.nodes), routing.replicas
         self._routes = _RouteCache(_ROUTE_CACHE_LIMIT)
+        self._direct_backoff = routes.DirectReadBackoff()  # when cached routes keep going stale
         # partition -> its enums and object fields, as declared to the controller (asked once).
         # Only single-key operations (atomic); a stale entry is caught by its key.
         self._codecs: dict[str, FieldCodecs] = {}
@@ -869,7 +870,7 @@ class RayDataPlaneClient(DataPlaneService):
         names = arguments.name_list(fields, "select_fields")
         to = devices.parse_device(device)
         cached = hints is None
-        if cached:
+        if cached and self._direct_backoff.try_direct(partition_id):
             known = self._routes.routes(partition_id, ids)
             hints = None if known is None else (None, *known)
         if hints is not None:
@@ -877,6 +878,10 @@ class RayDataPlaneClient(DataPlaneService):
             got = yield from self._direct_get(
                 ids, partition_id, names, units, gens, codecs_key, to, learn=not cached
             )
+            if cached and got is None:
+                self._direct_backoff.refused(partition_id)  # the locate path reads it
+            elif cached:
+                self._direct_backoff.served(partition_id)
             if got is not None:
                 return got
         return (yield from self._get_flow(ids, partition_id, names, device=to))

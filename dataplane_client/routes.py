@@ -64,3 +64,40 @@ def hinted(
             "(unit, generation) integers"
         ) from None
     return key, pairs[:, 0], pairs[:, 1]
+
+
+class DirectReadBackoff:
+    """Per partition, how many of a client's next gets skip direct reads by cached routes.
+
+    A reader that re-reads ids other processes keep rewriting finds its cached routes
+    stale every time, and each such get is a refused direct read, then ``locate``, then
+    the read: three round trips where ``locate`` and the read alone are two. After a
+    refusal the partition's next gets go to ``locate`` at once: 1, then 2, 4 ... up to
+    ``MAX_SKIPPED`` of them, doubling with each refusal in a row; a direct read served
+    resets it. Only cached routes are skipped: a claim's hints are fresh, always tried.
+    Shared by a client's threads without a lock: a lost update only moves when the next
+    direct read is tried, never what a read returns.
+    """
+
+    MAX_SKIPPED = 64
+
+    def __init__(self) -> None:
+        self._left: dict[str, int] = {}  # partition -> gets still to skip direct reads
+        self._next: dict[str, int] = {}  # partition -> how many the next refusal skips
+
+    def try_direct(self, partition_id: str) -> bool:
+        """Whether this get may try its cached routes (counts a skipped one)."""
+        left = self._left.get(partition_id, 0)
+        if left <= 0:
+            return True
+        self._left[partition_id] = left - 1
+        return False
+
+    def refused(self, partition_id: str) -> None:
+        skip = self._next.get(partition_id, 1)
+        self._left[partition_id] = skip
+        self._next[partition_id] = min(2 * skip, self.MAX_SKIPPED)
+
+    def served(self, partition_id: str) -> None:
+        self._left.pop(partition_id, None)
+        self._next.pop(partition_id, None)
