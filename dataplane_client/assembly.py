@@ -71,7 +71,8 @@ def assemble(
     inline = [p for p in parts if isinstance(p, EncodedField)]
     if first.kind == DENSE and first.row_unit_bytes and len(inline) == len(parts):
         # Dense rows that came in the answers (a small read's): one row-wise take.
-        rows = np.concatenate([p.require_values().reshape(p.num_rows, -1) for p in inline])
+        width = first.row_unit_bytes
+        rows = np.concatenate([p.require_values().reshape(p.num_rows, width) for p in inline])
         out = dataclasses.replace(first, values=rows[order].reshape(-1), num_rows=len(order))
         return decode_field(out, writable=False)
     sources, leases, which, starts, ends = _rows_in_order(parts, order)

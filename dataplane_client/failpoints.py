@@ -53,6 +53,10 @@ UNIT_START = "unit-start"
 # answer on a loaded node, which is alive, not lost.
 UNIT_PING = "unit-ping"
 
+# A storage unit forgets the process tokens of its same-node readers (once, before its
+# next same-node read), as a unit's restart or many other readers would.
+READER_TOKENS_LOST = "reader-tokens-lost"
+
 # Armed with a callable (this process): called with a chunk's path just before a
 # same-node reader or writer opens it, the window in which its unit may free it.
 CHUNK_OPEN = "chunk-open"
@@ -117,18 +121,24 @@ def hold_while_armed(name: str, poll_s: float = 0.05) -> None:
         time.sleep(poll_s)  # a constructor: nothing else runs in this actor yet
 
 
-def die_once_if_armed(name: str) -> None:
-    """Kill this process at once (as a crash would) if ``name`` is armed; disarmed first,
-    so the restarted process goes on."""
+def once_if_armed(name: str) -> bool:
+    """True, once, if ``name`` is armed: it is disarmed as it fires (one process takes it)."""
     path = _armed(name)
     if path is None:
-        return
+        return False
     try:
         os.unlink(path)
     except FileNotFoundError:
-        return  # another process took it
+        return False  # another process took it
     _record_firing(path)
-    os._exit(1)
+    return True
+
+
+def die_once_if_armed(name: str) -> None:
+    """Kill this process at once (as a crash would) if ``name`` is armed; disarmed first,
+    so the restarted process goes on."""
+    if once_if_armed(name):
+        os._exit(1)
 
 
 def fail_if_armed(name: str, error: BaseException) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from dataplane_client.batched_data_dict import BatchedDataDict, jagged_values_offsets
 from dataplane_client.errors import InvalidBatch
+from dataplane_client.padded_rows import pad_rows
 from dataplane_client.tensordict_io import as_field_mapping
 
 LAYOUTS = ("padded", "jagged")
@@ -54,21 +55,11 @@ def _jagged_from_list(name: str, rows: list[torch.Tensor]) -> tuple[torch.Tensor
 
 def _pad(values: torch.Tensor, offsets: torch.Tensor, pad_value: Any, min_len: int) -> torch.Tensor:
     """Scatter jagged rows into a right-padded ``[N, L, ...]`` tensor."""
-    offsets = offsets.to(device=values.device, dtype=torch.long)
-    n = offsets.numel() - 1
+    offsets = offsets.to(dtype=torch.long).cpu()
     lengths = offsets[1:] - offsets[:-1]
-    longest = int(lengths.max()) if n else 0
-    width = max(longest, min_len)
-    out = torch.full(
-        (n, width, *values.shape[1:]), pad_value, dtype=values.dtype, device=values.device
-    )
-    if values.size(0):
-        # One sequential pass over a row-major mask: 2-4x faster than scattering through
-        # (row, column) index tensors, which the pad of a GRPO batch spent most of its time on.
-        real = torch.arange(width, device=values.device)[None, :] < lengths[:, None]
-        real = real.view(n, width, *[1] * (values.dim() - 1)).expand_as(out)
-        out.masked_scatter_(real, values[offsets[0] : offsets[-1]])
-    return out
+    longest = int(lengths.max()) if lengths.numel() else 0
+    rows = values[int(offsets[0]) : int(offsets[-1])] if lengths.numel() else values[:0]
+    return pad_rows(rows, lengths, max(longest, min_len), pad_value)
 
 
 def materialize(

@@ -346,12 +346,12 @@ class Transport:
                 )
             return self.units[u].read.remote(partition_id, plan[u], fields, expect.get(u))
 
-        results = list((yield [call(u) for u in plan]))
+        units = list(plan)
+        results = list((yield [call(u) for u in units]))
         forgot_us = [i for i, r in enumerate(results) if isinstance(r, ReaderUnknown)]
-        for i in forgot_us:  # restarted, or too many readers since: our token itself again
-            self._token_sent.discard(list(plan)[i])
-        if forgot_us:
-            again = yield [call(list(plan)[i]) for i in forgot_us]
+        if forgot_us:  # restarted, or too many readers since: our token itself again
+            self._token_sent.difference_update(units[i] for i in forgot_us)
+            again = yield [call(units[i]) for i in forgot_us]
             for i, r in zip(forgot_us, again):
                 results[i] = r
         results = [unpack_read_answer(r) if isinstance(r, bytes) else r for r in results]

@@ -51,5 +51,8 @@ class ReaderTokens:
         for key in [k for k, t in self._tokens.items() if t in dead]:
             del self._tokens[key]
 
+    def forget_all(self) -> None:
+        self._tokens.clear()
+
     def __len__(self) -> int:
         return len(self._tokens)

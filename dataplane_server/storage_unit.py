@@ -21,6 +21,7 @@ endpoint call them).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 import numpy as np
@@ -215,12 +216,19 @@ class StorageUnit:
         """Where the fields' bytes sit in shared memory, leased to a same-node reader
         (with the chunks closed since ``closed_seq``).
 
-        ``request``: ``messages.read_request``'s tuple, and the answer comes back pickled (``messages.unpack_read_answer``):
-        this call's floor is one round trip, and Ray serialises each argument on its own
-        (about 0.06 ms each) and ships an answer's small numpy arrays out of band (about
-        0.2 ms more than the same answer as bytes).
+        ``request``: ``messages.read_request``'s tuple, and the answer comes back pickled
+        (``messages.unpack_read_answer``): this call's floor is one round trip, and Ray
+        serialises each argument on its own (about 0.06 ms each) and ships an answer's
+        small numpy arrays out of band (about 0.2 ms more than the same answer as bytes).
         """
-        partition_id, sample_ids, fields, owner, expect, closed_seq = request
+        try:
+            partition_id, sample_ids, fields, owner, expect, closed_seq = request
+        except (TypeError, ValueError):
+            raise InvalidBatch(
+                f"read_shm takes messages.read_request's 6-tuple, not {request!r:.200}"
+            ) from None
+        if failpoints.once_if_armed(failpoints.READER_TOKENS_LOST):
+            self._readers.forget_all()
         out = self.store.read_shm(
             partition_id, sample_ids, fields, self._readers.resolve(owner), expect, closed_seq
         )
@@ -247,8 +255,8 @@ class StorageUnit:
         return self.store.partition_bytes()
 
     def holdings(self) -> UnitHoldings:
-        """Leases out and memory kept ready (tests and inspection)."""
-        return self.store.holdings()
+        """Leases out, memory kept ready and readers remembered (tests and inspection)."""
+        return dataclasses.replace(self.store.holdings(), reader_tokens=len(self._readers))
 
     def metrics_snapshot(self) -> UnitSnapshot:
         return self.store.metrics_snapshot(self.node_id, self.node_ip)

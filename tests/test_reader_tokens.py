@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from dataplane_client import DataPlaneConfig
+from dataplane_client import DataPlaneConfig, failpoints
 from dataplane_client.errors import InvalidBatch, ReaderUnknown
 from dataplane_server import start
 from dataplane_server.reader_tokens import ReaderTokens
@@ -27,7 +27,7 @@ def unit(ray_session):
 
 
 def _remembered(handle) -> int:
-    return ray.get(handle.units[0].__ray_call__.remote(lambda self: len(self._readers)))
+    return ray.get(handle.units[0].holdings.remote()).reader_tokens
 
 
 def test_a_token_is_remembered_by_key_and_the_least_recent_forgotten(ray_session):
@@ -54,15 +54,6 @@ def _rows(start: int) -> torch.Tensor:
     return torch.arange(start, start + n, dtype=torch.float32).reshape(ROWS, ROW_FLOATS)
 
 
-def _forget_every_reader(handle) -> None:
-    """What a unit's restart (or many other readers) does to the tokens it remembers."""
-    ray.get(
-        handle.units[0].__ray_call__.remote(
-            lambda self: self._readers.forget(set(self._readers._tokens.values()))
-        )
-    )
-
-
 def test_reads_send_the_token_once_and_survive_a_unit_that_forgot_it(unit):
     writer, reader = unit.client(), unit.client()
     writer.register_partition("p", fields=["x"])
@@ -71,14 +62,19 @@ def test_reads_send_the_token_once_and_survive_a_unit_that_forgot_it(unit):
     assert torch.equal(reader.get_samples(first, "p", ["x"])["x"], _rows(0))
     assert 0 in reader._transport._token_sent  # its later reads name it by key
     assert torch.equal(reader.get_samples(first, "p", ["x"])["x"], _rows(0))
-    remembered = _remembered(unit)
-    assert remembered >= 1
+    assert _remembered(unit) == 1
 
-    _forget_every_reader(unit)
+    failpoints.arm(failpoints.READER_TOKENS_LOST)  # as a restart of the unit would
     writer.put_samples(second, "p", {"x": _rows(1)})
     # Rows the reader has no route to: located by the controller, then read from the
     # unit, which answers ReaderUnknown to the key; the read sends the token itself.
     held = reader.get_samples(second, "p", ["x"])["x"]
     assert torch.equal(held, _rows(1))
-    assert _remembered(unit) == remembered
+    assert failpoints.fired(failpoints.READER_TOKENS_LOST) == 1
+    assert _remembered(unit) == 1  # the reader's token, sent again
     assert ray.get(unit.units[0].holdings.remote()).read_leases, "the read holds its lease"
+
+
+def test_a_malformed_read_request_is_refused_by_name(unit):
+    with pytest.raises(InvalidBatch, match="read_request"):
+        ray.get(unit.units[0].read_shm.remote(("p", ["a0"])))

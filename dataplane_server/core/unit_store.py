@@ -115,6 +115,7 @@ class UnitHoldings:
     reserve_bytes: int  # pre-faulted chunks ready in the warm reserve
     reserve_settled: bool  # the reserve is making nothing and was asked for nothing
     chunk_prefix: str  # what the names of this unit's chunks start with
+    reader_tokens: int = 0  # same-node readers' process tokens remembered (the actor's)
 
 
 def _narrowest(values: np.ndarray) -> np.ndarray:
