@@ -10,13 +10,13 @@ from __future__ import annotations
 import functools
 import re
 import threading
-import time
 import urllib.request
 
 import grpc
 import pytest
 import ray
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from polling import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from dataplane_server.admin.health_watch import HealthWatch
@@ -25,16 +25,6 @@ from dataplane_server.admin_pb import admin_pb2, admin_pb2_grpc
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 ADMIN_SERVICE = "dataplane.admin.v1.AdminService"
-
-
-def _wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = predicate()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)  # polling an observable state, with a deadline
 
 
 def _scrape(address: str) -> dict[str, float]:
@@ -74,10 +64,10 @@ def test_a_controller_gone_for_good_is_not_serving_and_down(fresh):
     h = fresh()
     probe = Health(h.admin_address)
     try:
-        _wait_until(lambda: probe.status() == SERVING, 30, "health SERVING at start")
+        wait_until(lambda: probe.status() == SERVING, 30, "health SERVING at start")
         assert _scrape(h.metrics_address)["dataplane_up{}"] == 1
         ray.kill(h.controller, no_restart=True)
-        _wait_until(lambda: probe.status() == NOT_SERVING, 30, "health NOT_SERVING")
+        wait_until(lambda: probe.status() == NOT_SERVING, 30, "health NOT_SERVING")
         assert probe.status(ADMIN_SERVICE) == NOT_SERVING
         assert _scrape(h.metrics_address)["dataplane_up{}"] == 0
     finally:
@@ -88,7 +78,7 @@ def test_health_follows_a_controller_restart(fresh):
     h = fresh()
     probe = Health(h.admin_address)
     try:
-        _wait_until(lambda: probe.status() == SERVING, 30, "health SERVING at start")
+        wait_until(lambda: probe.status() == SERVING, 30, "health SERVING at start")
         ray.kill(h.controller, no_restart=False)  # Ray restarts it; it rebuilds its key space
         restarted = threading.Event()
 
@@ -102,7 +92,7 @@ def test_health_follows_a_controller_restart(fresh):
         def back_and_serving() -> bool:
             return restarted.is_set() and probe.status() == SERVING
 
-        _wait_until(back_and_serving, 120, "SERVING after the controller restarted")
+        wait_until(back_and_serving, 120, "SERVING after the controller restarted")
         waiter.join(timeout=10)
         metrics = _scrape(h.metrics_address)
         assert metrics["dataplane_up{}"] == 1
@@ -125,7 +115,7 @@ def test_a_dead_unit_shows_in_service_info_watch_and_metrics(fresh):
 
         assert units_alive() == [True, True]
         ray.kill(h.units[1], no_restart=True)
-        _wait_until(lambda: units_alive() == [True, False], 30, "unit 1 reported dead")
+        wait_until(lambda: units_alive() == [True, False], 30, "unit 1 reported dead")
         [snap] = stub.WatchStats(admin_pb2.WatchStatsRequest(count=1), timeout=30)
         assert [u.alive for u in snap.units] == [True, False]
         metrics = _scrape(h.metrics_address)

@@ -3,11 +3,11 @@ rollout admission, drops, evictions and introspection, on both clients."""
 
 import asyncio
 import threading
-import time
 import uuid
 
 import pytest
 import torch
+from polling import wait_until
 
 from dataplane_client import StalenessSpec
 from dataplane_client.errors import (
@@ -55,13 +55,6 @@ def _put(dp, pid, ids, version, group=None, reward_std=1.0):
         for t in tags:
             t["group_id"] = group
     dp.put_samples(ids, pid, {"x": torch.arange(len(ids), dtype=torch.float32)}, tags=tags)
-
-
-def _wait_until(predicate, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 # ---- versions -------------------------------------------------------------------------
@@ -251,7 +244,11 @@ def test_a_waiting_admission_is_granted_when_the_trainer_claims(dp):
         target=lambda: got.append(dp.admit_rollouts(pid, 2, wait=True, timeout_s=30))
     )
     waiter.start()
-    _wait_until(lambda: dp.describe_partition(pid).staleness.admission_waits == 1)
+    wait_until(
+        lambda: dp.describe_partition(pid).staleness.admission_waits == 1,
+        20,
+        "the admission to wait",
+    )
     assert not got
     dp.claim_meta(pid, "train", ["x"], 2)
     waiter.join(30)

@@ -7,6 +7,7 @@ import pytest
 import ray
 import ray._private.state as ray_state
 import torch
+from polling import wait_until
 
 from dataplane_client import StalenessSpec
 from dataplane_client.errors import CapacityExceeded
@@ -14,14 +15,6 @@ from dataplane_client.errors import CapacityExceeded
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
 
 SPEC = StalenessSpec(max_staleness=1, admission_batch=8)  # bound: 16 started, untrained
-
-
-def _wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _restarts(h) -> int:
@@ -51,7 +44,7 @@ def test_a_controller_killed_between_a_version_bump_and_a_claim_keeps_the_bound(
     assert c.release_rollouts(released)
     c.set_policy_version("p", 2)  # drops version 0
     ray.kill(h.controller, no_restart=False)
-    _wait_until(lambda: _restarts(h) >= 1, 60, "the controller's restart")
+    wait_until(lambda: _restarts(h) >= 1, 60, "the controller's restart")
     assert c.policy_version("p") == 2
     info = c.describe_partition("p").staleness
     assert info.dropped_stale == {"train": 2}

@@ -17,7 +17,6 @@ across two restarts on its own).
 """
 
 import os
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 import ray._private.state as ray_state
 import torch
+from polling import wait_until
 
 from dataplane_client import failpoints
 from dataplane_client.errors import ClaimTimeout
@@ -39,14 +39,6 @@ ROUNDS = (
 )
 KILLS = len(ROUNDS)
 ALL_CLAIMERS = ROUNDS[2]
-
-
-def _wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def _claim_one(client, task: str, blocking: bool) -> list[str]:
@@ -89,7 +81,7 @@ def test_controller_crashes_mid_claim_lose_no_sample(service_factory):
                 armed.touch()
                 claim_round(pool, tasks)
                 assert not armed.exists(), f"round {kill}: no claim crashed the controller"
-                _wait_until(
+                wait_until(
                     lambda kill=kill: ray_state.actors(controller_id).get("NumRestarts", 0) >= kill,
                     120,
                     f"restart {kill}",

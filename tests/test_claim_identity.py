@@ -16,26 +16,18 @@ the journal's writes fail while armed.
 """
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 import ray
 import ray._private.state as ray_state
 import torch
+from polling import wait_until
 
 from dataplane_client import failpoints
 from dataplane_client.errors import JournalWriteFailed, LeaseExpired
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _arm(name: str) -> Path:
@@ -124,10 +116,10 @@ def test_a_failed_journal_write_is_typed_and_consumes_nothing(service_factory):
 def test_a_late_ack_after_two_restarts_never_takes_a_new_holders_lease(service_factory):
     h, c = _service(service_factory, leases={"t": 1.0})
     old = c.claim_meta("p", "t", ["x"], 2)
-    _wait_until(lambda: c.consumption_detail("p", ["t"])[0].leased == 0, 10, "the lease to lapse")
+    wait_until(lambda: c.consumption_detail("p", ["t"])[0].leased == 0, 10, "the lease to lapse")
     for n in (1, 2):  # restarts compact the lapsed lease away
         ray.kill(h.controller, no_restart=False)
-        _wait_until(lambda n=n: _restarts(h) >= n, 60, f"restart {n}")
+        wait_until(lambda n=n: _restarts(h) >= n, 60, f"restart {n}")
     new = c.claim_meta("p", "t", ["x"], 2, timeout_s=10)
     assert new.sample_ids == old.sample_ids
     assert new.extra_info["lease_id"] != old.extra_info["lease_id"]

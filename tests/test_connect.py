@@ -76,7 +76,11 @@ def test_a_token_refused_inside_a_connection_error_is_one_line_saying_what_to_se
     if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
         pytest.skip("the session's Ray runs without token auth")
     address = ray.get_runtime_context().gcs_address
-    out = _run("dp", "ns", address, drop=("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"))
+    # Ray's join retries the refused GCS connection once a second, 20 times by default
+    # (about 22 s of CI): three tries refuse it the same way.
+    tries = {"RAY_gcs_server_port_wait_time_s": "3"}
+    drop = ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    out = _run("dp", "ns", address, env=tries, drop=drop)
     assert out.startswith("UNAVAILABLE Ray token authentication failed"), out
     assert "RAY_AUTH_MODE=token" in out
     assert "\n" not in out

@@ -1,12 +1,14 @@
-"""Gets from a unit on another Ray node (separate process: its own two-node cluster)."""
+"""Gets from a unit on another Ray node (tests/scenarios/cross_node_reads.py, in a process and
+cluster of its own: tests/scenario_run.py)."""
 
 import pytest
-from scenario_run import run_scenario
+from scenario_run import TIMEOUT_S, run_scenario
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 60)  # the first to ask runs every scenario
 def test_cross_node_reads_right_bytes_and_survive_a_racing_clear():
-    out = run_scenario("cross_node_reads", timeout_s=400)
+    out = run_scenario("cross_node")
     assert out["reader_elsewhere"], "the reader must sit on another node than the unit"
     # Every field kind, selected fields, rows in order, a slice, a shuffled subset, reversed.
     assert out["cases"] == {

@@ -24,9 +24,10 @@ def _mapped_from_unit_memory(t: torch.Tensor) -> bool:
     return False
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def default_service(ray_session):
     # Only what makes it a separate service in the test session; everything else default.
+    # Shared by the module's tests: one counts its units, the other writes its own partition.
     handle = start(DataPlaneConfig(name="dp-default-layout", admin_enabled=False))
     yield handle
     handle.shutdown()

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from polling import wait_until
 
 import dataplane_client.client as client_module
 from dataplane_client import failpoints
@@ -35,13 +36,6 @@ from dataplane_client.messages import CommitRequest
 from dataplane_server.core import checkpoint
 
 DENSE_F32 = ("dense", "float32", ())
-
-
-def _wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)  # polling an observable state, with a deadline
 
 
 def _values(ids: list[str]) -> torch.Tensor:
@@ -133,7 +127,7 @@ def test_controller_killed_during_writes_loses_nothing_committed_and_keeps_curso
     held = c.claim_meta(pid, "u", ["x"], 1)
     writer = _writer_class().remote(h.config.name, h.config.namespace)
     run = writer.write.remote(pid, 60, 8)
-    _wait_until(lambda: ray.get(writer.progress.remote()) >= 80, 120, "writes under way")
+    wait_until(lambda: ray.get(writer.progress.remote()) >= 80, 120, "writes under way")
     ray.kill(h.controller, no_restart=False)
     done, untyped = ray.get(run, timeout=300)
     assert untyped == []
@@ -165,7 +159,7 @@ def test_a_blocking_claim_survives_a_controller_restart(fresh):
         return meta.sample_ids
 
     waiting = claim.remote(h.config.name, h.config.namespace)
-    _wait_until(
+    wait_until(
         lambda: ray.get(h.controller.metrics_snapshot.remote()).claims_waiting == 1,
         60,
         "the claim to wait",
@@ -186,7 +180,7 @@ def _put_then_kill_unit_1(h, c, ids: list[str]) -> tuple[list[str], list[str]]:
     assert kept
     assert on_dead
     ray.kill(h.units[1], no_restart=True)
-    _wait_until(lambda: not c.service_info().units[1].alive, 30, "the watcher to see the loss")
+    wait_until(lambda: not c.service_info().units[1].alive, 30, "the watcher to see the loss")
     return kept, on_dead
 
 
@@ -242,7 +236,7 @@ def test_a_controller_restarted_after_a_unit_died_finds_the_rest_by_name(fresh):
     c.register_partition("p", ["x"], len(ids), ["t"])
     kept, on_dead = _put_then_kill_unit_1(h, c, ids)
     ray.kill(h.controller, no_restart=False)  # Ray restarts it; unit 1's name is gone
-    _wait_until(lambda: _controller_state(h) == "ALIVE", 60, "the controller's restart")
+    wait_until(lambda: _controller_state(h) == "ALIVE", 60, "the controller's restart")
     info = c.service_info()
     assert [u.alive for u in info.units] == [True, False]
     assert torch.equal(c.get_samples(kept, "p", ["x"])["x"], _values(kept))
@@ -334,7 +328,7 @@ def test_a_restart_past_the_retry_budget_is_service_unavailable_then_serving_aga
     c.put_samples(["a"], "p", {"x": _values(["a"])})
     h.client().put_samples(["c"], "p", {"x": _values(["c"])})  # a place ours does not know
     ray.kill(h.controller, no_restart=False)
-    _wait_until(lambda: _controller_state(h) == "RESTARTING", 60, "the controller to restart")
+    wait_until(lambda: _controller_state(h) == "RESTARTING", 60, "the controller to restart")
     # A row whose place the client knows is read from its unit meanwhile (direct read).
     assert torch.equal(c.get_samples(["a"], "p", ["x"])["x"], _values(["a"]))
     verbs = [
@@ -353,7 +347,7 @@ def test_a_restart_past_the_retry_budget_is_service_unavailable_then_serving_aga
     assert _controller_state(h) == "RESTARTING"  # the failpoint held it all along
 
     restart_held.unlink()
-    _wait_until(lambda: _controller_state(h) == "ALIVE", 120, "the restart to finish")
+    wait_until(lambda: _controller_state(h) == "ALIVE", 120, "the restart to finish")
     assert torch.equal(c.get_samples(["a"], "p", ["x"])["x"], _values(["a"]))
     c.put_samples(["b"], "p", {"x": _values(["b"])})
     assert c.claim_meta("p", "t", ["x"], 3, timeout_s=60).sample_ids == ["a", "c", "b"]
@@ -396,7 +390,7 @@ def test_a_controller_killed_during_a_checkpoint_leaves_none_half_written(fresh,
 
     saver = threading.Thread(target=save)
     saver.start()
-    _wait_until(lambda: bool(_checkpoints_under(tmp_path)), 60, "the checkpoint to start")
+    wait_until(lambda: bool(_checkpoints_under(tmp_path)), 60, "the checkpoint to start")
     ray.kill(h.controller, no_restart=False)  # Ray restarts it
     saver.join(timeout=180)
     assert outcome, "the interrupted checkpoint call never returned"

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import ray
 import torch
+from polling import wait_until
 
 from dataplane_client.errors import FieldNotProduced
 from dataplane_client.materialize import materialize
@@ -79,14 +80,6 @@ def _policy(handle, **extra) -> TQPolicy:
     return TQPolicy(cfg, worker_cls=StallingWorker)
 
 
-def _wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)  # polling an observable state, with a deadline
-
-
 def _produced(client, field: str) -> int:
     fields = client.describe_partition(PID).fields
     return next((f.produced for f in fields if f.name == field), 0)
@@ -113,11 +106,11 @@ def test_a_worker_killed_mid_logprob_pass_is_typed_and_leaves_samples_redelivera
     try:
         with ThreadPoolExecutor(1) as pool:
             pass_ = pool.submit(policy.get_logprobs_from_meta, meta)
-            _wait_for(marker.exists, 120, "rank 1 to enter its forward")
+            wait_until(marker.exists, 120, "rank 1 to enter its forward")
             # Kill once rank 0 is done with its slice: waiting for the other ranks, or
             # (as before that wait existed) already written back.
             waiting = tmp_path / "stalled.rank0-waiting"
-            _wait_for(
+            wait_until(
                 lambda: waiting.exists() or _produced(client, "prev_logprobs") > 0,
                 120,
                 "rank 0 to finish its slice",

@@ -30,6 +30,10 @@ from dataplane_client import failpoints
 from dataplane_client.client import connect
 from dataplane_client.errors import DataPlaneError, SamplesNotFound, ServiceUnavailable
 
+# How long a race test looks for its hazard. Each reproduced within about a second
+# before its fix (commit f71a0ee's notes); they once looked for 15-20 s each.
+HAZARD_WINDOW_S = 5.0
+
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -144,7 +148,8 @@ def test_deleting_a_partition_while_other_threads_use_another_raises_only_typed_
     t0 = time.monotonic()
     for t in threads:
         t.start()
-    stop.wait(20.0)
+    # Before its fix the routes race raised within 0.3-0.6 s: 5 s keeps a wide margin.
+    stop.wait(HAZARD_WINDOW_S)
     print(f"hazard 5 (routes): {'hit' if untyped else 'no hit'} after {time.monotonic() - t0:.1f}s")
     stop.set()
     for t in threads:
@@ -162,7 +167,8 @@ def test_concurrent_first_claims_of_a_client_share_one_batcher(service, fast_swi
     batchers or the deadline."""
     c = connect(service.config.name, service.config.namespace)
     split, rounds = None, 0
-    deadline = time.monotonic() + 15.0
+    # Before its fix the first round of 8 threads made two batchers.
+    deadline = time.monotonic() + HAZARD_WINDOW_S
     while split is None and time.monotonic() < deadline:
         rounds += 1
         c._batcher = None  # as a fresh client

@@ -1,12 +1,14 @@
-"""Units on several Ray nodes; losing a node loses exactly its samples (separate process: own cluster)."""
+"""Units on several Ray nodes; losing a node loses exactly its samples (tests/scenarios/multinode.py,
+in a process and cluster of its own: tests/scenario_run.py)."""
 
 import pytest
-from scenario_run import run_scenario
+from scenario_run import TIMEOUT_S, run_scenario
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 60)  # the first to ask runs every scenario
 def test_multinode_spread_and_node_loss():
-    out = run_scenario("multinode", timeout_s=240)
+    out = run_scenario("multinode")
     assert len(set(out["unit_nodes"])) == 2, "units must sit on different nodes"
     assert out["cross_node_roundtrip"]
     assert out["doomed"], "the lost node held some samples"

@@ -1,14 +1,15 @@
 """Replication (``replicas: 2``): each sample on two units of different nodes; one loss loses nothing.
 
 The key space's part runs without Ray (milliseconds); the service's part runs on a
-three-node loopback cluster in its own process (tests/scenarios/replication.py):
+three-node loopback cluster in its own process (tests/scenarios/replication.py, through
+tests/scenario_run.py):
 a node removed during streaming writes, a unit killed after a clear, a checkpoint
 and a controller restart, a writer killed between a put's two stages.
 """
 
 import numpy as np
 import pytest
-from scenario_run import run_scenario
+from scenario_run import TIMEOUT_S, run_scenario
 
 from dataplane_client.config import DataPlaneConfig
 from dataplane_client.errors import ConfigError, InvalidBatch, SamplesLost
@@ -142,15 +143,17 @@ def test_replicas_is_one_or_two_and_the_in_process_client_refuses_two(monkeypatc
 # ---- the service on three nodes ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def scenario() -> dict:
-    return run_scenario("replication", timeout_s=900)
+    return run_scenario("replication")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 60)  # the first to ask runs every scenario
 def test_start_refuses_two_copies_on_one_node(scenario):
     assert "replicas: 2 needs storage units on at least two nodes" in scenario["one_node_refused"]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 60)  # the first to ask runs every scenario
 def test_a_node_removed_during_streaming_writes_loses_nothing(scenario):
     out = scenario["node_loss"]
     assert out["unit_nodes"] == 3
@@ -168,6 +171,7 @@ def test_a_node_removed_during_streaming_writes_loses_nothing(scenario):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 60)  # the first to ask runs every scenario
 def test_a_unit_killed_after_a_controller_restart_loses_nothing(scenario):
     out = scenario["unit_kill"]
     assert out["both_copies_held"]
@@ -183,6 +187,7 @@ def test_a_unit_killed_after_a_controller_restart_loses_nothing(scenario):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 60)  # the first to ask runs every scenario
 def test_a_writer_killed_between_its_two_stages_leaves_nothing_half_visible(scenario):
     out = scenario["stages"]
     assert out["stage_errors"] == []

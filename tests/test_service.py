@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from polling import wait_until
 from unit_memory import unit_memory, unit_pid
 
 from dataplane_client import DataPlaneConfig, KVBatchMeta, connect, failpoints
@@ -257,14 +258,6 @@ def test_blocking_claim_times_out_with_a_typed_error(client):
         client.claim_meta(pid, "t", ["x"], 2, timeout_s=0.3)
 
 
-def _wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
-    """Poll observable state until ``condition()`` holds (a deadline, never a fixed sleep)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)  # poll interval, not synchronisation
-
-
 def _claims_waiting(service) -> int:
     return ray.get(service.controller.metrics_snapshot.remote()).claims_waiting
 
@@ -280,7 +273,7 @@ def test_blocking_claim_wakes_on_commit_and_never_stalls_other_callers(service, 
 
     before = _claims_waiting(service)
     ref = claimer.remote(service.config.name, service.config.namespace, pid)
-    _wait_until(lambda: _claims_waiting(service) > before, "the claim to block")
+    wait_until(lambda: _claims_waiting(service) > before, 30, "the claim to block")
     # While that claim waits, the controller keeps serving: puts, gets and other claims go through.
     client.put_samples(["a", "b"], pid, {"x": torch.zeros(2)})
     assert client.get_samples(["a"], pid, ["x"])["x"].shape == (1,)
@@ -455,7 +448,7 @@ def test_a_waiting_put_proceeds_when_room_is_freed(ray_session):
 
         ref = writer.remote()
         # The writer is blocked on capacity once the unit counts a waiting put.
-        _wait_until(lambda: _puts_waiting(handle) >= 1, "the put to wait for room")
+        wait_until(lambda: _puts_waiting(handle) >= 1, 30, "the put to wait for room")
         assert not ray.wait([ref], timeout=0)[0]
         c.clear_samples(["a"], "p")
         assert ray.get(ref, timeout=30) == ["b"]
@@ -590,7 +583,7 @@ def test_deleting_a_partition_fails_its_waiting_claims_and_drops_it_everywhere(s
 
     before = _claims_waiting(service)
     ref = claimer.remote(service.config.name, service.config.namespace, pid)
-    _wait_until(lambda: _claims_waiting(service) > before, "the claim to block")
+    wait_until(lambda: _claims_waiting(service) > before, 30, "the claim to block")
     assert client.delete_partition(pid).cleared == 1
     assert "deleted while the claim waited" in ray.get(ref, timeout=30)
     snapshot = ray.get(service.controller.metrics_snapshot.remote())

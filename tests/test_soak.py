@@ -25,6 +25,7 @@ from collections import Counter
 
 import pytest
 import ray
+from polling import wait_until
 from unit_memory import data_fds, memfd_bytes, memfds, unit_memory, unit_pid
 
 from dataplane_client.config import DataPlaneConfig
@@ -52,13 +53,6 @@ MEMORY_TOLERANCE = 48 << 20
 # Files and memfds only (Ray's sockets to the 20 killed actors close on Ray's schedule,
 # which is not ours to measure); a couple of log files may be opened meanwhile.
 FD_TOLERANCE = 2
-
-
-def _wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)  # polling an observable state, with a deadline
 
 
 def _actor_classes():
@@ -276,7 +270,7 @@ def test_soak_16_writers_4_consumers_survives_a_controller_kill(ray_session, tmp
             runs = [consumer.consume_step.remote(pid, step, 240.0) for consumer in consumers]
             puts = [w.write_step.remote(pid, step) for w in writers]
             if step == KILL_AT_STEP:
-                _wait_until(
+                wait_until(
                     lambda pid=pid: c.describe_partition(pid).num_samples >= PER_STEP // 3,
                     120,
                     "the step's writes to be under way",

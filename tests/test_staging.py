@@ -6,12 +6,12 @@ its stage was reclaimed is a typed error with nothing made visible.
 """
 
 import sys
-import time
 
 import numpy as np
 import pytest
 import ray
 import torch
+from polling import wait_until
 from unit_memory import memfd_bytes, unit_pid
 
 from dataplane_client import DataPlaneConfig, connect, failpoints
@@ -39,13 +39,6 @@ def _stage_only(client, partition_id: str, write_id: str, ids: list[str], fields
 
 def _unit_bytes(handle) -> int:
     return ray.get(handle.units[0].metrics_snapshot.remote()).bytes
-
-
-def _wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        time.sleep(0.05)  # polling interval while observing the unit, not synchronisation
 
 
 def stager_class():
@@ -97,7 +90,7 @@ def test_a_writer_killed_between_stage_and_commit_gives_its_capacity_back(small_
         client.put_samples(["late"], "p", {"x": torch.ones(1, 4 * MiB, dtype=torch.uint8)})
 
     ray.kill(writer)
-    _wait_until(lambda: _unit_bytes(handle) == baseline, 30, "the dead writer's stage to go")
+    wait_until(lambda: _unit_bytes(handle) == baseline, 30, "the dead writer's stage to go")
     assert memfd_bytes(unit_pid(handle)) == 0  # the chunk itself is gone, not just the count
     with pytest.raises(SamplesNotFound):
         client.get_samples(["d0"], "p", ["x"])
@@ -127,7 +120,7 @@ def test_a_stage_past_its_deadline_is_reclaimed_and_a_late_publish_is_typed(ray_
         rows = torch.ones(2, 2 * MiB, dtype=torch.uint8)
         _stage_only(client, "p", "slow", ["a", "b"], {"x": rows})  # our process stays alive
         assert _unit_bytes(handle) == baseline + 4 * MiB
-        _wait_until(lambda: _unit_bytes(handle) == baseline, 30, "the stage's deadline")
+        wait_until(lambda: _unit_bytes(handle) == baseline, 30, "the stage's deadline")
         with pytest.raises(StageReclaimed, match="deadline") as late:  # typed, not a KeyError
             ray.get(handle.units[0].publish.remote("slow"))
         assert not isinstance(late.value, KeyError)
@@ -173,9 +166,7 @@ def test_a_commit_queued_past_its_puts_deadline_fails_fast_and_costs_no_reclaime
         with pytest.raises(SamplesNotFound):
             client.get_samples(["a"], "p", ["x"])
         unit = handle.units[0]
-        _wait_until(
-            lambda: ray.get(unit.staged_write_ids.remote()) == [], 30, "the stage's discard"
-        )
+        wait_until(lambda: ray.get(unit.staged_write_ids.remote()) == [], 30, "the stage's discard")
         counters = ray.get(unit.metrics_snapshot.remote()).stats["counters"]
         assert counters.get("stages_reclaimed_total", 0) == 0  # discarded, never expired
         client.put_samples(["a", "b"], "p", {"x": rows})  # the retry, in time, succeeds

@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from polling import wait_until
 
 from dataplane_client import shm
 from dataplane_client.codec import EncodedField, decode_field, encode_field
@@ -97,13 +98,6 @@ def _mapped(rows: SharedRows) -> torch.Tensor:
 
 def _counter(store, name: str) -> float:
     return store.stats.snapshot()["counters"].get(name, 0)
-
-
-def _wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        time.sleep(0.01)  # polling the reserve's background thread, not synchronisation
 
 
 # ---- staging and publish --------------------------------------------------------------
@@ -311,7 +305,7 @@ def _warmed(stores, write: int, **options) -> UnitStore:
 
 
 def _ready(store, nbytes: int) -> None:
-    _wait_until(
+    wait_until(
         lambda: store.holdings().reserve_settled and store.holdings().reserve_bytes >= nbytes,
         30,
         f"the reserve to hold {nbytes} bytes",
@@ -389,7 +383,7 @@ def test_the_warm_reserve_settles_within_its_limit_and_counts_as_kept_ready(stor
     store = stores(use_shm=True, warm_reserve_bytes=limit)
     _put(store, "p", "w", _ids("a", 4), {"x": _rows(4, MiB)})  # a miss: two chunks asked for
     store.clear("p", None)
-    _wait_until(lambda: store.holdings().reserve_settled, 30, "the reserve to settle")
+    wait_until(lambda: store.holdings().reserve_settled, 30, "the reserve to settle")
     held = store.holdings()
     assert 2 * 4 * MiB <= held.reserve_bytes <= limit
     snap = store.metrics_snapshot("node", "127.0.0.1")

@@ -1,14 +1,9 @@
-"""Cross-node reads on one machine (ray.cluster_utils.Cluster), run in its own process.
+"""Cross-node reads (part of tests/scenarios/one_cluster.py).
 
 Node B (the head) holds the service and writes; a reader actor on node A gets
-through the units' ``read`` and the Ray object store. Prints one RESULT line of
-JSON; tests/test_cross_node.py asserts on it.
+through the units' ``read`` and the Ray object store. tests/test_cross_node.py
+asserts on what it observed.
 """
-
-import json
-import os
-
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import numpy as np
 import ray
@@ -17,7 +12,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dataplane_client import DataPlaneConfig
 from dataplane_server import start
-from dataplane_server.local_ray import start_local_cluster
 
 N = 24
 ROUNDS = 40
@@ -99,9 +93,8 @@ class Reader:
         return outcomes
 
 
-def main() -> None:
-    cluster, _ = start_local_cluster([{"num_cpus": 2, "include_dashboard": False}])
-    ray.init(address=cluster.address, log_to_driver=False)
+def run(cluster) -> dict:
+    """On a cluster of the head alone; adds node A (which stays) and returns what it saw."""
     # The service starts while B (the head) is the only node: its units live there.
     handle = start(DataPlaneConfig(name="xn", num_storage_units=1, admin_enabled=False))
     node_a = cluster.add_node(num_cpus=2)
@@ -150,11 +143,6 @@ def main() -> None:
         attempts = ray.get(reader.wait_attempts.remote(attempts + 1))
     out["race"] = ray.get(pending)
     out["race_rewrites"] = version
+    ray.kill(reader)
     handle.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
-    print("RESULT " + json.dumps(out), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return out

@@ -1,40 +1,20 @@
-"""Multi-node scenario on one machine (ray.cluster_utils.Cluster), run in its own process.
+"""Units on two nodes, one node lost (part of tests/scenarios/one_cluster.py).
 
-Prints one JSON line with what it observed; tests/test_multinode.py asserts on it.
+tests/test_multinode.py asserts on what it observed.
 """
 
-import json
-import os
-import sys
 import time
-
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import ray
 import torch
-from ray.cluster_utils import Cluster
 
 from dataplane_client import DataPlaneConfig
 from dataplane_client.errors import SamplesLost
 from dataplane_server import start
 
 
-def main() -> None:
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 2,
-            "include_dashboard": False,
-            "_system_config": {
-                "health_check_period_ms": 300,
-                "health_check_failure_threshold": 3,
-                "health_check_timeout_ms": 500,
-            },
-        },
-    )
-    worker = cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
+def run(cluster, worker) -> dict:
+    """On the head and one worker node (alive, nothing else on them); removes the worker."""
     out: dict = {}
     handle = start(DataPlaneConfig(name="mn", num_storage_units=2, admin_enabled=False))
     units = [ray.get(u.ping.remote()) for u in handle.units]
@@ -96,10 +76,4 @@ def main() -> None:
     out["doomed_unit"] = doomed_unit
     out["new_readable"] = bool(c.get_samples(new_ids, "q", ["x"])["x"].values().sum().item() == 30)
     handle.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
-    print("RESULT " + json.dumps(out))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return out

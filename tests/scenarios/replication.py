@@ -1,25 +1,21 @@
-"""Replication (``replicas: 2``) on a three-node loopback cluster, run in its own process.
+"""Replication (``replicas: 2``) on three nodes (part of tests/scenarios/one_cluster.py).
 
-Prints one ``RESULT {json}`` line with what it observed; tests/test_replication.py
-asserts on it. Three parts, each on its own service:
+tests/test_replication.py asserts on what it observed. Three parts, each on its own
+service:
 
 1. a node holding primaries is removed while a writer streams puts;
 2. one storage unit is killed (after a clear, a checkpoint and a controller restart);
 3. a writer is killed between staging a put's two copies.
 """
 
-import json
 import os
-import sys
 import tempfile
 import threading
-import time
-
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import numpy as np
 import ray
 import torch
+from polling import wait_until
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dataplane_client import DataPlaneConfig, connect
@@ -27,7 +23,6 @@ from dataplane_client.codec import encode_fields
 from dataplane_client.errors import ConfigError, DataPlaneError, SamplesLost
 from dataplane_client.messages import CommitRequest
 from dataplane_server import start
-from dataplane_server.local_ray import start_local_cluster
 
 BATCH = 8
 BATCHES = 15
@@ -52,14 +47,6 @@ def same_bytes(client, partition: str, ids: list[str]) -> bool:
     got = client.get_samples(ids, partition, ["x", "y"])
     xs, ys = got["x"].unbind(), got["y"].tolist()
     return all(torch.equal(x, rows_of(s)[0]) and y == rows_of(s)[1] for s, x, y in zip(ids, xs, ys))
-
-
-def wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)  # polling interval while observing the service, not synchronisation
 
 
 def held_by(unit, partition: str) -> set[str]:
@@ -282,49 +269,17 @@ def writer_killed_between_stages(head_node_id: str) -> dict:
     return out
 
 
-def three_nodes():
-    """A head and two worker nodes; the first worker is the one a test removes."""
-    head = {
-        "num_cpus": 4,
-        "include_dashboard": False,
-        "_system_config": {
-            "health_check_period_ms": 300,
-            "health_check_failure_threshold": 3,
-            "health_check_timeout_ms": 500,
-        },
-    }
-    cluster, (_, doomed, _) = start_local_cluster([head, {"num_cpus": 2}, {"num_cpus": 2}], 5)
-    return cluster, doomed
-
-
-def main(parts: list[str]) -> None:
-    """Run the named parts (all three when none is named)."""
-    parts = parts or ["node_loss", "unit_kill", "stages"]
-    cluster, doomed = three_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
+def run(cluster, doomed) -> dict:
+    """On the head and two worker nodes; removes ``doomed`` (one of the workers)."""
     head = ray.get_runtime_context().get_node_id()
     out: dict = {}
-    try:
-        try:  # one unit sits on one node: two copies there would survive nothing
-            start(DataPlaneConfig(name="rep-one", num_storage_units=1, replicas=2))
-            out["one_node_refused"] = None
-        except ConfigError as e:
-            out["one_node_refused"] = str(e)
-        if "node_loss" in parts:
-            out["node_loss"] = node_loss_during_writes(cluster, doomed)
-            print(f"node_loss: {out['node_loss']}", file=sys.stderr, flush=True)
-        if "unit_kill" in parts:
-            with tempfile.TemporaryDirectory() as tmp:
-                out["unit_kill"] = unit_kill_after_restart(os.path.join(tmp, "ckpt"))
-            print(f"unit_kill: {out['unit_kill']}", file=sys.stderr, flush=True)
-        if "stages" in parts:
-            out["stages"] = writer_killed_between_stages(head)
-    finally:  # a failed part must not leave the cluster's processes behind
-        ray.shutdown()
-        cluster.shutdown()
-    print("RESULT " + json.dumps(out))
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:  # one unit sits on one node: two copies there would survive nothing
+        start(DataPlaneConfig(name="rep-one", num_storage_units=1, replicas=2))
+        out["one_node_refused"] = None
+    except ConfigError as e:
+        out["one_node_refused"] = str(e)
+    out["node_loss"] = node_loss_during_writes(cluster, doomed)
+    with tempfile.TemporaryDirectory() as tmp:
+        out["unit_kill"] = unit_kill_after_restart(os.path.join(tmp, "ckpt"))
+    out["stages"] = writer_killed_between_stages(head)
+    return out
