@@ -132,22 +132,22 @@ def test_a_reader_of_ids_others_keep_rewriting_stops_trying_its_stale_routes(ser
     """Each refused direct read costs a round trip before ``locate``: after a refusal the
     partition's next gets go to the controller at once, for longer after each refusal in
     a row, so 20 reads of rewritten ids pay 5 refusals, not 20."""
-    client.register_partition("direct-churn", fields=["x"])
+    client.register_partition("direct-rewritten", fields=["x"])
     ids = ["a"]  # one unit: one refusal per get
-    client.put_samples(ids, "direct-churn", _rows(1, 0.0, width=4))
+    client.put_samples(ids, "direct-rewritten", _rows(1, 0.0, width=4))
     reader = service.client()
-    reader.get_samples(ids, "direct-churn", ["x"])  # located: its routes now cached
+    reader.get_samples(ids, "direct-rewritten", ["x"])  # located: its routes now cached
     before = _direct_read_misses(service)
     for i in range(1, 21):
-        client.put_samples(ids, "direct-churn", _rows(1, float(i), width=4), overwrite=True)
-        got = reader.get_samples(ids, "direct-churn", ["x"])["x"]
+        client.put_samples(ids, "direct-rewritten", _rows(1, float(i), width=4), overwrite=True)
+        got = reader.get_samples(ids, "direct-rewritten", ["x"])["x"]
         assert torch.equal(got, _rows(1, float(i), width=4)["x"]), f"read {i}"
     assert _direct_read_misses(service) - before == 5  # reads 1, 3, 6, 11 and 20 tried
     # Rows nobody rewrites any more are read straight from the units again once a try
     # succeeds (the locates in between remembered fresh routes).
     locates = _locates(service)
     for _ in range(40):
-        reader.get_samples(ids, "direct-churn", ["x"])
+        reader.get_samples(ids, "direct-rewritten", ["x"])
     assert _locates(service) - locates == 16  # the 16 skips the last refusal left
 
 

@@ -205,7 +205,11 @@ def test_deleted_partitions_leave_no_series(service, client):
         client.put_samples(["a"], pid, {"x": torch.zeros(1, 4)})
         client.delete_partition(pid)
     end = scrape(service)
-    assert not [s for s in end["dataplane_partition_samples"] if "churn" in s.labels["partition"]]
+    assert not [
+        s
+        for s in end["dataplane_partition_samples"]
+        if s.labels["partition"].startswith("metrics-churn-")
+    ]
     assert series(end) == series(start)
 
 
