@@ -29,11 +29,9 @@ def _numpy_bits(t: torch.Tensor) -> np.ndarray | None:
     return t.view(as_int).numpy()
 
 
-def _real(lengths: torch.Tensor, width: int, device: torch.device) -> Any:
-    """The mask ``[N, width]``: column j of row i holds data (numpy on the CPU)."""
-    if device.type == "cpu":
-        return np.arange(width)[None, :] < lengths.numpy()[:, None]
-    lengths = lengths.to(device)
+def _real(lengths: torch.Tensor, width: int, device: torch.device) -> torch.Tensor:
+    """The mask ``[N, width]`` on ``device``: column j of row i holds data."""
+    lengths = lengths.to(device=device, dtype=torch.long)
     return torch.arange(width, device=device)[None, :] < lengths[:, None]
 
 
@@ -52,22 +50,20 @@ def pad_rows(
         assert pad is not None  # the same dtype as the values
         out_bits = np.full(shape, pad[0], dtype=value_bits.dtype)
         if values.numel():
-            out_bits[_real(lengths.to(torch.long).cpu(), width, values.device)] = value_bits
+            out_bits[_real(lengths, width, values.device).numpy()] = value_bits
         return torch.from_numpy(out_bits).view(values.dtype)
     out = torch.full(shape, pad_value, dtype=values.dtype, device=values.device)
     if values.numel():
-        real = torch.as_tensor(_real(lengths.to(torch.long).cpu(), width, values.device))
-        real = real.to(values.device).view(n, width, *[1] * (values.dim() - 1)).expand_as(out)
-        out.masked_scatter_(real, values)
+        real = _real(lengths, width, values.device)
+        out.masked_scatter_(real.view(n, width, *[1] * (values.dim() - 1)).expand_as(out), values)
     return out
 
 
 def cut_rows(value: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """``value[i, :lengths[i]]`` of every row, back to back (the inverse of
     :func:`pad_rows`; lengths past the width are cut at it)."""
-    kept = lengths.to(torch.long).cpu().clamp(0, value.shape[1])
-    real = _real(kept, value.shape[1], value.device)
+    real = _real(lengths, value.shape[1], value.device)
     bits = _numpy_bits(value.contiguous())
     if bits is not None:
-        return torch.from_numpy(bits[real]).view(value.dtype)
-    return value[torch.as_tensor(real, device=value.device)]
+        return torch.from_numpy(bits[real.numpy()]).view(value.dtype)
+    return value[real]
