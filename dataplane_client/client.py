@@ -945,9 +945,12 @@ class RayDataPlaneClient(DataPlaneService):
         failover: bool = True,
         device: torch.device | None = None,
     ) -> Flow:
-        locate = self._open_controller().locate
-        where = _one((yield [locate.remote(partition_id, sample_ids, fields)]))
+        controller = self._open_controller()
         cached = self._codecs.get(partition_id)
+        # Not read here before: its codecs are asked beside the locate, answered while the
+        # units read rather than in a round trip after them (a fresh reader's first get).
+        codecs_ref = controller.field_codecs.remote(partition_id) if cached is None else None
+        where = _one((yield [controller.locate.remote(partition_id, sample_ids, fields)]))
         if cached is not None and cached.key != where.codecs_key:
             # Registered again since: decode with its codecs. Another thread may have
             # dropped it already (no KeyError), or cached the new ones (asked again).
@@ -988,7 +991,14 @@ class RayDataPlaneClient(DataPlaneService):
                 if isinstance(r, BaseException):
                     raise r from None
             decoded = _assembled(results, plan, fields, len(sample_ids), device)
-        codecs = yield from self._codecs_of(partition_id)
+        codecs = None
+        if codecs_ref is not None:
+            answer = (yield [codecs_ref])[0]
+            # Answered before a registration the locate saw: the codecs are asked again.
+            if not isinstance(answer, BaseException) and answer.key == where.codecs_key:
+                codecs = self._codecs[partition_id] = answer
+        if codecs is None:
+            codecs = yield from self._codecs_of(partition_id)
         if codecs.key != where.codecs_key:  # registered again (samples deleted) while we read
             raise SamplesNotFound(
                 "the partition was registered again while they were read",
@@ -1293,8 +1303,9 @@ def connect(
     ``address`` (e.g. ``"10.0.0.5:6379"``, ``"auto"``) joins that Ray cluster
     first when this process has not initialised Ray; an initialised Ray is used
     as it is. ``warm_reads``: import now what this process's first read needs
-    (:func:`warm_read_path`), so that read costs what later ones do; False for a
-    process that never reads samples (the admin endpoint's mutations).
+    (:func:`warm_read_path`) and introduce the process to the units on its node
+    (``Transport.introduce``), so its first put and get cost what later ones do;
+    False for a process that never moves samples (the admin endpoint's mutations).
     """
     if not ray.is_initialized():
         if address is None:
@@ -1311,7 +1322,10 @@ def connect(
         ) from None
     if warm_reads:
         warm_read_path()
-    return RayDataPlaneClient(controller, name=name, namespace=namespace)
+    client = RayDataPlaneClient(controller, name=name, namespace=namespace)
+    if warm_reads:
+        client._open_transport().introduce()
+    return client
 
 
 # How Ray's messages name a refused token; Ray 2.60 reports it inside a ConnectionError

@@ -87,6 +87,9 @@ class ReadLease:
             pass
 
 
+_INTRODUCE_TIMEOUT_S = 5.0  # how long connect() waits for the same-node units to answer
+
+
 class Transport:
     def __init__(
         self,
@@ -360,6 +363,27 @@ class Transport:
                 self._forget_closed(u, result)
                 result.update(self._leased(u, result))
         return results
+
+    def introduce(self, timeout_s: float = _INTRODUCE_TIMEOUT_S) -> None:
+        """Send our process token to every same-node unit now, as the process connects.
+
+        A fresh process's first call to a unit sets up its connection (about 2 ms more
+        than a later call, 2026-11-28) and its first read sends the token (a ``ray.put``
+        and Ray's borrower books): here they are part of starting a worker, not of its
+        first step. A unit that does not answer in ``timeout_s`` (or died) is left to the
+        first read, which then sends the token itself.
+        """
+        units = [u for u, ok in enumerate(self.shared) if ok and u not in self._token_sent]
+        if not units:
+            return
+        calls = {self.units[u].meet.remote(self._stage_owner()): u for u in units}
+        answered, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+        for ref in answered:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                continue
+            self._token_sent.add(calls[ref])
 
     def _reader_token(self, unit: int) -> list | bytes:
         """Our process token for a same-node read from ``unit`` (a dead reader's leases are

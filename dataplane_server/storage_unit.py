@@ -236,6 +236,11 @@ class StorageUnit:
             self._start_sweeper()  # a dead reader's leases are released by the sweeper
         return pack_read_answer(out)
 
+    def meet(self, owner: list) -> None:
+        """A same-node client's process token, sent once as it connects
+        (``Transport.introduce``): its reads name it by key from the first on."""
+        self._readers.resolve(owner)
+
     def release_reads(self, leases: list[int]) -> None:
         self.store.release_reads(leases)
 

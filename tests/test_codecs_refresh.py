@@ -41,3 +41,51 @@ def test_a_reregistered_vocabulary_reaches_every_client(service, request):
     finally:
         rollout.close()
         driver.delete_partition(pid)
+
+
+class _StaleCodecsOnce:
+    """The controller's handle, except that its first ``field_codecs`` call answers
+    ``stale``: what a fresh reader's first get sees when the partition is registered
+    again between its codecs call and its locate (sent one after the other)."""
+
+    def __init__(self, handle, stale):
+        self._handle, self._stale, self.served = handle, stale, 0
+
+    def __getattr__(self, name):
+        if name == "field_codecs" and not self.served:
+            self.served += 1
+            stale = self._stale
+
+            class _Once:
+                @staticmethod
+                def remote(_partition_id):
+                    import ray
+
+                    return ray.put(stale)
+
+            return _Once
+        return getattr(self._handle, name)
+
+
+def test_a_first_get_whose_codecs_answer_predates_a_registration_asks_again(service, request):
+    """A reader with no codecs cached asks them beside the locate (not after the read);
+    an answer older than the registration the locate saw is not used to decode."""
+    import ray
+
+    from dataplane_client import connect
+
+    pid = f"codecs-{request.node.name}"
+    driver = service.client()
+    reader = connect(service.config.name, service.config.namespace)
+    try:
+        driver.register_partition(pid, ["x", "step"], None, ["t"], enums={"step": OLD})
+        stale = ray.get(driver._open_controller().field_codecs.remote(pid))
+        driver.register_partition(pid, ["x", "step"], None, ["t"], enums={"step": NEW})
+        driver.put_samples(["m", "w"], pid, _fields(["math", "web"]))
+        controller = _StaleCodecsOnce(reader._open_controller(), stale)
+        reader._open_controller = lambda: controller
+        assert reader.get_samples(["m", "w"], pid, ["step"])["step"] == ["math", "web"]
+        assert controller.served == 1, "the get did not ask the codecs beside its locate"
+    finally:
+        reader.close()
+        driver.delete_partition(pid)

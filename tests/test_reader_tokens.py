@@ -54,15 +54,31 @@ def _rows(start: int) -> torch.Tensor:
     return torch.arange(start, start + n, dtype=torch.float32).reshape(ROWS, ROW_FLOATS)
 
 
+def test_connect_introduces_the_process_so_its_first_read_names_its_token_by_key(unit):
+    before = _remembered(unit)
+    client = unit.client()
+    # Before any read: the unit remembers the token, and the client knows it does.
+    assert 0 in client._transport._token_sent
+    assert _remembered(unit) == before + 1
+    client.register_partition("intro", fields=["x"])
+    client.put_samples([f"i{k}" for k in range(ROWS)], "intro", {"x": _rows(0)})
+    got = client.get_samples([f"i{k}" for k in range(ROWS)], "intro", ["x"])["x"]
+    assert torch.equal(got, _rows(0))
+    assert _remembered(unit) == before + 1  # named by key: nothing more remembered
+
+
 def test_reads_send_the_token_once_and_survive_a_unit_that_forgot_it(unit):
     writer, reader = unit.client(), unit.client()
     writer.register_partition("p", fields=["x"])
     first, second = [f"a{i}" for i in range(ROWS)], [f"b{i}" for i in range(ROWS)]
     writer.put_samples(first, "p", {"x": _rows(0)})
+    reader._transport._token_sent.clear()  # as if connect's introduction went unanswered
+    failpoints.arm(failpoints.READER_TOKENS_LOST)
     assert torch.equal(reader.get_samples(first, "p", ["x"])["x"], _rows(0))
+    assert failpoints.fired(failpoints.READER_TOKENS_LOST) == 1
     assert 0 in reader._transport._token_sent  # its later reads name it by key
     assert torch.equal(reader.get_samples(first, "p", ["x"])["x"], _rows(0))
-    assert _remembered(unit) == 1
+    assert _remembered(unit) == 1  # the reader's, sent by its first read
 
     failpoints.arm(failpoints.READER_TOKENS_LOST)  # as a restart of the unit would
     writer.put_samples(second, "p", {"x": _rows(1)})
