@@ -26,6 +26,7 @@ from dataplane_client import shm
 
 _PER_SIZE = 2  # chunks of one size kept ready: a write and the one after it
 _FIT = 1.25  # a chunk serves a write of at least 1/_FIT of its size
+RECENT_TAKES = 4  # takes of a size since one of its chunks was recycled: still coming back
 
 
 class WarmReserve:
@@ -36,7 +37,8 @@ class WarmReserve:
         self._wanted: list[int] = []  # sizes to make next
         self.requested = 0  # chunks asked of the background thread so far (tests observe it)
         self._making = 0  # bytes of the chunk the background thread is making now
-        self._recycled_sizes: set[int] = set()  # sizes of freed chunks kept for reuse
+        # Per size of freed chunks kept for reuse: takes of that size since one came back.
+        self._takes_since_back: dict[int, int] = {}
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._closed = False
@@ -78,21 +80,34 @@ class WarmReserve:
             # which the writer that filled it before still has mapped).
             best = min(fit, key=lambda i: (self._ready[i].size, -i)) if fit else None
             got = self._ready.pop(best) if best is not None else None
+            comes_back = self._counts_take(nbytes)
             # Writes of this size keep coming: after a miss have two made ahead; after a
-            # hit one more only when none is left, and not when freed chunks of this size
-            # come back (put/clear) and the limit has no room for both: the one made would
-            # be evicted by the next recycled chunk, its zeroing (a core busy for 0.2 s per
-            # GiB) wasted beside the writer's copy.
-            if got is None:
-                want = 2
+            # hit one more only when none is left. Neither when freed chunks of this size
+            # come back (put/clear) and the limit has no room for one made beside the one
+            # coming back: the next recycle would evict it, its zeroing (a core busy for
+            # 0.2-0.5 s per GiB) wasted beside the writer's copy. (A put's lease for the
+            # writer's next put misses so whenever its write took the only chunk.)
+            size = nbytes if got is None else got.size
+            no_room = comes_back and self._held() + size + nbytes > self.limit
+            if no_room:
+                want = 0
             else:
-                comes_back = got.size in self._recycled_sizes
-                no_room = comes_back and self._held() + got.size + nbytes > self.limit
-                want = 0 if len(fit) > 1 or no_room else 1
+                want = 2 if got is None else (0 if len(fit) > 1 else 1)
             self._wanted.extend([nbytes] * want)
             self.requested += want
             self._wake.notify()
         return got
+
+    def _counts_take(self, nbytes: int) -> bool:
+        """Count a take of ``nbytes`` against the sizes that serve it; True when one of
+        them came back (was recycled) within the last ``RECENT_TAKES`` takes: put/clear.
+        Writes that free nothing stop counting as coming back after that many."""
+        comes_back = False
+        for size, takes in self._takes_since_back.items():
+            if nbytes <= size <= nbytes * _FIT:
+                self._takes_since_back[size] = takes + 1
+                comes_back = comes_back or takes < RECENT_TAKES
+        return comes_back
 
     def recycle(self, chunk: shm.MemFd) -> list[str]:
         """Keep a freed chunk (no reader maps it) for the next write of its size, or close it.
@@ -115,7 +130,7 @@ class WarmReserve:
             )
             if keep:
                 self._ready.append(chunk)
-                self._recycled_sizes.add(chunk.size)
+                self._takes_since_back[chunk.size] = 0
                 self._wake.notify_all()
         if not keep:
             with self._lock:
