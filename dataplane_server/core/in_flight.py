@@ -18,30 +18,44 @@ class SamplesInFlight:
     def __init__(self) -> None:
         # partition -> sample -> plans in flight writing it, oldest first
         self._by_sample: dict[str, dict[str, list[Any]]] = {}
+        # partition -> the plans in flight there (by identity): when a plan is alone, the
+        # whole index is its own, built and dropped at once. That is the usual case, a
+        # writer's commit with no other in its partition: 0.4 + 0.7 ms of the controller's
+        # commit of 1,024 samples by the sample-by-sample loops (2026-11-28).
+        self._plans: dict[str, list[Any]] = {}
 
     def add(self, partition_id: str, sample_ids: Sequence[str], plan: Any) -> None:
-        index = self._by_sample.setdefault(partition_id, {})
-        for s in sample_ids:
-            plans = index.get(s)
-            if plans is None:
-                index[s] = [plan]
-            else:
-                plans.append(plan)
-
-    def remove(self, partition_id: str, sample_ids: Sequence[str], plan: Any) -> None:
+        plans = self._plans.setdefault(partition_id, [])
+        plans.append(plan)
         index = self._by_sample.get(partition_id)
         if index is None:
+            self._by_sample[partition_id] = {s: [plan] for s in sample_ids}
             return
         for s in sample_ids:
-            plans = index.get(s)
-            if plans is None or plan not in plans:
+            writing = index.get(s)
+            if writing is None:
+                index[s] = [plan]
+            else:
+                writing.append(plan)
+
+    def remove(self, partition_id: str, sample_ids: Sequence[str], plan: Any) -> None:
+        plans = self._plans.get(partition_id, [])
+        if not any(p is plan for p in plans):
+            return
+        if len(plans) == 1:
+            del self._plans[partition_id]
+            self._by_sample.pop(partition_id, None)
+            return
+        plans[:] = [p for p in plans if p is not plan]
+        index = self._by_sample[partition_id]
+        for s in sample_ids:
+            writing = index.get(s)
+            if writing is None or plan not in writing:
                 continue
-            if len(plans) == 1:
+            if len(writing) == 1:
                 del index[s]
             else:
-                plans.remove(plan)
-        if not index:
-            del self._by_sample[partition_id]
+                writing.remove(plan)
 
     def sharing(self, partition_id: str, sample_ids: Sequence[str]) -> Iterator[tuple[int, Any]]:
         """(position in ``sample_ids``, plan) for each plan in flight writing that sample,
