@@ -189,3 +189,20 @@ def test_chunks_recycled_while_one_is_being_made_keep_the_reserve_within_its_lim
         assert r.held_bytes == 2 * size
     finally:
         r.close()
+
+
+def test_jagged_writes_keep_what_the_reserve_follows_bounded():
+    """Every put of jagged rows has its own size: the recycled sizes whose takes the
+    reserve counts stay a bounded few, or each take would look through all of them."""
+    from dataplane_client import shm
+    from dataplane_server.core import warm_reserve
+
+    r = WarmReserve(limit_bytes=1 << 20)
+    try:
+        for k in range(3 * warm_reserve._SIZES_FOLLOWED):
+            size = (64 << 10) + k * 4096  # a new size each time
+            for name in r.recycle(shm.create(size)):
+                assert isinstance(name, str)
+        assert len(r._takes_since_back) <= warm_reserve._SIZES_FOLLOWED
+    finally:
+        r.close()

@@ -27,6 +27,7 @@ from dataplane_client import shm
 _PER_SIZE = 2  # chunks of one size kept ready: a write and the one after it
 _FIT = 1.25  # a chunk serves a write of at least 1/_FIT of its size
 RECENT_TAKES = 4  # takes of a size since one of its chunks was recycled: still coming back
+_SIZES_FOLLOWED = 64  # recycled sizes whose takes are counted (the most recently recycled)
 
 
 class WarmReserve:
@@ -103,10 +104,13 @@ class WarmReserve:
         them came back (was recycled) within the last ``RECENT_TAKES`` takes: put/clear.
         Writes that free nothing stop counting as coming back after that many."""
         comes_back = False
-        for size, takes in self._takes_since_back.items():
+        for size, takes in list(self._takes_since_back.items()):
             if nbytes <= size <= nbytes * _FIT:
-                self._takes_since_back[size] = takes + 1
                 comes_back = comes_back or takes < RECENT_TAKES
+                if takes + 1 < RECENT_TAKES:
+                    self._takes_since_back[size] = takes + 1
+                else:  # no longer coming back: as if never recycled
+                    del self._takes_since_back[size]
         return comes_back
 
     def recycle(self, chunk: shm.MemFd) -> list[str]:
@@ -130,7 +134,12 @@ class WarmReserve:
             )
             if keep:
                 self._ready.append(chunk)
+                # Most recent last; jagged writes recycle many sizes, so only the latest
+                # few are followed (each take looks through them).
+                self._takes_since_back.pop(chunk.size, None)
                 self._takes_since_back[chunk.size] = 0
+                if len(self._takes_since_back) > _SIZES_FOLLOWED:
+                    del self._takes_since_back[next(iter(self._takes_since_back))]
                 self._wake.notify_all()
         if not keep:
             with self._lock:
