@@ -72,17 +72,22 @@ def test_the_limit_grows_to_the_largest_write_seen_and_zero_still_disables_it():
     assert off.take(1 << 20) is None
 
 
+def _limit_of_one_chunk_taken(size: int) -> tuple[WarmReserve, object]:
+    """A reserve whose limit is one chunk of ``size``, and that chunk, made and taken."""
+    r = WarmReserve(limit_bytes=size)
+    assert r.take(size) is None
+    assert r.wait_until_holding(size, timeout_s=30)
+    return r, r.take(size)
+
+
 def test_put_clear_of_the_largest_size_makes_no_chunk_only_to_evict_it():
     """Writes as large as the limit, each freed before the next: the freed chunk comes
     back every time, so nothing more is made (a chunk made beside it would be evicted
     by the next recycle, after a core spent zeroing it). Accumulating writes, which
     free nothing, still get one made ahead after each hit."""
     size = 4 << 20
-    r = WarmReserve(limit_bytes=size)
+    r, chunk = _limit_of_one_chunk_taken(size)
     try:
-        assert r.take(size) is None
-        assert r.wait_until_holding(size, timeout_s=30)
-        chunk = r.take(size)
         asked = r.requested
         for _ in range(5):
             assert r.recycle(chunk) == []  # kept for the next write
@@ -111,11 +116,8 @@ def test_put_clear_of_the_largest_size_with_a_lease_asked_each_put_makes_nothing
     thread zeroed a chunk (0.4-0.5 s of a core per GiB, beside the writer's copy) that
     the next recycle evicted: every other put of 1 GiB, measured 2026-11-28."""
     size = 4 << 20
-    r = WarmReserve(limit_bytes=size)
+    r, chunk = _limit_of_one_chunk_taken(size)
     try:
-        assert r.take(size) is None
-        assert r.wait_until_holding(size, timeout_s=30)
-        chunk = r.take(size)
         asked = None
         for _ in range(6):
             # The lease: nothing ready beside the write's chunk (the first round's miss
