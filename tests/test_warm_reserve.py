@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 
-from dataplane_server.core.warm_reserve import RECENT_TAKES, WarmReserve
+from dataplane_server.core.warm_reserve import IN_USE_TAKES, RECENT_TAKES, WarmReserve
 
 
 def test_a_miss_asks_for_chunks_of_that_size_and_the_next_write_gets_one():
@@ -206,5 +206,50 @@ def test_jagged_writes_keep_what_the_reserve_follows_bounded():
             for name in r.recycle(shm.create(size)):
                 assert isinstance(name, str)
         assert len(r._takes_since_back) <= warm_reserve._SIZES_FOLLOWED
+    finally:
+        r.close()
+
+
+def _put_clear_rounds(r: WarmReserve, sizes: list[int], rounds: int) -> dict[int, int]:
+    """Put/clear of each size in turn, ``rounds`` times (a miss makes its chunk in the
+    write path, as a unit does); the misses per size."""
+    from dataplane_client import shm
+
+    misses = dict.fromkeys(sizes, 0)
+    for _ in range(rounds):
+        for size in sizes:
+            chunk = r.take(size)
+            if chunk is None:
+                misses[size] += 1
+                chunk = shm.create(size)
+            r.recycle(chunk)
+    return misses
+
+
+def test_two_sizes_the_limit_cannot_hold_together_keep_the_larger_ready():
+    """A step writing 1 GiB of one field and 128 MiB of another through one unit (the
+    limit grows to 1 GiB): each recycle of one evicted the other, so both were made in
+    the write path every time (400 + 48 ms, measured 2026-11-28). The larger size, still
+    being written, is kept; the smaller is made each time; and nothing is made that the
+    next recycle evicts."""
+    big, small = 4 << 20, 512 << 10
+    r = WarmReserve(limit_bytes=1 << 20)
+    try:
+        misses = _put_clear_rounds(r, [big, small], 20)
+        assert misses[big] == 1, misses  # the first put of the size only
+        assert r.requested <= 2, "chunks were made that the limit could not keep"
+    finally:
+        r.close()
+
+
+def test_a_size_no_longer_written_makes_room_for_the_one_that_is():
+    """Once a larger size stops being written, the smaller one's freed chunks are kept
+    again (within a few takes), as before."""
+    big, small = 4 << 20, 512 << 10
+    r = WarmReserve(limit_bytes=1 << 20)
+    try:
+        _put_clear_rounds(r, [big, small], 3)
+        _put_clear_rounds(r, [small], IN_USE_TAKES)  # the large writes have stopped
+        assert _put_clear_rounds(r, [small], 5) == {small: 0}
     finally:
         r.close()

@@ -15,7 +15,11 @@ one out when a write fits:
 The reserve holds at most ``max(limit, largest write seen)`` bytes, so a unit
 taking 1 GiB writes keeps one 1 GiB chunk ready instead of zeroing it inside
 the write; it keeps at most ``_PER_SIZE`` recycled chunks of any one size (each
-is a descriptor).
+is a descriptor). What does not fit goes, oldest first, except a larger chunk of
+a size still being written (taken within ``IN_USE_TAKES`` takes): a smaller freed
+chunk is closed instead, so a step writing 1 GiB and 128 MiB puts through one unit
+makes only the smaller in its writes, not both. And it asks for no chunk that it
+could not keep (one made beside a chunk coming back, or with no room now).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ _PER_SIZE = 2  # chunks of one size kept ready: a write and the one after it
 _FIT = 1.25  # a chunk serves a write of at least 1/_FIT of its size
 RECENT_TAKES = 4  # takes of a size since one of its chunks was recycled: still coming back
 _SIZES_FOLLOWED = 64  # recycled sizes whose takes are counted (the most recently recycled)
+IN_USE_TAKES = 8  # a size taken within this many takes (of any size) is still being written
 
 
 class WarmReserve:
@@ -40,6 +45,8 @@ class WarmReserve:
         self._making = 0  # bytes of the chunk the background thread is making now
         # Per size of freed chunks kept for reuse: takes of that size since one came back.
         self._takes_since_back: dict[int, int] = {}
+        self._takes = 0  # takes of any size so far
+        self._last_taken: dict[int, int] = {}  # size asked -> ``_takes`` then, latest last
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._closed = False
@@ -82,6 +89,11 @@ class WarmReserve:
             best = min(fit, key=lambda i: (self._ready[i].size, -i)) if fit else None
             got = self._ready.pop(best) if best is not None else None
             comes_back = self._counts_take(nbytes)
+            self._takes += 1
+            self._last_taken.pop(nbytes, None)
+            self._last_taken[nbytes] = self._takes
+            if len(self._last_taken) > _SIZES_FOLLOWED:
+                del self._last_taken[next(iter(self._last_taken))]
             # Writes of this size keep coming: after a miss have two made ahead; after a
             # hit one more only when none is left. Neither when freed chunks of this size
             # come back (put/clear) and the limit has no room for one made beside the one
@@ -90,7 +102,10 @@ class WarmReserve:
             # writer's next put misses so whenever its write took the only chunk.)
             size = nbytes if got is None else got.size
             no_room = comes_back and self._held() + size + nbytes > self.limit
-            if no_room:
+            # A miss beside ready chunks that leave no room for it (another size's, kept
+            # while in use): a chunk made now would not be kept.
+            full = got is None and self._held() + nbytes > self.limit
+            if no_room or full:
                 want = 0
             else:
                 want = 2 if got is None else (0 if len(fit) > 1 else 1)
@@ -113,6 +128,14 @@ class WarmReserve:
                     del self._takes_since_back[size]
         return comes_back
 
+    def _in_use(self, size: int) -> bool:
+        """Whether writes a chunk of ``size`` serves were asked within the last
+        ``IN_USE_TAKES`` takes."""
+        return any(
+            n <= size <= n * _FIT and self._takes - at < IN_USE_TAKES
+            for n, at in self._last_taken.items()
+        )
+
     def recycle(self, chunk: shm.MemFd) -> list[str]:
         """Keep a freed chunk (no reader maps it) for the next write of its size, or close it.
 
@@ -125,10 +148,18 @@ class WarmReserve:
             if len(same) >= _PER_SIZE:  # the oldest of its size goes: it is the least mapped
                 evicted.append(same[0])
                 self._ready.remove(same[0])
-            # Older chunks make room for it: a writer has this one mapped, they may be unused.
-            fits = chunk.size <= self.limit
-            while fits and self._ready and self._held() + chunk.size > self.limit:
-                evicted.append(self._ready.pop(0))
+            # Older chunks make room for it (a writer has this one mapped; they may be
+            # unused), but not a larger one of a size still being written: writes of two
+            # sizes the limit cannot hold together would then both miss every time, the
+            # larger (costlier to make) one included. The smaller one is closed instead.
+            evictable = [c for c in self._ready if c.size <= chunk.size or not self._in_use(c.size)]
+            short = self._held() + chunk.size - self.limit
+            if chunk.size <= self.limit and 0 < short <= sum(c.size for c in evictable):
+                for c in evictable:  # oldest first
+                    if self._held() + chunk.size <= self.limit:
+                        break
+                    self._ready.remove(c)
+                    evicted.append(c)
             keep = (
                 not self._closed and self.configured > 0 and self._held() + chunk.size <= self.limit
             )
