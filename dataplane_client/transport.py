@@ -368,7 +368,7 @@ class Transport:
         """Send our process token to every same-node unit now, as the process connects.
 
         A fresh process's first call to a unit sets up its connection (about 2 ms more
-        than a later call, 2026-11-28) and its first read sends the token (a ``ray.put``
+        than a later call, 2026-11-27) and its first read sends the token (a ``ray.put``
         and Ray's borrower books): here they are part of starting a worker, not of its
         first step. A unit that does not answer in ``timeout_s`` (or died) is left to the
         first read, which then sends the token itself.

@@ -114,7 +114,7 @@ def test_put_clear_of_the_largest_size_with_a_lease_asked_each_put_makes_nothing
     for the writer's next put asks for another, which misses (the limit holds one); the
     clear brings the first back. The miss used to ask for two chunks, so the background
     thread zeroed a chunk (0.4-0.5 s of a core per GiB, beside the writer's copy) that
-    the next recycle evicted: every other put of 1 GiB, measured 2026-11-28."""
+    the next recycle evicted: every other put of 1 GiB, measured 2026-11-27."""
     size = 4 << 20
     r, chunk = _limit_of_one_chunk_taken(size)
     try:
@@ -229,7 +229,7 @@ def _put_clear_rounds(r: WarmReserve, sizes: list[int], rounds: int) -> dict[int
 def test_two_sizes_the_limit_cannot_hold_together_keep_the_larger_ready():
     """A step writing 1 GiB of one field and 128 MiB of another through one unit (the
     limit grows to 1 GiB): each recycle of one evicted the other, so both were made in
-    the write path every time (400 + 48 ms, measured 2026-11-28). The larger size, still
+    the write path every time (400 + 48 ms, measured 2026-11-27). The larger size, still
     being written, is kept; the smaller is made each time; and nothing is made that the
     next recycle evicts."""
     big, small = 4 << 20, 512 << 10
