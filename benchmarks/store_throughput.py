@@ -400,15 +400,23 @@ def _simple_batch(size: int, seq_len: int) -> int:
     return max(2, size // (seq_len * 4 * FIELDS_SIMPLE))
 
 
+def _load_case(
+    writer: Any, reader: Any, kind: str, size: int, seq_len: int, nfields: int, copies: bool
+) -> _Case:
+    """The workload made in the writer, its keys given to the reader, its partition
+    registered (the complex workload has the simple one's batch)."""
+    batch = _simple_batch(size, seq_len)
+    names, nbytes = ray.get(writer.create.remote(kind, batch, seq_len, nfields))
+    ray.get(reader.set_keys.remote([f"test_key_{i}" for i in range(batch)]))
+    partition = f"{kind}-{batch}"
+    ray.get(writer.register.remote(partition, names))
+    return _Case(writer, reader, partition, names, nbytes, copies=copies)
+
+
 def _write_simple(writer: Any, reader: Any, size: int, seq_len: int) -> None:
     """The running job writes (and reads) the simple workload of ``size`` for the warm-up
     rounds, as the writers beside a restarting worker do."""
-    batch = _simple_batch(size, seq_len)
-    names, nbytes = ray.get(writer.create.remote("simple", batch, seq_len, FIELDS_SIMPLE))
-    ray.get(reader.set_keys.remote([f"test_key_{i}" for i in range(batch)]))
-    partition = f"simple-{batch}"
-    ray.get(writer.register.remote(partition, names))
-    case = _Case(writer, reader, partition, names, nbytes, copies=False)
+    case = _load_case(writer, reader, "simple", size, seq_len, FIELDS_SIMPLE, copies=False)
     for _ in range(WARM_UP_ROUNDS):
         case.round("ours")
 
@@ -455,14 +463,10 @@ def run(opts: Options) -> Section:
     cold: list[dict[str, Any]] = []
     try:
         for kind, size, nfields in workloads:
-            batch = _simple_batch(size, seq_len)  # the complex workload has the simple one's
-            names, nbytes = ray.get(writer.create.remote(kind, batch, seq_len, nfields))
-            ray.get(reader.set_keys.remote([f"test_key_{i}" for i in range(batch)]))
-            partition = f"{kind}-{batch}"
-            ray.get(writer.register.remote(partition, names))
+            case = _load_case(writer, reader, kind, size, seq_len, nfields, copies=True)
+            nbytes = case.nbytes
             if "transferqueue" in systems:
                 ray.get(writer.prepare_tq.remote())
-            case = _Case(writer, reader, partition, names, nbytes)
             times = {s: {"put": [], "get": []} for s in systems}
             for _ in range(WARM_UP_ROUNDS):  # not recorded; every system gets the same
                 for system in systems:
@@ -475,7 +479,7 @@ def run(opts: Options) -> Section:
                     times[system]["get"].append(get_s)
             row: dict[str, Any] = {
                 "kind": kind,
-                "batch": batch,
+                "batch": _simple_batch(size, seq_len),
                 "fields": nfields,
                 "seq_len": seq_len,
                 "bytes": nbytes,

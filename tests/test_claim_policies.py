@@ -286,7 +286,7 @@ def test_a_numeric_tag_value_its_column_cannot_hold_is_refused_before_anything_c
         _commit(ks, "p", ["a", "b"], tags=[{"v": 1}, {"v": value}])
     assert e.value.ids == ["b"]
     assert part.num_samples == 0
-    assert ks._in_flight == {}  # nothing reserved either
+    assert ks._samples_in_flight.plans("p") == []  # nothing reserved either
     _commit(ks, "p", ["a"], tags=[{"v": -(2**63), "w": 3}])  # the extremes fit
     assert part.tag_values["w"][0] == np.float32(3)
 

@@ -8,6 +8,8 @@ their cached codecs against the partition's (a fingerprint in every commit and
 every read's answer) and fetch them again when they differ.
 """
 
+from types import SimpleNamespace
+
 import torch
 
 OLD = ["math", "code", "chat"]
@@ -53,17 +55,10 @@ class _StaleCodecsOnce:
 
     def __getattr__(self, name):
         if name == "field_codecs" and not self.served:
+            import ray
+
             self.served += 1
-            stale = self._stale
-
-            class _Once:
-                @staticmethod
-                def remote(_partition_id):
-                    import ray
-
-                    return ray.put(stale)
-
-            return _Once
+            return SimpleNamespace(remote=lambda _partition_id: ray.put(self._stale))
         return getattr(self._handle, name)
 
 

@@ -57,6 +57,10 @@ class SamplesInFlight:
             else:
                 writing.remove(plan)
 
+    def plans(self, partition_id: str) -> list[Any]:
+        """The plans in flight in the partition, oldest first."""
+        return list(self._plans.get(partition_id, ()))
+
     def sharing(self, partition_id: str, sample_ids: Sequence[str]) -> Iterator[tuple[int, Any]]:
         """(position in ``sample_ids``, plan) for each plan in flight writing that sample,
         oldest plan first per sample."""

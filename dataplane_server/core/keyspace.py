@@ -527,11 +527,10 @@ class KeySpace:
         self.clock = clock
         self.partitions: dict[str, Partition] = {}
         self.unit_alive: list[bool] = []
-        # partition -> plans whose bytes are being published right now, and the same plans by
-        # sample (a check looks up its own samples, not every plan: thousands may be in
-        # flight); nothing per sample outlives its commit.
-        self._in_flight: dict[str, list[CommitPlan]] = {}
-        self._samples_in_flight = SamplesInFlight()  # the same plans, by sample
+        # Plans whose bytes are being published right now, per partition and by sample (a
+        # check looks up its own samples, not every plan: thousands may be in flight);
+        # nothing per sample outlives its commit.
+        self._samples_in_flight = SamplesInFlight()
         self.redeliveries_total = 0
 
     # ---- partitions ---------------------------------------------------------------
@@ -639,7 +638,6 @@ class KeySpace:
                 partition_id=pid,
             )
         _check_new_samples_tagged(part, req, old)
-        self._in_flight.setdefault(pid, []).append(plan)
         self._samples_in_flight.add(pid, ids, plan)
         return plan
 
@@ -649,7 +647,7 @@ class KeySpace:
         first write in flight claims the field's schema until it is applied or released,
         so two concurrent first writes with different dtypes cannot both apply."""
         # Plans of a partition since replaced under the same id claim nothing here.
-        in_flight = self._in_flight.get(part.partition_id, ())
+        in_flight = self._samples_in_flight.plans(part.partition_id)
         for name, schema in req.schemas.items():
             known = part.schema.get(name)
             if known is not None:
@@ -673,13 +671,7 @@ class KeySpace:
 
     def release(self, plan: CommitPlan) -> None:
         """Drop the plan's reservation (after apply, or when publishing failed)."""
-        pid = plan.request.partition_id
-        plans = self._in_flight.get(pid, [])
-        if plan in plans:
-            plans.remove(plan)
-            self._samples_in_flight.remove(pid, plan.request.sample_ids, plan)
-        if not plans:
-            self._in_flight.pop(pid, None)
+        self._samples_in_flight.remove(plan.request.partition_id, plan.request.sample_ids, plan)
 
     def apply_commit(
         self, plan: CommitPlan, generation: int = -1

@@ -35,6 +35,15 @@ _SIZES_FOLLOWED = 64  # recycled sizes whose takes are counted (the most recentl
 IN_USE_TAKES = 8  # a size taken within this many takes (of any size) is still being written
 
 
+def _set_latest(sizes: dict[int, int], size: int, value: int) -> None:
+    """``sizes[size] = value`` as the most recent entry, keeping the ``_SIZES_FOLLOWED``
+    most recent: jagged writes bring a new size each time, and takes look through them."""
+    sizes.pop(size, None)
+    sizes[size] = value
+    if len(sizes) > _SIZES_FOLLOWED:
+        del sizes[next(iter(sizes))]
+
+
 class WarmReserve:
     def __init__(self, limit_bytes: int):
         self.configured = int(limit_bytes)
@@ -90,10 +99,7 @@ class WarmReserve:
             got = self._ready.pop(best) if best is not None else None
             comes_back = self._counts_take(nbytes)
             self._takes += 1
-            self._last_taken.pop(nbytes, None)
-            self._last_taken[nbytes] = self._takes
-            if len(self._last_taken) > _SIZES_FOLLOWED:
-                del self._last_taken[next(iter(self._last_taken))]
+            _set_latest(self._last_taken, nbytes, self._takes)
             # Writes of this size keep coming: after a miss have two made ahead; after a
             # hit one more only when none is left. Neither when freed chunks of this size
             # come back (put/clear) and the limit has no room for one made beside the one
@@ -165,12 +171,7 @@ class WarmReserve:
             )
             if keep:
                 self._ready.append(chunk)
-                # Most recent last; jagged writes recycle many sizes, so only the latest
-                # few are followed (each take looks through them).
-                self._takes_since_back.pop(chunk.size, None)
-                self._takes_since_back[chunk.size] = 0
-                if len(self._takes_since_back) > _SIZES_FOLLOWED:
-                    del self._takes_since_back[next(iter(self._takes_since_back))]
+                _set_latest(self._takes_since_back, chunk.size, 0)
                 self._wake.notify_all()
         if not keep:
             with self._lock:
