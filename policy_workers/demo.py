@@ -31,9 +31,7 @@ import functools
 import json
 import os
 import pickle
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -754,7 +752,9 @@ def keep_serving(handle) -> None:
         "Press Ctrl-C (or send SIGTERM) to stop it.",
         flush=True,
     )
-    wait_for_stop_signal()
+    from dataplane_server.stop_signal import StopSignal
+
+    StopSignal().install().wait()
 
 
 # ---- helpers -------------------------------------------------------------------------
@@ -873,15 +873,6 @@ def fit(line: str, width: int = WIDTH) -> str:
         return line
     keep = width - 3
     return line[: keep // 2] + "..." + line[len(line) - (keep - keep // 2) :]
-
-
-def wait_for_stop_signal() -> None:
-    """Block until Ctrl-C or SIGTERM (the service stays up meanwhile)."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(3600):
-        pass
 
 
 def _nbytes(obj) -> int:

@@ -11,14 +11,13 @@ if that save fails the command exits 1, so an orchestrator sees it.
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
 
 from dataplane_server.cli import preflight
 from dataplane_server.cli.argtypes import positive_int
 from dataplane_server.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CliError
 from dataplane_server.cli.render import say
+from dataplane_server.stop_signal import StopSignal
 
 DEFAULT_NUM_CPUS = 8  # logical slots for the embedded Ray; actors need them even when idle
 
@@ -153,16 +152,7 @@ def run(args) -> int:
     from dataplane_client.loopback import is_loopback
     from dataplane_server.service import start
 
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        stop.set()
-        # A second signal while draining falls back to the default: stop at once.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = StopSignal().install()  # before start: a signal during it still drains
 
     try:
         handle = start(config)
@@ -185,8 +175,7 @@ def run(args) -> int:
             "the embedded Ray listens on 127.0.0.1 (Ray's GCS port on every interface, "
             "token-checked): join from this machine, or serve with --address on a cluster"
         )
-    while not stop.wait(0.5):  # timed, so the handler runs promptly on every platform
-        pass
+    stop.wait()
     say("dataplane: signal received, draining")
     saved = True
     try:
