@@ -187,7 +187,10 @@ def test_4096_concurrent_writers_lose_nothing_and_keep_their_goodput(tmp_path):
     again, one put of 4 x 4 KiB each, every sample read back; in a subprocess with its own
     Ray. The 4,096 run is judged against the mean of the two 1,024 runs around it, so a
     change in the shared machine's load during the test weighs on both sides (a collapse,
-    as before admission, is 0.25x)."""
+    as before admission, is 0.25x). The floor is below the benchmark's 0.9 target: one
+    round per level here, and single rounds differ by 10% on a quiet box (the benchmark
+    README's table) and more under load; the dip
+    two client bugs caused (0.57x, issue 27's profile) stays well below it."""
     out = tmp_path / "writers.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
@@ -216,4 +219,4 @@ def test_4096_concurrent_writers_lose_nothing_and_keep_their_goodput(tmp_path):
     assert at_4096["completed_puts"] == at_4096["puts"], at_4096["errors"]
     at_1024 = (before["goodput_samples_per_s"] + after["goodput_samples_per_s"]) / 2
     ratio = at_4096["goodput_samples_per_s"] / at_1024
-    assert ratio >= 0.9, f"goodput at 4,096 writers is {ratio:.2f}x the 1,024 writers' runs"
+    assert ratio >= 0.75, f"goodput at 4,096 writers is {ratio:.2f}x the 1,024 writers' runs"
