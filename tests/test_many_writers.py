@@ -189,8 +189,8 @@ def test_4096_concurrent_writers_lose_nothing_and_keep_their_goodput(tmp_path):
     change in the shared machine's load during the test weighs on both sides (a collapse,
     as before admission, is 0.25x). The floor is below the benchmark's 0.9 target: one
     round per level here, and single rounds differ by 10% on a quiet box (the benchmark
-    README's table) and more under load; the dip
-    two client bugs caused (0.57x, issue 27's profile) stays well below it."""
+    README's table) and more under load; the dip two client bugs caused (0.57x, issue
+    27's profile) stays well below it."""
     out = tmp_path / "writers.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
