@@ -19,15 +19,14 @@ import numpy as np
 import torch
 
 from dataplane_client import devices, shm
-from dataplane_client.codec import (
+from dataplane_client.codec import decode_field, tensor_from_bytes
+from dataplane_client.encoded import (
     DENSE,
     OBJECT,
     EncodedField,
-    decode_field,
     gather_bytes,
     row_byte_offsets,
     run_bounds,
-    tensor_from_bytes,
 )
 from dataplane_client.messages import ChunkRef, SharedRows
 

@@ -26,7 +26,7 @@ import msgpack
 import numpy as np
 
 from dataplane_client import object_columns
-from dataplane_client.codec import DENSE, OBJECT, EncodedField
+from dataplane_client.encoded import DENSE, OBJECT, EncodedField
 from dataplane_client.errors import CorruptPayload
 
 _MAGIC = b"DPB2"

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from dataplane_client import shm
-from dataplane_client.codec import EncodedField, row_byte_offsets, run_bounds
+from dataplane_client.encoded import EncodedField, row_byte_offsets, run_bounds
 from dataplane_client.errors import InvalidBatch
 
 _DEVICE_HELP = "use None (host memory, as stored), 'cpu', 'cuda' or 'cuda:<index>'"

@@ -9,12 +9,14 @@ are one pass over the column (a dict lookup per row; numpy indexing back).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from dataplane_client.errors import CorruptPayload, InvalidBatch
+
+if TYPE_CHECKING:  # torch is imported where a column is made: the controller checks
+    import torch  # vocabularies only, and starts (and restarts) without torch
 
 
 def vocabulary(name: str, words: Any) -> tuple[str, ...]:
@@ -47,6 +49,8 @@ def to_codes(name: str, values: Sequence[Any], vocab: Sequence[str]) -> torch.Te
             f"enum value {values[int(unknown[0])]!r} is not in the vocabulary {list(vocab)[:20]}",
             fields=[name],
         )
+    import torch
+
     return torch.from_numpy(codes)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dataplane_client.codec import EncodedField, row_byte_offsets, take_rows
+from dataplane_client.encoded import EncodedField, row_byte_offsets, take_rows
 from dataplane_client.errors import GroupValueConflict, InvalidBatch
 
 

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from dataplane_client import arguments, group_fields
-from dataplane_client.codec import DENSE, JAGGED, EncodedField, decode_field, encode_fields
+from dataplane_client.codec import decode_field, encode_fields
+from dataplane_client.encoded import DENSE, JAGGED, EncodedField
 from dataplane_client.errors import InvalidBatch
 from dataplane_client.messages import FieldCodecs
 from dataplane_client.meta import KVBatchMeta

@@ -30,11 +30,7 @@ import ray
 
 from dataplane_client import devices, group_fields, parallel_copy, shm
 from dataplane_client.call_batcher import CallBatcher
-from dataplane_client.codec import (
-    EncodedField,
-    row_copy_pairs,
-    take_rows,
-)
+from dataplane_client.encoded import EncodedField, row_copy_pairs, take_rows
 from dataplane_client.errors import DataPlaneError, ReaderUnknown
 from dataplane_client.messages import (
     ChunkClosures,

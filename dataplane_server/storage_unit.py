@@ -28,8 +28,8 @@ import numpy as np
 import ray
 
 from dataplane_client import failpoints, parallel_copy
-from dataplane_client.codec import EncodedField
 from dataplane_client.config import DataPlaneConfig
+from dataplane_client.encoded import EncodedField
 from dataplane_client.errors import DataPlaneError, InvalidBatch
 from dataplane_client.messages import ShmAlloc, UnitInfo, UnitSnapshot, pack_read_answer
 from dataplane_server.core.recovery_messages import DumpedFile, SampleMeta, UnitRecovery

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dataplane_client.assembly import assemble
-from dataplane_client.codec import DENSE, EncodedField, encode_field
+from dataplane_client.codec import encode_field
+from dataplane_client.encoded import DENSE, EncodedField
 from dataplane_server.core.inprocess import InProcessDataPlaneClient
 
 N = 40_000  # more than 2**15 sources

@@ -10,13 +10,8 @@ from dataplane_client import codec
 from dataplane_client.assembly import assemble
 from dataplane_client.batched_data_dict import BatchedDataDict
 from dataplane_client.byte_format import pack, unpack
-from dataplane_client.codec import (
-    DTYPES,
-    decode_field,
-    encode_field,
-    encode_fields,
-    take_rows,
-)
+from dataplane_client.codec import DTYPES, decode_field, encode_field, encode_fields
+from dataplane_client.encoded import take_rows
 from dataplane_client.errors import CorruptPayload, InvalidBatch, NonTensorField, SchemaConflict
 
 TRAINING_DTYPES = [

@@ -69,6 +69,7 @@ CORE_MODULES = (
     "dataplane_client.call_batcher",
     "dataplane_client.claim_batcher",
     "dataplane_client.codec",
+    "dataplane_client.encoded",
     "dataplane_client.config",
     "dataplane_client.devices",
     "dataplane_client.enum_codes",

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane_client import codec, devices, shm
-from dataplane_client.codec import JAGGED, EncodedField, take_rows
+from dataplane_client import codec, devices, encoded, shm
+from dataplane_client.encoded import JAGGED, EncodedField, take_rows
 from dataplane_client.errors import InvalidBatch
 from dataplane_server.core.inprocess import InProcessDataPlaneClient
 
@@ -209,7 +209,7 @@ def test_device_bytes_are_copied_into_place_by_row_runs(cpu_tensors_deferred):
     assert enc.kind == JAGGED
     assert enc.values is None
     assert enc.device_values is not None
-    assert codec.row_copy_pairs(enc, np.arange(5), np.empty(0, np.uint8)) is None
+    assert encoded.row_copy_pairs(enc, np.arange(5), np.empty(0, np.uint8)) is None
     pick = np.array([4, 0, 1, 2, 3])  # out of order: runs [4], [0..3]
     out = np.empty(take_rows(enc, pick, header_only=True).nbytes, dtype=np.uint8)
     devices.copy_rows_to_host(enc, pick, out)

@@ -17,7 +17,7 @@ import torch
 
 from dataplane_client import DataPlaneConfig
 from dataplane_client.client import _run_sync
-from dataplane_client.codec import EncodedField
+from dataplane_client.encoded import EncodedField
 from dataplane_client.errors import SamplesNotFound
 from dataplane_client.messages import SharedRows, read_request, unpack_read_answer
 from dataplane_server import start

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dataplane_client import parallel_copy
-from dataplane_client.codec import EncodedField, gather_bytes, row_copy_pairs, take_rows
+from dataplane_client.encoded import EncodedField, gather_bytes, row_copy_pairs, take_rows
 
 
 @pytest.fixture

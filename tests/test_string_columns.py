@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from dataplane_client import byte_format, codec
-from dataplane_client.codec import decode_field, encode_fields, take_rows
+from dataplane_client.codec import decode_field, encode_fields
+from dataplane_client.encoded import take_rows
 from dataplane_client.errors import CorruptPayload, InvalidBatch
 
 # Every msgpack str header width (fixstr, str8, str16, str32), empty strings, non-ASCII

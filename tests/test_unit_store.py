@@ -20,7 +20,8 @@ import torch
 from polling import wait_until
 
 from dataplane_client import shm
-from dataplane_client.codec import EncodedField, decode_field, encode_field
+from dataplane_client.codec import decode_field, encode_field
+from dataplane_client.encoded import EncodedField
 from dataplane_client.errors import (
     CapacityExceeded,
     CorruptPayload,

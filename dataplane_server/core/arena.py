@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dataplane_client import shm
-from dataplane_client.codec import contiguous_runs
+from dataplane_client.encoded import contiguous_runs
 from dataplane_client.messages import ChunkRef
 from dataplane_server.core.warm_reserve import WarmReserve
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from dataplane_client import arguments, devices, group_fields, prepare
 from dataplane_client.assembly import assemble_fields
-from dataplane_client.codec import EncodedField, row_byte_offsets
+from dataplane_client.encoded import EncodedField, row_byte_offsets
 from dataplane_client.errors import (
     ClaimTimeout,
     ServiceUnavailable,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dataplane_client.codec import EncodedField
+from dataplane_client.encoded import EncodedField
 from dataplane_client.errors import InvalidBatch
 from dataplane_client.group_fields import stored_value_differs
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import msgpack
 import numpy as np
-import torch
 
-from dataplane_client.codec import DTYPES, JAGGED, OBJECT
+from dataplane_client.encoded import JAGGED, OBJECT
 from dataplane_server.core.arena import Arena
 from dataplane_server.core.unit_partition import Partition
 
@@ -36,6 +35,13 @@ def preview(
                 "values": [shown][:max_elems],
             }
             continue
+        # Imported here: a preview (an operator's look at one sample) is the only unit
+        # path that needs a tensor (bfloat16 has no numpy dtype), and the unit starts
+        # without torch.
+        import torch
+
+        from dataplane_client.codec import DTYPES
+
         t = torch.from_numpy(raw.copy()).view(DTYPES[dtype])
         rows = int(col.length[slot]) if kind == JAGGED else None
         row_shape = ([rows] if rows is not None else []) + list(shape)

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dataplane_client import shm
-from dataplane_client.codec import DENSE, EncodedField
+from dataplane_client.encoded import DENSE, EncodedField
 from dataplane_client.errors import (
     CapacityExceeded,
     FieldNotProduced,

@@ -1,0 +1,89 @@
+"""The service's own processes run without torch: a controller or unit (re)starts sooner.
+
+Importing torch costs a process 2-3 s of CPU here. The controller and the units only
+handle headers and bytes, so they never import it; a restarted controller or unit is
+serving again that much sooner. Ray imports an actor's module wherever a handle to it
+is looked up (the controller looks its units up by name), so the units' module must be
+torch-free for the controller to be.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import ray
+import torch
+from polling import wait_until
+
+from dataplane_client import codec, encoded
+from dataplane_client.errors import ServiceUnavailable
+
+
+def _has_torch(actor) -> bool:
+    return ray.get(actor.__ray_call__.remote(lambda _self: "torch" in sys.modules), timeout=60)
+
+
+def _service_processes(handle) -> dict[str, object]:
+    return {"controller": handle.controller, "admin": handle.admin} | {
+        f"unit {i}": unit for i, unit in enumerate(handle.units)
+    }
+
+
+def test_the_controller_units_and_admin_serve_every_verb_without_importing_torch(
+    service_factory, tmp_path
+):
+    handle = service_factory("no-torch", num_storage_units=2)
+    client = handle.client()
+    pid = "p"
+    client.register_partition(
+        pid,
+        fields=["tokens", "score", "kind", "note"],
+        consumer_tasks=["train"],
+        task_leases={"train": 60.0},
+        enums={"kind": ["a", "b"]},
+        object_fields=["note"],
+    )
+    ids = [f"s{i}" for i in range(8)]
+    client.put_samples(
+        ids,
+        pid,
+        {
+            "tokens": [torch.arange(i + 1) for i in range(8)],  # jagged
+            "score": torch.randn(8, dtype=torch.bfloat16),
+            "kind": ["a", "b"] * 4,
+            "note": [{"i": i} for i in range(8)],
+        },
+    )
+    meta = client.claim_meta(pid, "train", ["tokens", "score", "kind", "note"], 8)
+    got = client.get_data(meta)
+    assert got["kind"] == ["a", "b"] * 4
+    client.ack(meta)
+    client.describe_partition(pid)
+    saved = client.checkpoint(str(tmp_path / "ckpt"))
+    client.clear_samples(ids[:4], pid)
+    # A restarted controller rebuilds from its journal and the units.
+    ray.kill(handle.controller, no_restart=False)
+
+    def serving() -> bool:
+        try:
+            client.describe_partition(pid)
+        except ServiceUnavailable:
+            return False
+        return True
+
+    wait_until(serving, 60, "the restarted controller to answer")
+    client.delete_partition(pid)
+    client.restore(saved)
+    assert np.array_equal(
+        client.get_samples(ids[4:], pid, ["score"])["score"].float().numpy(),
+        got["score"][4:].float().numpy(),
+    )
+    for name, actor in _service_processes(handle).items():
+        assert not _has_torch(actor), f"the {name} process imported torch"
+
+
+def test_the_wire_dtype_names_are_the_codecs_torch_dtypes():
+    assert list(encoded.DTYPE_SIZES) == list(codec.DTYPES)
+    for name, dtype in codec.DTYPES.items():
+        assert encoded.DTYPE_SIZES[name] == dtype.itemsize, name
