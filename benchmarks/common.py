@@ -6,14 +6,17 @@ them in one process (one Ray cluster) and renders what they return.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
 import statistics
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -69,6 +72,25 @@ def start_service(name: str, namespace: str, **overrides: Any) -> Any:
 
     cfg = {"num_storage_units": 2, "admin_enabled": False, "metrics_enabled": False, **overrides}
     return start(DataPlaneConfig(name=name, namespace=namespace, **cfg))
+
+
+PACKAGES = ("dataplane_client", "dataplane_server", "policy_workers")
+
+
+@contextlib.contextmanager
+def linked_checkout(base_dir: str | None) -> Iterator[Path | None]:
+    """A directory holding only links: ``base_dir``'s packages and this ``benchmarks``
+    package (None when no ``base_dir``). A process started there with it as PYTHONPATH
+    (and its Ray workers, which start from the driver's directory) imports the other
+    checkout's code, not this one's."""
+    if base_dir is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory() as code:
+        for pkg in PACKAGES:
+            os.symlink(Path(base_dir, pkg).resolve(), Path(code, pkg))
+        os.symlink(Path(__file__).resolve().parent, Path(code, "benchmarks"))
+        yield Path(code)
 
 
 def serialized_nbytes(value: Any) -> int:

@@ -43,7 +43,16 @@ import numpy as np
 import ray
 import torch
 
-from benchmarks.common import Options, Section, Table, Target, percentile, ratio, start_service
+from benchmarks.common import (
+    Options,
+    Section,
+    Table,
+    Target,
+    linked_checkout,
+    percentile,
+    ratio,
+    start_service,
+)
 
 SERVICE_NAME = "bench-writers"
 NAMESPACE = "bench"
@@ -65,7 +74,6 @@ CLAIMERS, QUICK_CLAIMERS = 1024, 64
 CLAIM_BATCH = 4
 SPEEDUP_TARGET = 5.0  # puts/s at >= 1,024 writers over the base's
 GOODPUT_FLOOR = 0.9  # every level's goodput over the peak's
-PACKAGES = ("dataplane_client", "dataplane_server", "policy_workers")
 
 
 def sample_bytes(sample_id: str) -> np.ndarray:
@@ -298,17 +306,11 @@ def measure(levels: list[tuple[int, int]], claimers: int | None, rounds: int = 1
 def measure_base(base_dir: str, levels: list[tuple[int, int]]) -> dict[str, Any]:
     """The same levels on another checkout's packages, in a subprocess with its own Ray.
 
-    The subprocess runs in a directory holding only links: the checkout's packages and
-    this ``benchmarks`` package, so it (and its Ray workers, which start from the
-    driver's directory) import the other code, not this worktree's.
+    The subprocess runs in a directory of links to that checkout (``linked_checkout``).
     """
-    root = Path(__file__).resolve().parents[1]
-    with tempfile.TemporaryDirectory() as code, tempfile.TemporaryDirectory() as out_dir:
-        for pkg in PACKAGES:
-            os.symlink(Path(base_dir, pkg).resolve(), Path(code, pkg))
-        os.symlink(root / "benchmarks", Path(code, "benchmarks"))
+    with linked_checkout(base_dir) as code, tempfile.TemporaryDirectory() as out_dir:
         out = Path(out_dir, "base.json")
-        env = dict(os.environ, PYTHONPATH=code)
+        env = dict(os.environ, PYTHONPATH=str(code))
         env.pop("BENCH_WRITERS_BASE", None)
         levels_arg = ",".join(f"{w}x{p}" for w, p in levels)
         subprocess.run(
