@@ -17,7 +17,7 @@ import torch
 from polling import wait_until
 
 from dataplane_client import codec, encoded
-from dataplane_client.errors import ServiceUnavailable
+from dataplane_client.errors import SamplesNotFound, ServiceUnavailable
 
 
 def _has_torch(actor) -> bool:
@@ -59,6 +59,16 @@ def test_the_controller_units_and_admin_serve_every_verb_without_importing_torch
     got = client.get_data(meta)
     assert got["kind"] == ["a", "b"] * 4
     client.ack(meta)
+    shown = 0  # an operator's preview of each sample, on whichever unit holds it
+    for unit in handle.units:
+        for sample_id in ids:
+            try:
+                fields = ray.get(unit.preview.remote(pid, sample_id, None, 4), timeout=60)
+            except SamplesNotFound:
+                continue
+            assert fields["score"]["dtype"] == "bfloat16"
+            shown += 1
+    assert shown == len(ids)
     client.describe_partition(pid)
     saved = client.checkpoint(str(tmp_path / "ckpt"))
     client.clear_samples(ids[:4], pid)

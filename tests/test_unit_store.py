@@ -20,7 +20,7 @@ import torch
 from polling import wait_until
 
 from dataplane_client import shm
-from dataplane_client.codec import decode_field, encode_field
+from dataplane_client.codec import DTYPES, decode_field, encode_field
 from dataplane_client.encoded import EncodedField
 from dataplane_client.errors import (
     CapacityExceeded,
@@ -35,6 +35,7 @@ from dataplane_client.errors import (
 from dataplane_client.messages import SharedRows
 from dataplane_client.put_deadline import STAGE_GRACE_S
 from dataplane_server.core.recovery_messages import SampleMeta
+from dataplane_server.core.unit_preview import first_elements
 from dataplane_server.core.unit_store import INLINE_READ_BYTES, UnitStore
 
 MiB = 1 << 20
@@ -576,3 +577,13 @@ def test_a_preview_shows_each_field_of_one_sample(stores):
     assert list(store.preview("p", "a", ["dense"], 1)) == ["dense"]
     with pytest.raises(SamplesNotFound):
         store.preview("p", "zz", None, 4)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_a_preview_shows_every_dtype_as_torch_reads_it_without_importing_it(dtype):
+    # What torch shows for the same bytes: floats widened to float32, the rest as stored.
+    values = (torch.randn(6) * 50).to(DTYPES[dtype])
+    want = values.float().tolist() if values.dtype.is_floating_point else values.tolist()
+    raw = values.view(torch.uint8).numpy()  # the bytes as a unit holds them
+    assert first_elements(raw, dtype, 4) == want[:4]
+    assert first_elements(raw, dtype, 100) == want

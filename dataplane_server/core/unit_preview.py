@@ -9,6 +9,33 @@ from dataplane_client.encoded import JAGGED, OBJECT
 from dataplane_server.core.arena import Arena
 from dataplane_server.core.unit_partition import Partition
 
+# Wire dtype name -> numpy dtype; bfloat16 (no numpy dtype) is widened by first_elements.
+_NUMPY_DTYPES = {
+    "float32": np.float32,
+    "float64": np.float64,
+    "float16": np.float16,
+    "int64": np.int64,
+    "int32": np.int32,
+    "int16": np.int16,
+    "int8": np.int8,
+    "uint8": np.uint8,
+    "bool": np.bool_,
+}
+
+
+def first_elements(raw: np.ndarray, dtype: str, count: int) -> list:
+    """The first ``count`` elements of a stored row's bytes (floats as float32 values).
+
+    numpy, not torch: the unit never imports torch (a first import would stall its loop
+    for seconds). A bfloat16 is the high half of a float32, so it widens exactly.
+    """
+    if dtype == "bfloat16":
+        head = raw[: 2 * count].view(np.uint16)
+        return (head.astype(np.uint32) << 16).view(np.float32).tolist()
+    numpy_dtype = np.dtype(_NUMPY_DTYPES[dtype])
+    head = raw[: numpy_dtype.itemsize * count].view(numpy_dtype)
+    return (head.astype(np.float32) if numpy_dtype.kind == "f" else head).tolist()
+
 
 def preview(
     part: Partition, arena: Arena, slot: int, fields: list[str] | None, max_elems: int
@@ -35,22 +62,12 @@ def preview(
                 "values": [shown][:max_elems],
             }
             continue
-        # Imported here: a preview (an operator's look at one sample) is the only unit
-        # path that needs a tensor (bfloat16 has no numpy dtype), and the unit starts
-        # without torch.
-        import torch
-
-        from dataplane_client.codec import DTYPES
-
-        t = torch.from_numpy(raw.copy()).view(DTYPES[dtype])
         rows = int(col.length[slot]) if kind == JAGGED else None
         row_shape = ([rows] if rows is not None else []) + list(shape)
         out[name] = {
             "dtype": dtype,
             "layout": kind,
             "shape": row_shape,
-            "values": t.reshape(-1)[:max_elems].float().tolist()
-            if t.dtype.is_floating_point
-            else t.reshape(-1)[:max_elems].tolist(),
+            "values": first_elements(raw, dtype, max_elems),
         }
     return out
