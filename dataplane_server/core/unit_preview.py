@@ -5,22 +5,13 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 
-from dataplane_client.encoded import JAGGED, OBJECT
+from dataplane_client.encoded import DTYPE_SIZES, JAGGED, OBJECT
 from dataplane_server.core.arena import Arena
 from dataplane_server.core.unit_partition import Partition
 
-# Wire dtype name -> numpy dtype; bfloat16 (no numpy dtype) is widened by first_elements.
-_NUMPY_DTYPES = {
-    "float32": np.float32,
-    "float64": np.float64,
-    "float16": np.float16,
-    "int64": np.int64,
-    "int32": np.int32,
-    "int16": np.int16,
-    "int8": np.int8,
-    "uint8": np.uint8,
-    "bool": np.bool_,
-}
+# Every wire dtype name but bfloat16 is also numpy's name for it (first_elements widens
+# a bfloat16 itself).
+_NUMPY_DTYPES = {name: np.dtype(name) for name in DTYPE_SIZES if name != "bfloat16"}
 
 
 def first_elements(raw: np.ndarray, dtype: str, count: int) -> list:
@@ -32,7 +23,7 @@ def first_elements(raw: np.ndarray, dtype: str, count: int) -> list:
     if dtype == "bfloat16":
         head = raw[: 2 * count].view(np.uint16)
         return (head.astype(np.uint32) << 16).view(np.float32).tolist()
-    numpy_dtype = np.dtype(_NUMPY_DTYPES[dtype])
+    numpy_dtype = _NUMPY_DTYPES[dtype]
     head = raw[: numpy_dtype.itemsize * count].view(numpy_dtype)
     return (head.astype(np.float32) if numpy_dtype.kind == "f" else head).tolist()
 
