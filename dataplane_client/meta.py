@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 import numpy as np
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
 
-def _is_array(values: Any) -> bool:
+def _is_array(values: Any) -> TypeGuard[np.ndarray | torch.Tensor]:
     """A numpy array or a torch tensor. torch is looked up, not imported: the controller
     imports metas, never sees a tensor, and starts (and restarts) 2-3 s sooner without it."""
     torch_module = sys.modules.get("torch")
