@@ -35,10 +35,10 @@ def _service_pids(handle) -> dict[str, int]:
     name = handle.config.name
     units = [unit_name(handle.config, i) for i in range(len(handle.units))]
     alive = {a["Name"]: a["Pid"] for a in ray_state.actors().values() if a["State"] == "ALIVE"}
-    return {actor: alive[actor] for actor in [name, f"{name}-admin", *units]}
+    return {actor: alive[actor] for actor in [name, *units]}
 
 
-def test_the_controller_units_and_admin_serve_every_verb_without_importing_torch(
+def test_the_controller_and_units_serve_every_verb_without_importing_torch(
     service_factory, tmp_path
 ):
     handle = service_factory("no-torch", num_storage_units=2)

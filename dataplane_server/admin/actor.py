@@ -13,6 +13,7 @@ It finds the controller by name, like any client, so it can be restarted on its 
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 import ray
@@ -42,6 +43,10 @@ class AdminActor:
         if cfg.admin_enabled and self._admin is None:
             self._admin = AdminServer(cfg, sources)
             self._admin.start()
+            # Clears and deletes go through a data-plane client, whose first making imports
+            # torch (seconds on a loaded machine); made now, beside serving, the first such
+            # RPC does not pay it inside its deadline. The controller and units never do.
+            threading.Thread(target=sources.client, name="admin-client", daemon=True).start()
         if cfg.metrics_enabled and self._metrics is None:
             self._metrics = MetricsServer(sources, cfg.metrics_host, cfg.metrics_port)
             self._metrics.start()
