@@ -35,6 +35,9 @@ CONTROLLER_RESTART = "controller-restart"  # a restarted controller holds in its
 # The controller dies (once) after a claim is journaled and applied, before it answers.
 CLAIM_ANSWER_LOST = "claim-answer-lost"
 JOURNAL_WRITE = "journal-write"  # the journal's disk is full while armed
+# The controller dies (once) after a clear is journaled and applied to the key space,
+# before the units free the samples' bytes.
+CLEAR_BEFORE_FREE = "clear-before-free"
 # The controller pauses (the file holds the seconds) between publishing a commit's
 # metadata to the units and applying it to the key space: clears race into that window.
 COMMIT_AFTER_PUBLISH = "commit-after-publish"

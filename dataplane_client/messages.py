@@ -259,6 +259,8 @@ class StalenessInfo:
     admission_limit: int | None  # (max_staleness + 1) * admission_batch
     admission_waits: int
     recently_dropped: list[str]  # ids dropped or evicted, newest last (the last 4,096)
+    # per task: samples its filtered claims refused, no longer owed (never counted stale)
+    filtered: dict[str, int]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import asyncio
 from dataplane_client import arguments
 from dataplane_client.messages import Capabilities, ClaimRequest, ClearResult, RolloutGrant
 from dataplane_client.meta import KVBatchMeta
-from dataplane_server.core import async_rl, unit_calls
+from dataplane_server.core import async_rl
 from dataplane_server.core.keyspace import KeySpace, Partition
 from dataplane_server.core.stats import Stats
 from dataplane_server.verbs import served
@@ -50,6 +50,8 @@ class AsyncRLVerbs:
 
     def _log(self, *record) -> None: ...
     def _compact_if_due(self) -> None: ...
+    def _remove_rows(self, record: str, part: Partition, rows, *extra) -> dict: ...
+    async def _free(self, partition_id: str, targets: dict[int, list[str]]) -> int: ...
 
     @served
     async def set_policy_version(self, partition_id: str, version: int) -> int:
@@ -77,13 +79,15 @@ class AsyncRLVerbs:
     async def _remove(self, removal: async_rl.Removal) -> int:
         """Journal, forget and free a removal; returns how many samples went."""
         pid = removal.part.partition_id
-        self._log("dropped", pid, *removal.journal_args())
-        targets = async_rl.apply_removal(self.keys, removal)
-        self._compact_if_due()
+        ids = removal.ids  # before the rows are forgotten
+        targets = self._remove_rows(
+            "dropped", removal.part, removal.rows, dict(removal.per_task), removal.evicted
+        )
+        async_rl.count_removal(removal, ids)
         self.stats.inc("stale_samples_dropped_total", len(removal.rows) - removal.evicted)
         self.stats.inc("samples_evicted_total", removal.evicted)
         self.changes.notify(pid)
-        await unit_calls.free(self.units, pid, targets)
+        await self._free(pid, targets)
         return len(removal.rows)
 
     # ---- rollout admission -----------------------------------------------------------
@@ -115,7 +119,8 @@ class AsyncRLVerbs:
             if not ask.wait:
                 self.stats.inc("rollouts_refused_total", ask.n)
                 return None
-            if not ask.waits:
+            if not ask.waits:  # journaled: describe's count survives a restart
+                self._log("admission_wait", partition_id)
                 self.stats.inc("admission_waits_total")
             await self.changes.wait(partition_id, ask.wait_s())
 
@@ -125,7 +130,7 @@ class AsyncRLVerbs:
         False when it had expired already (or was released before)."""
         _, versions = self.keys.versioned(partition_id)
         grant_id = arguments.count(grant_id, "grant_id", minimum=1)
-        if grant_id not in versions.grants:
+        if grant_id not in versions.live_grants():  # released before, or lapsed
             return False
         self._log("release", partition_id, grant_id)
         versions.release(grant_id)
@@ -138,8 +143,8 @@ class AsyncRLVerbs:
     async def clear_versions(self, partition_id: str, lowest: int, highest: int) -> ClearResult:
         """Retire whole generations: every sample whose version is in [lowest, highest]."""
         part, rows = async_rl.versions_range(self.keys, partition_id, lowest, highest)
-        targets = self.keys.clear_rows(part, rows)
-        freed = await unit_calls.free(self.units, partition_id, targets)
+        targets = self._remove_rows("clear", part, rows)
+        freed = await self._free(partition_id, targets)
         self.stats.inc("cleared_samples_total", len(rows))
         self.changes.notify(partition_id)
         return ClearResult(cleared=len(rows), bytes_freed=freed)

@@ -88,6 +88,9 @@ class Controller(Inspection, AsyncRLVerbs):
         self._waits = claim_wait.ClaimWaits()  # blocking claims wait here, per partition
         self.changes = Changes()  # rollout admissions wait here, per partition
         self._lifecycle = asyncio.Lock()  # register / delete of one id never interleave
+        # partition -> {id: birth} of removed samples whose bytes the units are freeing now:
+        # a snapshot taken meanwhile must still name them (``_durable_state``).
+        self._freeing: dict[str, dict[str, int]] = {}
 
     # ---- wiring -------------------------------------------------------------------
     async def attach_units(self, handles: list | None = None) -> list[UnitInfo]:
@@ -115,9 +118,11 @@ class Controller(Inspection, AsyncRLVerbs):
         self._next_seq = rebuilt.next_seq
         for pid, units in rebuilt.orphans.items():  # deleted just before a crash: free the bytes
             await unit_calls.free(self.units, pid, dict.fromkeys(units))
+        for pid, targets in rebuilt.removed.items():  # removed, not freed before a crash
+            await unit_calls.free(self.units, pid, targets)
         self._applied.add(*rebuilt.published)
         if self.journal:
-            self.journal.compact(self.keys.export_state())
+            self.journal.compact(self._durable_state())
         self.stats.observe("recovery_seconds", time.perf_counter() - t0)
         if self.restarted:
             self.stats.inc("controller_restarts_total")
@@ -165,9 +170,41 @@ class Controller(Inspection, AsyncRLVerbs):
         if self.journal is None or not self.journal.due():
             return
         try:
-            self.journal.compact(self.keys.export_state())
+            self.journal.compact(self._durable_state())
         except OSError:
             self.stats.inc("journal_write_errors_total")
+
+    def _durable_state(self) -> dict[str, dict]:
+        """A snapshot's state: the key space's, and the removals whose bytes are still being
+        freed (a restart must not find those samples again)."""
+        state = self.keys.export_state()
+        for pid, freeing in self._freeing.items():
+            if pid in state and freeing:
+                state[pid]["removed"] = [[sid, born] for sid, born in freeing.items()]
+        return state
+
+    def _remove_rows(self, record: str, part: Partition, rows, *extra) -> dict[int, list[str]]:
+        """Journal a removal of ``rows`` (a "clear" record, or "dropped" with its counts in
+        ``extra``), then forget them; returns their ids per live unit, for ``_free``."""
+        ids, births = self.keys.removal_record(part, rows)
+        self._log(record, part.partition_id, *extra, ids, births)
+        targets = self.keys.clear_rows(part, rows)
+        freeing = self._freeing.setdefault(part.partition_id, {})
+        freeing.update(zip(ids, births))
+        self._compact_if_due()
+        return targets
+
+    async def _free(self, partition_id: str, targets: dict[int, list[str]]) -> int:
+        """Free removed samples' bytes on their units; from then on no snapshot names them."""
+        try:
+            return await unit_calls.free(self.units, partition_id, targets)
+        finally:
+            freeing = self._freeing.get(partition_id, {})
+            for ids in targets.values():
+                for sid in ids:
+                    freeing.pop(sid, None)
+            if not freeing:
+                self._freeing.pop(partition_id, None)
 
     @served
     def unit_handles(self) -> list:
@@ -491,6 +528,11 @@ class Controller(Inspection, AsyncRLVerbs):
             self.stats.inc("claims_replayed_total")
             return answered
         task, request_id = request.task_name, request.request_id
+        refused = self.keys.refused_by_filter(part, task, request.required_fields, policy)
+        if len(refused):  # no longer owed: admission may go on (docs/async_rl.md "Filtering")
+            self._log("filtered", part.partition_id, task, [part.ids[r] for r in refused.tolist()])
+            self.keys.mark_filtered(part, task, refused)
+            self.changes.notify(part.partition_id)
         choice = self.keys.choose(
             part,
             task,
@@ -565,11 +607,13 @@ class Controller(Inspection, AsyncRLVerbs):
         if sample_ids is None:
             return await self.delete_partition(partition_id)
         ids = arguments.id_list(sample_ids, partition_id=partition_id)
-        targets = self.keys.clear_samples(partition_id, ids)
-        if not self.keys.partition(partition_id).num_samples:
+        part, rows = self.keys.rows_to_clear(partition_id, ids)
+        targets = self._remove_rows("clear", part, rows)
+        if not part.num_samples:
             self._emptied.emptied(partition_id)
         self.changes.notify(partition_id)
-        freed = await unit_calls.free(self.units, partition_id, targets)
+        failpoints.die_once_if_armed(failpoints.CLEAR_BEFORE_FREE)  # journaled, not freed
+        freed = await self._free(partition_id, targets)
         self.stats.inc("cleared_samples_total", len(ids))
         await self._apply_retention()
         return ClearResult(cleared=len(ids), bytes_freed=freed)

@@ -3,6 +3,7 @@ rollout admission, drops, evictions and introspection, on both clients."""
 
 import asyncio
 import threading
+import time
 import uuid
 
 import pytest
@@ -280,6 +281,48 @@ def test_kept_stale_samples_do_not_block_admission(dp):
     dp.set_policy_version(pid, 1)  # a and b are stale for train: never to be trained
     assert dp.admit_rollouts(pid, 2) is not None
     assert dp.describe_partition(pid).staleness.untrained == 0
+
+
+def test_filtered_out_groups_never_wedge_admission_and_are_not_counted_stale(dp):
+    """DAPO (issue 35): zero-variance groups a ``where`` claim refuses are no longer owed.
+    Before, they counted as started and untrained until they went stale: admission refused
+    and the filtered claim found nothing, so neither side could move."""
+    pid = _register(dp, group_size=2, max_staleness=1, admission_batch=4)  # bound 8
+    for g in range(4):
+        _put(dp, pid, [f"g{g}-0", f"g{g}-1"], 0, group=f"g{g}", reward_std=0.0)
+    assert dp.admit_rollouts(pid, 4) is None  # 8 untrained: the bound
+    empty = dp.claim_meta(pid, "train", ["x"], 4, blocking=False, where="reward_std > 0")
+    assert empty.sample_ids == []
+    grant = dp.admit_rollouts(pid, 4)  # the producer moves on...
+    assert grant is not None
+    info = dp.describe_partition(pid).staleness
+    assert (info.untrained, info.filtered) == (0, {"train": 8})
+    _put(dp, pid, ["h-0", "h-1"], 0, group="h", reward_std=0.5)
+    meta = dp.claim_meta(pid, "train", ["x"], 2, where="reward_std > 0", timeout_s=30)
+    assert sorted(meta.sample_ids) == ["h-0", "h-1"]  # ...and so does the trainer
+    dp.set_policy_version(pid, 2)  # the refused groups leave the window: not stale drops
+    info = dp.describe_partition(pid).staleness
+    assert info.dropped_stale == {}
+    assert info.filtered == {"train": 8}
+    # A peek marks nothing.
+    assert dp.peek_meta(pid, "train", ["x"], 8, where="reward_std > 1").sample_ids == []
+    assert dp.describe_partition(pid).staleness.filtered == {"train": 8}
+
+
+def test_a_sample_without_the_filtered_tag_is_not_judged_yet(dp):
+    pid = _register(dp, max_staleness=1, admission_batch=2)
+    dp.put_samples(["a"], pid, {"x": torch.zeros(1)}, tags=[{"weight_version": 0}])
+    assert dp.claim_meta(pid, "train", ["x"], 1, blocking=False, where="reward_std > 0").size == 0
+    info = dp.describe_partition(pid).staleness
+    assert (info.filtered, info.untrained) == ({}, 1)
+
+
+def test_a_lapsed_grant_is_not_released(dp):
+    pid = _register(dp, max_staleness=0, admission_batch=2)
+    grant = dp.admit_rollouts(pid, 2, lease_s=0.05)
+    # Only the clock: describe (like the next admit) would sweep the lapsed grant first.
+    wait_until(lambda: time.time() > grant.expires_at, 10, "the lapse")
+    assert dp.release_rollouts(grant) is False
 
 
 def test_the_over_sampling_cap_counts_per_version(dp):

@@ -63,3 +63,27 @@ def test_compaction_replaces_the_log_and_later_records_follow_it(tmp_path):
     j.close()
     assert sorted(os.listdir(str(tmp_path))) == ["log.1", "snapshot.msgpack"]
     assert Journal(str(tmp_path)).load()["p"]["tasks"]["t"]["consumed"] == ["a", "b"]
+
+
+def test_a_removal_forgets_what_earlier_records_said_of_its_ids_and_names_their_births(
+    tmp_path,
+):
+    """Ids are reused: a claim of the old ``a`` must not apply to a new ``a`` put after the
+    clear (issue 35), and a restart must know which copy of ``a`` the clear removed."""
+    j = Journal(str(tmp_path))
+    j.append("register", "p", DECL)
+    j.append("claim", "p", "t", ["a", "b"], None, None)
+    j.append("claim", "p", "u", ["a"], 1234.5, 7)
+    j.append("filtered", "p", "t", ["c"])
+    j.append("clear", "p", ["a", "c"], [5, 6])
+    j.append("dropped", "p", {"t": 1}, 0, ["b"], [3])
+    j.append("claim", "p", "t", ["a"], None, None)  # the new a
+    j.close()
+    p = Journal(str(tmp_path)).load()["p"]
+    assert p["tasks"]["t"]["consumed"] == ["a"]
+    assert p["tasks"]["t"]["filtered"] == []
+    assert p["tasks"]["u"]["leases"] == []
+    assert p["tasks"]["u"]["deliveries"] == []
+    assert sorted(p["removed"]) == [["a", 5], ["b", 3], ["c", 6]]
+    assert p["staleness"]["dropped"] == {"t": 1}
+    assert p["staleness"]["filtered"] == {"t": 1}

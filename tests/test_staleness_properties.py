@@ -5,7 +5,11 @@ journal round trip of the versioned state. Whatever the order:
 - no handed-out sample is older than its task's window at the moment of the claim
   (a group is as old as its oldest member);
 - no sample is both dropped (or evicted) and handed out;
-- GRPO groups are never split, by a claim, a drop or an eviction.
+- GRPO groups are never split, by a claim, a drop or an eviction;
+- a filtered claim hands out only samples its ``where`` passes, and what it refused is
+  no longer owed to its task: once such a claim finds nothing, the task owes nothing
+  in its window, so admission has room (issue 35: DAPO filtering wedged it), and a
+  refused sample is never dropped as stale on its task's account.
 """
 
 from collections import Counter
@@ -13,7 +17,9 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataplane_client.messages import CommitRequest, StalenessSpec
+import numpy as np
+
+from dataplane_client.messages import CommitRequest, StalenessSpec, TagFilter
 from dataplane_server.core import async_rl
 from dataplane_server.core.keyspace import CommitPlan, KeySpace, declaration
 
@@ -37,14 +43,23 @@ def _space(drop: bool, evict: bool):
     )
     ks.register(
         "p",
-        declaration("p", ["x"], None, ["train", "eval", "log"], GROUP, staleness=spec),
+        declaration(
+            "p",
+            ["x"],
+            None,
+            ["train", "eval", "log"],
+            GROUP,
+            staleness=spec,
+            numeric_tags={"score": "float32"},
+        ),
     )
     return ks
 
 
 def _put(ks, group: int, versions: tuple[int, int]):
     ids = [f"g{group}-{i}" for i in range(GROUP)]
-    tags = [{"group_id": group, "weight_version": v} for v in versions]
+    # A group's score is one value (GRPO: its reward spread); 0 for every third group.
+    tags = [{"group_id": group, "weight_version": v, "score": group % 3} for v in versions]
     plan = ks.check_commit(
         CommitRequest(
             partition_id="p",
@@ -66,10 +81,30 @@ _step = st.one_of(
     st.tuples(st.just("put"), st.integers(0, 3), st.integers(0, 3)),
     st.tuples(st.just("bump"), st.integers(0, 2)),
     st.tuples(st.just("claim"), st.sampled_from(["train", "eval", "log"]), st.integers(1, 3)),
+    st.tuples(
+        st.just("filtered"),
+        st.sampled_from(["train", "eval", "log"]),
+        st.integers(1, 3),
+        st.integers(0, 1),  # scores are 0, 1, 2: each threshold refuses some, passes some
+    ),
     st.tuples(st.just("drop")),
     st.tuples(st.just("evict")),
     st.tuples(st.just("journal")),
 )
+
+
+def _owed(ks, part, task: str) -> int:
+    """Live samples in the task's window it has neither consumed nor refused."""
+    n = part.n_rows
+    live = np.nonzero(part.live[:n])[0]
+    live = ks._within_window(part, task, live, None)
+    taken = part.column(part.consumed, task)[live] | part.column(part.filtered, task)[live]
+    return int((~taken).sum())
+
+
+def _refused(part, task: str) -> set[str]:
+    col = part.column(part.filtered, task)
+    return {part.ids[r] for r in np.nonzero(col[: part.n_rows])[0] if part.ids[r] is not None}
 
 
 def _run(done: Counter, steps, drop: bool, evict: bool):
@@ -88,12 +123,21 @@ def _run(done: Counter, steps, drop: bool, evict: bool):
         elif step[0] == "bump":
             versions.set_version(versions.check_version(versions.version + step[1]))
             done["bump"] += 1
-        elif step[0] == "claim":
+        elif step[0] in ("claim", "filtered"):
             task = step[1]
-            meta = ks.claim(part, task, ["x"], GROUP * step[2], partial_ok=True)
+            where = () if step[0] == "claim" else (TagFilter("score", ">", step[3]),)
+            policy = ks.claim_policy(part, where=where)
+            meta = ks.claim(part, task, ["x"], GROUP * step[2], partial_ok=True, policy=policy)
             if meta is None:
+                if where and task in BOUND:  # nothing passes: nothing is owed any more
+                    assert _owed(ks, part, task) == 0
+                    if all(_owed(ks, part, t) == 0 for t in BOUND):
+                        assert ks.untrained(part) == 0  # so admission has room
+                    done["filtered-none"] += 1
                 continue
-            done["claim"] += 1
+            done[step[0]] += 1
+            if where:
+                assert all(tag["score"] > step[3] for tag in meta.tags), meta.tags
             oldest = {}
             for tag in meta.tags:
                 group = tag["group_id"]
@@ -119,9 +163,12 @@ def _run(done: Counter, steps, drop: bool, evict: bool):
             if step[0] == "evict":  # only what no task holds or consumed
                 assert not set(ids) & set().union(*handed.values())
             else:  # only what a bounded task that has not had it could never claim
-                assert all(any(sid not in handed[t] for t in BOUND) for sid in ids), (
-                    "dropped a sample every bounded task already had"
+                owed = {t: set(ids) - handed[t] - _refused(part, t) for t in BOUND}
+                assert all(any(sid in owed[t] for t in BOUND) for sid in ids), (
+                    "dropped a sample every bounded task already had or refused"
                 )
+                for t, n in removal.per_task.items():  # counted only where it was owed
+                    assert n <= len(owed[t]), (t, n, owed[t])
             async_rl.apply_removal(ks, removal)
             removed.update(ids)
             if step[0] == "drop":
@@ -154,5 +201,5 @@ def test_no_handed_out_sample_is_over_the_bound_and_nothing_is_both_dropped_and_
     done: Counter = Counter()
     _property(done)
     # The property is only worth something if the steps it checks really happened.
-    for kind in ("claim", "bump", "drop", "evict"):
+    for kind in ("claim", "filtered", "filtered-none", "bump", "drop", "evict"):
         assert done[kind] >= 10, done

@@ -327,6 +327,10 @@ ASYNC_RL_GAUGES = {
         "dropped_total",
     ),
     "dataplane_partition_evicted_samples": ("Samples evicted to make room.", "evicted"),
+    "dataplane_partition_filtered_samples": (
+        "Samples refused by filtered claims (no longer owed), summed over the tasks.",
+        "filtered_total",
+    ),
 }
 
 
@@ -340,7 +344,11 @@ def _async_rl_families(pull: StatsPull) -> Iterable[Metric]:
         st = p.staleness
         if st is None:
             continue
-        figures = {**vars(st), "dropped_total": sum(st.dropped_stale.values())}
+        figures = {
+            **vars(st),
+            "dropped_total": sum(st.dropped_stale.values()),
+            "filtered_total": sum(st.filtered.values()),
+        }
         for name, (_, figure) in ASYNC_RL_GAUGES.items():
             families[name].add_metric([p.partition_id], float(figures[figure]))
     yield from families.values()

@@ -69,6 +69,8 @@ def _staleness(st: dict) -> None:
     say(f"max staleness   {bounds}; stale samples {st['stale_samples']}")
     dropped = ", ".join(f"{t}: {n}" for t, n in sorted(st["dropped_stale"].items())) or "0"
     say(f"dropped stale   {dropped}; evicted {st['evicted']}")
+    filtered = ", ".join(f"{t}: {n}" for t, n in sorted(st.get("filtered", {}).items())) or "0"
+    say(f"filtered out    {filtered} (refused by filtered claims, not owed)")
     limit = st.get("admission_limit")
     say(
         f"admission       {st['granted_in_flight']} granted in flight ({st['grants']} grants), "

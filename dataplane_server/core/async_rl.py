@@ -42,10 +42,6 @@ class Removal:
     def ids(self) -> list[str]:
         return [self.part.ids[r] or "" for r in self.rows.tolist()]
 
-    def journal_args(self) -> tuple:
-        """The ("dropped", ...) record's arguments (the newest ids only, as kept)."""
-        return (dict(self.per_task), self.evicted, self.ids[-4096:])
-
 
 def stale_removal(keys: KeySpace, part: Partition) -> Removal | None:
     rows, per_task = keys.stale_rows(part)
@@ -68,9 +64,14 @@ def apply_removal(keys: KeySpace, removal: Removal) -> dict[int, list[str]]:
     """Forget the rows and count them; returns their ids per live unit (bytes to free)."""
     ids = removal.ids
     targets = keys.clear_rows(removal.part, removal.rows)
+    count_removal(removal, ids)
+    return targets
+
+
+def count_removal(removal: Removal, ids: list[str]) -> None:
+    """Count a removal's samples as stale or evicted (``ids``: taken before forgetting)."""
     if removal.part.versions is not None:
         removal.part.versions.count_dropped(removal.per_task, removal.evicted, ids)
-    return targets
 
 
 def versions_range(keys: KeySpace, partition_id: str, lowest: object, highest: object):

@@ -13,6 +13,15 @@ replay stays short and the directory bounded.
 Layout: ``snapshot.msgpack`` = {"generation": g, "partitions": state}; ``log.<g>``
 holds the records appended since. A torn last record (a crash mid-append) is
 ignored.
+
+Sample ids are reused (a trainer puts ``a..d`` again after clearing them), so a
+record must never apply to a sample put after it: every removal of samples (a
+clear, a drop, an eviction, a retired version) is a record, and replay folds
+records in order, so a claim of the old ``a`` is forgotten by the clear that
+follows it. A removal also names each sample's birth (the sequence number of the
+commit that created it): a controller that died before the units freed the bytes
+finds them again when it rebuilds, and drops exactly those, never a newer sample
+of the same id (``recovery.rebuild``).
 """
 
 from __future__ import annotations
@@ -142,7 +151,7 @@ class Journal:
 
 # ---- replay: records folded into per-task sets, keyed by sample id ----------------------
 def _task() -> dict:
-    return {"consumed": set(), "leases": {}, "deliveries": collections.Counter()}
+    return {"consumed": set(), "leases": {}, "deliveries": collections.Counter(), "filtered": set()}
 
 
 def _internal(p: dict) -> dict:
@@ -152,6 +161,7 @@ def _internal(p: dict) -> dict:
         t["consumed"].update(st.get("consumed", ()))
         t["leases"].update((sid, (d, h)) for sid, d, h in st.get("leases", ()))
         t["deliveries"].update(dict(st.get("deliveries", ())))
+        t["filtered"].update(st.get("filtered", ()))
         tasks[task] = t
     answers = ClaimAnswers()
     answers.restore(p.get("answers", ()))
@@ -160,6 +170,7 @@ def _internal(p: dict) -> dict:
         "tasks": tasks,
         "answers": answers,
         "staleness": staleness_journal.folded(p.get("staleness")),
+        "removed": {sid: int(born) for sid, born in p.get("removed", ())},
     }
 
 
@@ -171,12 +182,28 @@ def _external(p: dict) -> dict:
                 "consumed": sorted(t["consumed"]),
                 "leases": [[sid, d, h] for sid, (d, h) in t["leases"].items()],
                 "deliveries": [[sid, n] for sid, n in t["deliveries"].items()],
+                "filtered": sorted(t["filtered"]),
             }
             for task, t in p["tasks"].items()
         },
         "answers": p["answers"].export(),
         "staleness": p["staleness"].export(),
+        "removed": [[sid, born] for sid, born in p["removed"].items()],
     }
+
+
+def _forget(part: dict, ids: list, births: list) -> None:
+    """Samples removed (cleared, dropped, evicted): what earlier records said of them no
+    longer applies, and a copy of them born no later than ``births`` is not theirs to keep."""
+    for t in part["tasks"].values():
+        for sid in ids:
+            t["consumed"].discard(sid)
+            t["leases"].pop(sid, None)
+            t["deliveries"].pop(sid, None)
+            t["filtered"].discard(sid)
+    removed = part["removed"]
+    for sid, born in zip(ids, births):
+        removed[sid] = max(int(born), removed.get(sid, -1))
 
 
 def _replay(state: dict, record: list) -> None:
@@ -187,6 +214,7 @@ def _replay(state: dict, record: list) -> None:
             "tasks": {},
             "answers": ClaimAnswers(),
             "staleness": staleness_journal.folded(None),
+            "removed": {},
         }
         return
     if op == "delete":
@@ -195,8 +223,15 @@ def _replay(state: dict, record: list) -> None:
     part = state.get(pid)
     if part is None:
         return
+    if op == "clear":  # ids, births
+        _forget(part, rest[0], rest[1])
+        return
     if op in staleness_journal.OPS:
         staleness_journal.replay(part["staleness"], op, rest)
+        if op == "dropped" and len(rest) > 3:  # ..., ids, births (older journals: neither)
+            _forget(part, rest[2], rest[3])
+        elif op == "filtered":  # task, ids
+            part["tasks"].setdefault(rest[0], _task())["filtered"].update(rest[1])
         return
     task = part["tasks"].setdefault(rest[0], _task())
     if op == "claim":  # task, ids, lease deadline (wall clock) or None, holder, answer

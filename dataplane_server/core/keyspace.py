@@ -247,11 +247,16 @@ class Partition:
         # rows): handed to readers with the row's unit, so they may read it straight from
         # the unit, which checks it (docs/architecture.md, "Routing").
         self.gen = np.zeros(0, dtype=np.int64)
+        # The commit (its seq) that created each row, -1 = unknown (no journal): what a
+        # journaled removal names, so a restart never drops a later sample of the same id.
+        self.born = np.zeros(0, dtype=np.int64)
         self.produced: dict[str, np.ndarray] = {}
         self.consumed: dict[str, np.ndarray] = {t: self.live.copy() for t in self.tasks}
         self.lease_until: dict[str, np.ndarray] = {}  # leased task -> deadline per row
         self.holder: dict[str, np.ndarray] = {}  # leased task -> claim id per row
         self.deliveries: dict[str, np.ndarray] = {}  # leased task -> times handed out
+        # task -> rows a filtered claim of it refused (versioned partitions: not owed)
+        self.filtered: dict[str, np.ndarray] = {}
         self.answers = ClaimAnswers()  # recent claims' answers, by request id
         self.waiting_claims = 0
         self.epoch = 0  # bumped when rows are added or forgotten: a lookup older than it is stale
@@ -304,6 +309,7 @@ class Partition:
         self.unit = grown(self.unit, end, -1)
         self.replica = grown(self.replica, end, -1)
         self.gen = grown(self.gen, end, -1)
+        self.born = grown(self.born, end, -1)
         self.group_code = grown(self.group_code, len(self.live), -1)
         # Every column keeps an entry per row, so no reader ever slices a short one.
         for table in self._row_tables():
@@ -326,6 +332,7 @@ class Partition:
             self.lease_until,
             self.holder,
             self.deliveries,
+            self.filtered,
             self.tag_values,
             self.tag_present,
         )
@@ -396,7 +403,7 @@ class Partition:
     def metadata_bytes(self) -> int:
         """Rough bytes of this partition's metadata (benchmarks: bytes per sample)."""
         arrays = self.live.nbytes + self.seq_len.nbytes + self.unit.nbytes + self.replica.nbytes
-        arrays += self.gen.nbytes
+        arrays += self.gen.nbytes + self.born.nbytes
         arrays += self.group_code.nbytes + self.group_live.nbytes
         arrays += sum(a.nbytes for t in self._row_tables() for a in t.values())
         dict_bytes = sys.getsizeof(self.row_of) + sum(sys.getsizeof(s) for s in self.row_of)
@@ -709,6 +716,7 @@ class KeySpace:
             replicas = None if req.replicas is None else np.asarray(req.replicas)[new]
             created = req.sample_ids if len(new) == len(rows) else [req.sample_ids[i] for i in new]
             rows[new] = part.add_rows(created, units, replicas)
+            part.born[rows[new]] = generation
             if not all(self.unit_alive):  # a copy's unit died while this write was publishing
                 self.fail_over(part)
         keep = np.nonzero(~gone)[0]
@@ -964,10 +972,43 @@ class KeySpace:
         policy: PolicyCall | None = None,
     ) -> KVBatchMeta | None:
         """``choose`` then ``grant``: for callers with no journal to write in between."""
+        if policy is not None:
+            self.mark_filtered(part, task, self.refused_by_filter(part, task, required, policy))
         choice = self.choose(
             part, task, required, batch_size, partial_ok=partial_ok, dp_rank=dp_rank, policy=policy
         )
         return None if choice is None else self.grant(choice)
+
+    @staticmethod
+    def filters_refusals(part: Partition, policy: PolicyCall | None) -> bool:
+        """Whether this claim's ``where`` marks what it refuses (versioned partitions only:
+        there a refused sample stops counting as owed, docs/async_rl.md "Filtering")."""
+        return part.versions is not None and policy is not None and bool(policy.where)
+
+    def refused_by_filter(
+        self, part: Partition, task: str, required: list[str], policy: PolicyCall | None
+    ) -> np.ndarray:
+        """Rows the claim's ``where`` judged and refused: ready for the task, within its
+        window, carrying every tag the filter names, failing it, not refused before.
+        A row missing a named tag is not judged yet (its tag may come with a later write)."""
+        if policy is None or not self.filters_refusals(part, policy):
+            return np.zeros(0, dtype=np.int64)
+        rows = self._within_window(part, task, self._ready(part, task, required), policy.max_staleness)
+        rows = rows[~part.column(part.filtered, task)[rows]]
+        for name in {f.tag for f in policy.where}:
+            present = part.tag_present.get(name)
+            rows = rows[present[rows]] if present is not None else rows[:0]
+        keep = matching(part.tag_values, part.tag_present, rows, policy.where, part.partition_id)
+        return rows[~keep]
+
+    @staticmethod
+    def mark_filtered(part: Partition, task: str, rows: np.ndarray) -> None:
+        """The task's filtered claims refused these rows: counted, and no longer owed."""
+        if not len(rows):
+            return
+        part.column(part.filtered, task)[rows] = True
+        assert part.versions is not None
+        part.versions.count_filtered(task, len(rows))
 
     def answered(self, part: Partition, request_id: str | None) -> KVBatchMeta | None:
         """The batch a claim of this request id was already given (a retry), else None."""
@@ -1080,7 +1121,7 @@ class KeySpace:
         """Re-open the partition for the task: every live sample is claimable again."""
         part = self.partition(partition_id)
         self.task_of(part, task)
-        for table in (part.consumed, part.lease_until, part.holder):
+        for table in (part.consumed, part.lease_until, part.holder, part.filtered):
             if task in table:
                 table[task][:] = 0
         part.answers.forget_task(task)
@@ -1120,9 +1161,17 @@ class KeySpace:
     # ---- clearing -----------------------------------------------------------------
     def clear_samples(self, partition_id: str, sample_ids: list[str]) -> dict[int, list[str]]:
         """Forget samples (clearing acknowledges them); returns their ids per live unit."""
+        return self.clear_rows(*self.rows_to_clear(partition_id, sample_ids))
+
+    def rows_to_clear(self, partition_id: str, sample_ids: list[str]) -> tuple[Partition, np.ndarray]:
+        """The rows ``clear_samples`` would forget, changing nothing (SamplesNotFound first)."""
         part = self.partition(partition_id)
-        rows = part.existing_rows(sample_ids, "cannot clear unknown samples")
-        return self.clear_rows(part, rows)
+        return part, part.existing_rows(sample_ids, "cannot clear unknown samples")
+
+    @staticmethod
+    def removal_record(part: Partition, rows: np.ndarray) -> tuple[list[str], list[int]]:
+        """What a journal record of the rows' removal names: ids and births (journal.py)."""
+        return [part.ids[r] or "" for r in rows.tolist()], part.born[rows].tolist()
 
     def clear_rows(self, part: Partition, rows: np.ndarray) -> dict[int, list[str]]:
         """Forget live rows; returns their ids per live unit (whose bytes to free)."""
@@ -1165,7 +1214,8 @@ class KeySpace:
         stale = np.zeros(len(live), dtype=bool)
         per_task: dict[str, int] = {}
         for task, bound in versions.bounded_tasks(part.tasks).items():
-            mine = (row_versions < versions.oldest_allowed(bound)) & ~self._taken(part, task)[live]
+            owed = ~(self._taken(part, task) | part.column(part.filtered, task)[:n])[live]
+            mine = (row_versions < versions.oldest_allowed(bound)) & owed
             if mine.any():
                 per_task[task] = int(mine.sum())
                 stale |= mine
@@ -1204,7 +1254,8 @@ class KeySpace:
 
     def untrained(self, part: Partition) -> int:
         """Live samples some bounded task has not consumed yet and still may (within its
-        window): what admission counts. A kept stale sample will never be trained."""
+        window): what admission counts. A kept stale sample will never be trained, nor
+        will one the task's filtered claims refused."""
         versions = part.versions
         assert versions is not None
         live = np.nonzero(part.live[: part.n_rows])[0]
@@ -1212,7 +1263,8 @@ class KeySpace:
         needed = np.zeros(len(live), dtype=bool)
         for task, bound in versions.bounded_tasks(part.tasks).items():
             fresh = row_versions >= versions.oldest_allowed(bound)
-            needed |= fresh & ~part.column(part.consumed, task)[live]
+            done = part.column(part.consumed, task)[live] | part.column(part.filtered, task)[live]
+            needed |= fresh & ~done
         return int(needed.sum())
 
     def ready_by_version(self, part: Partition) -> dict[int, int]:
@@ -1276,6 +1328,7 @@ class KeySpace:
         units = np.asarray([order[k][1] for k in primary], dtype=np.int16)
         replicas = np.asarray([replica_at.get(k, -1) for k in primary], dtype=np.int16)
         rows = part.add_rows(ids, units, replicas)
+        part.born[rows] = [order[k][0] for k in primary]
         part.seq_len[rows] = [by_unit[order[k][1]].sequence_lengths[order[k][2]] for k in primary]
         row_of_key = dict(zip(primary, rows.tolist()))
         row_in = {u: np.empty(len(got.sample_ids), dtype=np.int64) for u, got in stored}
@@ -1311,7 +1364,11 @@ class KeySpace:
         out = {}
         for task in part.tasks:
             consumed = part.column(part.consumed, task)[:n]
-            state: dict[str, list] = {"consumed": [part.ids[r] for r in live if consumed[r]]}
+            filtered = part.column(part.filtered, task)[:n]
+            state: dict[str, list] = {
+                "consumed": [part.ids[r] for r in live if consumed[r]],
+                "filtered": [part.ids[r] for r in live if filtered[r]],
+            }
             if task in part.declaration.task_leases:
                 until = part.column(part.lease_until, task, np.float64, 0.0)[:n]
                 holder = part.column(part.holder, task, np.int64, NO_LEASE)[:n]
@@ -1336,6 +1393,8 @@ class KeySpace:
                 continue
             rows = part.rows_of(list(task_state.get("consumed", ())))
             part.column(part.consumed, task)[rows[rows >= 0]] = True
+            rows = part.rows_of(list(task_state.get("filtered", ())))
+            part.column(part.filtered, task)[rows[rows >= 0]] = True
             leases = task_state.get("leases", ())
             if leases:
                 rows = part.rows_of([sid for sid, _, _ in leases])

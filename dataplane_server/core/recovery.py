@@ -10,8 +10,11 @@ arguments) and when a checkpoint is restored. Order matters:
 2. each partition the journal declares is rebuilt from what the units hold,
    then its consumption and leases are put back by sample id; a sample two
    units hold (``replicas: 2``) is one row again, its second copy's unit recorded;
+   a sample the journal says was removed (cleared, dropped, evicted) and that a unit
+   still holds, born no later than the removal says, is left out: the controller
+   died before the unit freed it;
 3. bytes of partitions the journal does not declare (deleted just before a
-   crash) are named for freeing.
+   crash), and of removed samples still held, are named for freeing.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataplane_client.messages import UnitInfo
 from dataplane_server.core import unit_calls
 from dataplane_server.core.journal import Journal
 from dataplane_server.core.keyspace import Declaration, KeySpace
-from dataplane_server.core.recovery_messages import PinnedWrite, UnitRecovery
+from dataplane_server.core.recovery_messages import PinnedWrite, StoredRows, UnitRecovery
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class Rebuilt:
     keys: KeySpace
     unit_info: list[UnitInfo]
     orphans: dict[str, list[int]]  # partition -> units holding bytes nobody declares
+    removed: dict[str, dict[int, list[str]]]  # partition -> unit -> removed ids it still holds
     next_seq: int  # the next commit's sequence number
     published: list[str]  # write ids the units published: a retried commit is a no-op
 
@@ -57,8 +61,11 @@ async def restart(units: list, journal: Journal | None) -> Rebuilt:
     views = await settle_pending_writes(units, alive)
     keys = KeySpace()
     keys.unit_alive = alive
-    orphans = rebuild(keys, journal.load() if journal else {}, views)
-    return Rebuilt(keys, unit_info, orphans, next_commit_seq(views), published_write_ids(views))
+    state = journal.load() if journal else {}
+    orphans, removed = rebuild(keys, state, views)
+    return Rebuilt(
+        keys, unit_info, orphans, removed, next_commit_seq(views, state), published_write_ids(views)
+    )
 
 
 async def rebuild_from_units(
@@ -70,7 +77,7 @@ async def rebuild_from_units(
     keys = KeySpace()
     keys.unit_alive = unit_alive
     rebuild(keys, state, views)
-    return keys, next_commit_seq(views)
+    return keys, next_commit_seq(views, state)
 
 
 async def settle_pending_writes(units: list, alive: list[bool]) -> list[UnitRecovery | None]:
@@ -113,33 +120,69 @@ async def _views(units: list, alive: list[bool]) -> list[UnitRecovery | None]:
     return list(await asyncio.gather(*[one(i) for i in range(len(units))]))
 
 
-def rebuild(keys: KeySpace, state: dict[str, dict], views: list[UnitRecovery | None]) -> dict:
+def rebuild(
+    keys: KeySpace, state: dict[str, dict], views: list[UnitRecovery | None]
+) -> tuple[dict[str, list[int]], dict[str, dict[int, list[str]]]]:
     """Partitions of ``state`` rebuilt into ``keys`` from the units' views.
 
     Returns {partition id: [units]} of partitions units hold that ``state`` does
-    not declare: their bytes belong to nobody.
+    not declare (their bytes belong to nobody), and {partition id: {unit: ids}} of
+    removed samples units still hold (their bytes are to be freed too).
     """
     held: dict[str, list] = {}
     for v in views:
         if v is not None:
             for pid, rows in v.partitions.items():
                 held.setdefault(pid, []).append((v.index, rows))
+    removed: dict[str, dict[int, list[str]]] = {}
     for pid, p in state.items():
-        part = keys.rebuild_partition(
-            pid, Declaration.from_record(p["declaration"]), held.get(pid, [])
-        )
+        gone = {sid: int(born) for sid, born in p.get("removed", ())}
+        stored = []
+        for unit, rows in held.get(pid, []):
+            rows, dropped = without_removed(rows, gone)
+            stored.append((unit, rows))
+            if dropped:
+                removed.setdefault(pid, {})[unit] = dropped
+        part = keys.rebuild_partition(pid, Declaration.from_record(p["declaration"]), stored)
         keys.restore_consumption(part, p["tasks"])
         part.answers.restore(p.get("answers", ()))
         if part.versions is not None:
             part.versions.restore(p.get("staleness"))
-    return {pid: [u for u, _ in got] for pid, got in held.items() if pid not in state}
+    orphans = {pid: [u for u, _ in got] for pid, got in held.items() if pid not in state}
+    return orphans, removed
 
 
-def next_commit_seq(views: list[UnitRecovery | None]) -> int:
-    return 1 + max(
-        (max(rows.seq, default=0) for v in views if v for rows in v.partitions.values()),
-        default=0,
+def without_removed(rows: StoredRows, removed: dict[str, int]) -> tuple[StoredRows, list[str]]:
+    """``rows`` less the samples born no later than their removal (a later sample of the
+    same id, born after it, stays), and the ids left out."""
+    if not removed:
+        return rows, []
+    keep = [
+        i for i, (sid, seq) in enumerate(zip(rows.sample_ids, rows.seq))
+        if seq > removed.get(sid, -2)
+    ]
+    if len(keep) == len(rows.sample_ids):
+        return rows, []
+    dropped = [rows.sample_ids[i] for i in sorted(set(range(len(rows.sample_ids))) - set(keep))]
+    return (
+        StoredRows(
+            sample_ids=[rows.sample_ids[i] for i in keep],
+            seq=[rows.seq[i] for i in keep],
+            sequence_lengths=[rows.sequence_lengths[i] for i in keep],
+            tags=[rows.tags[i] for i in keep],
+            fields=rows.fields,
+            produced={name: [bits[i] for i in keep] for name, bits in rows.produced.items()},
+        ),
+        dropped,
     )
+
+
+def next_commit_seq(views: list[UnitRecovery | None], state: dict[str, dict]) -> int:
+    """Above every commit the units hold and every birth a removal names: a sample put
+    after a restart is never mistaken for one removed before it (``without_removed``)."""
+    held = (max(rows.seq, default=0) for v in views if v for rows in v.partitions.values())
+    named = (int(born) for p in state.values() for _, born in p.get("removed", ()))
+    return 1 + max(max(held, default=0), max(named, default=0))
 
 
 def published_write_ids(views: list[UnitRecovery | None]) -> list[str]:

@@ -53,6 +53,8 @@ class VersionState:
         self.grants: dict[int, Grant] = {}
         self.granted_at: collections.Counter[int] = collections.Counter()  # version -> samples
         self.dropped: collections.Counter[str] = collections.Counter()  # task -> samples
+        # task -> samples its filtered claims refused (docs/async_rl.md, "Filtering")
+        self.filtered: collections.Counter[str] = collections.Counter()
         self.evicted = 0
         self.admission_waits = 0
         self.recent: collections.deque[str] = collections.deque(maxlen=RECENTLY_DROPPED)
@@ -143,13 +145,17 @@ class VersionState:
             self.granted_at[version] += n
 
     def release(self, grant_id: int) -> bool:
-        return self.grants.pop(grant_id, None) is not None
+        """False for a grant released before or lapsed already (it stopped counting then)."""
+        return self.live_grants().pop(grant_id, None) is not None
 
     # ---- drops and evictions ----------------------------------------------------------
     def count_dropped(self, per_task: dict[str, int], evicted: int, ids: list[str]) -> None:
         self.dropped.update(per_task)
         self.evicted += evicted
         self.recent.extend(ids)
+
+    def count_filtered(self, task: str, n: int) -> None:
+        self.filtered[task] += n
 
     # ---- journal snapshot ------------------------------------------------------------
     def export(self) -> dict[str, Any]:
@@ -158,6 +164,7 @@ class VersionState:
             "grants": [[gid, g.n, g.version, g.expires_at] for gid, g in self.grants.items()],
             "granted_at": [[v, n] for v, n in self.granted_at.items()],
             "dropped": dict(self.dropped),
+            "filtered": dict(self.filtered),
             "evicted": self.evicted,
             "admission_waits": self.admission_waits,
             "recent": list(self.recent),
@@ -172,6 +179,7 @@ class VersionState:
         }
         self.granted_at = collections.Counter({int(v): int(n) for v, n in state["granted_at"]})
         self.dropped = collections.Counter(state.get("dropped") or {})
+        self.filtered = collections.Counter(state.get("filtered") or {})
         self.evicted = int(state.get("evicted", 0))
         self.admission_waits = int(state.get("admission_waits", 0))
         self.recent.clear()  # replaced, not appended to: a restore is the whole state

@@ -139,6 +139,7 @@ def staleness_info(keys: KeySpace, part: Partition) -> StalenessInfo | None:
         admission_limit=versions.admission_limit(part.tasks),
         admission_waits=versions.admission_waits,
         recently_dropped=list(versions.recent),  # the newest RECENTLY_DROPPED ids
+        filtered=dict(versions.filtered),
     )
 
 
