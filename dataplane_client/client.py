@@ -70,7 +70,7 @@ from dataplane_client.errors import (
 )
 from dataplane_client.interface import DataPlaneClient as DataPlaneClient  # re-exported
 from dataplane_client.interface import DataPlaneService, service_verbs
-from dataplane_client.loopback import is_loopback, keep_ray_on_loopback
+from dataplane_client.loopback import join_address
 from dataplane_client.messages import (
     Capabilities,
     ClaimOutcome,
@@ -1366,10 +1366,9 @@ def warm_read_path() -> None:
 
 def _join_ray(address: str) -> None:
     """``ray.init(address)``, its failures as ServiceUnavailable saying what to do."""
-    if is_loopback(address):
-        keep_ray_on_loopback()  # else Ray looks for 127.0.0.1's cluster at the machine's IP
     try:
-        ray.init(address=address, log_to_driver=False)
+        # 'auto' resolved and a loopback cluster kept on loopback, as `dataplane serve` does
+        ray.init(address=join_address(address), log_to_driver=False)
     except (AuthenticationError, ConnectionError, RuntimeError) as e:
         said = _auth_failure(e)
         if said is not None:

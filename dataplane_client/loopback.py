@@ -7,7 +7,10 @@ Ray replaces a loopback node address with the machine's own
 setting the variable afterwards changes nothing: a Ray started that way had the
 machine's address as its node IP and its raylet and workers listened there, and a
 process joining ``127.0.0.1:PORT`` looked for the cluster at the machine's address
-instead. Both sides call :func:`keep_ray_on_loopback` before ``ray.init``.
+instead. Both sides call :func:`keep_ray_on_loopback` before ``ray.init``: the side
+that starts Ray (``local_ray``) always, the side that joins one (``connect`` and
+``dataplane serve --address``) through :func:`join_address` when the address it
+joins is loopback.
 """
 
 from __future__ import annotations
@@ -32,3 +35,26 @@ def keep_ray_on_loopback() -> None:
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False  # this process already imported it
+
+
+def join_address(address: str) -> str:
+    """The address to pass to ``ray.init`` to join ``address``; call just before it.
+
+    ``auto`` is resolved here, as Ray resolves it (``RAY_ADDRESS``, else the cluster
+    the last ``ray start`` here recorded, else a GCS running on this machine), and
+    raises ``ConnectionError`` when that finds none. Ray would otherwise resolve it
+    inside ``ray.init``, too late to tell a loopback cluster. When the address is
+    loopback this process's Ray is kept on loopback (:func:`keep_ray_on_loopback`):
+    else ``ray.init`` looks for the cluster at the machine's own address, where a
+    cluster on 127.0.0.1 does not answer, and retries without end.
+    """
+    if address == "auto":
+        from ray._private.services import get_ray_address_from_environment
+
+        found = get_ray_address_from_environment("auto", None)
+        if not found:
+            raise ConnectionError("'auto' found no running Ray cluster on this machine")
+        address = found
+    if is_loopback(address):
+        keep_ray_on_loopback()
+    return address

@@ -1,25 +1,36 @@
 """``dataplane serve``: run the service until SIGTERM / SIGINT, then drain and stop.
 
 With no Ray address (flag or ``RAY_ADDRESS``) it starts an embedded Ray on
-loopback, which lives as long as this process. It prints where everything is:
-the Ray address, the admin and metrics endpoints, and the lines a trainer
-pastes to connect (with what to set when Ray token auth is on). With
-``drain_checkpoint_dir`` set, the drain ends with a checkpoint of the whole store;
-if that save fails the command exits 1, so an orchestrator sees it.
+loopback, which lives as long as this process. With one it joins that cluster
+(``auto`` resolved as Ray resolves it, a loopback cluster joined on loopback as
+``connect`` joins it) within ``--timeout``, or ends as one error line, exit 1.
+It prints where everything is: the Ray address, the admin and metrics endpoints,
+and the lines a trainer pastes to connect (with what to set when Ray token auth is
+on). With ``drain_checkpoint_dir`` set, the drain ends with a checkpoint of the
+whole store; if that save fails the command exits 1, so an orchestrator sees it.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import select
+import signal
+import sys
+import tempfile
+import threading
 import time
 
 from dataplane_server.cli import preflight
-from dataplane_server.cli.argtypes import positive_int
+from dataplane_server.cli.argtypes import positive_int, positive_seconds
 from dataplane_server.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CliError
 from dataplane_server.cli.render import say
 from dataplane_server.stop_signal import StopSignal
 
 DEFAULT_NUM_CPUS = 8  # logical slots for the embedded Ray; actors need them even when idle
+# Joining a cluster that answers takes a second or two; this leaves room for a slow
+# network or a head still starting, and still ends a join that never completes.
+DEFAULT_JOIN_TIMEOUT_S = 60.0
 
 
 def register(sub) -> None:
@@ -31,6 +42,16 @@ def register(sub) -> None:
         dest="address",
         help="Ray cluster address, e.g. auto (default: $RAY_ADDRESS, else an embedded "
         "local Ray on loopback)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=positive_seconds,
+        default=DEFAULT_JOIN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="how long joining the Ray cluster at --address / $RAY_ADDRESS may take; a "
+        "cluster not joined by then (or a SIGTERM/SIGINT meanwhile) ends serve with one "
+        "error line naming the address, exit 1 (default %(default)g; the embedded Ray "
+        "does not wait on it)",
     )
     p.add_argument(
         "--num-cpus",
@@ -99,20 +120,166 @@ def connect_snippet(
 
 
 def _init_ray(args, namespace: str) -> None:
-    import ray
-
     from dataplane_server.local_ray import init_local_ray
 
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address:  # an existing cluster (inside `ray job submit`, RAY_ADDRESS is set)
-        try:
-            ray.init(address=address, namespace=namespace, log_to_driver=args.ray_logs)
-        except (ConnectionError, RuntimeError) as exc:
-            raise CliError(
-                f"cannot join the Ray cluster at {address!r}: {_first_line(exc)}"
-            ) from None
+        origin = "--address" if args.address else "RAY_ADDRESS"
+        _join_ray(address, origin, args.timeout, namespace=namespace, log_to_driver=args.ray_logs)
     else:
         init_local_ray(args.num_cpus, namespace=namespace, log_to_driver=args.ray_logs)
+
+
+def _join_ray(address: str, origin: str, timeout_s: float, **init_kwargs) -> None:
+    """Join the cluster at ``address`` within ``timeout_s``, or end as one error line.
+
+    The same steps as ``connect``'s join (``loopback.join_address``): ``auto`` resolved
+    first, and a loopback address kept on loopback (else Ray looked for the cluster
+    at the machine's own address and retried for minutes). Then something must answer
+    on the address (``preflight``), and ``ray.init`` must return, all before the
+    deadline (:class:`JoinDeadline`).
+    """
+    import ray
+
+    from dataplane_client.loopback import join_address
+
+    with JoinDeadline(repr(address), timeout_s) as deadline:
+        try:
+            target = join_address(address)
+        except ConnectionError as exc:
+            raise CliError(
+                f"cannot join the Ray cluster at {address!r} ({origin}): {_first_line(exc)}"
+            ) from None
+        if target != address:
+            deadline.where = f"{target!r} ({origin} {address!r})"
+        try:
+            preflight.check_ray_address(target)
+        except CliError as exc:
+            if target != address:
+                raise CliError(f"{exc} ({origin} {address!r})", exc.exit_code) from None
+            raise
+        try:
+            ray.init(address=target, **init_kwargs)
+        except (ConnectionError, RuntimeError) as exc:
+            raise CliError(
+                f"cannot join the Ray cluster at {deadline.where}: {_first_line(exc)}"
+            ) from None
+
+
+# Ray's log prefixes: its C++ core's ("[time W pid tid] file.cc:12: ") and Python's.
+_RAY_LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*|^\d{4}-\d\d-\d\d [\d:,.]+\s+\w+\s+\S+ -- ")
+
+
+class JoinDeadline:
+    """Joining a Ray cluster, bounded: one error line and exit 1 at the deadline, or at
+    a SIGTERM / SIGINT on the way, whatever Ray is doing then.
+
+    ``ray.init`` on a cluster that does not answer retries inside Ray's C++ core for
+    minutes, and Python runs no signal handler until that returns (a SIGTERM took 25 s
+    to act). So a watcher thread ends the process itself (Ray releases the GIL while
+    it waits): at the deadline, or when a signal's number reaches it through
+    ``signal.set_wakeup_fd``, which the C-level handler writes at once. Nothing needs
+    stopping then: a driver joining a cluster has started no process of its own.
+
+    Ray's messages of the meantime (its retries name addresses and timeouts of its
+    own) go to a file while the join lasts: written to stderr after a join that
+    succeeded, left out after one that failed (the deadline's or a signal's error line
+    quotes the last of them).
+    """
+
+    def __init__(self, where: str, timeout_s: float) -> None:
+        self.where = where  # the address tried, as the error line names it
+        self.timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s
+        self._lock = threading.Lock()
+        self._done = False
+        self._signal: int | None = None
+
+    def __enter__(self) -> JoinDeadline:
+        sys.stderr.flush()
+        self._stderr = os.dup(2)
+        self._held = tempfile.TemporaryFile()
+        os.dup2(self._held.fileno(), 2)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        # Python-level handlers, so the signal reaches the wakeup fd instead of ending the
+        # process silently (SIGTERM's default) or as a KeyboardInterrupt traceback.
+        # ray.init puts its own on SIGTERM, a Python one as well.
+        self._old_handlers = {
+            signum: signal.signal(signum, self._on_signal)
+            for signum in (signal.SIGTERM, signal.SIGINT)
+        }
+        self._watcher = threading.Thread(target=self._watch, name="join-deadline", daemon=True)
+        self._watcher.start()
+        return self
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self._signal = signum  # no lock, no I/O: the watcher acts on it
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and not issubclass(exc_type, Exception):
+            # SystemExit from Ray's SIGTERM handler, or a KeyboardInterrupt: the watcher
+            # got the same signal and ends the process with the error line.
+            self._watcher.join(timeout=5)
+        with self._lock:
+            self._done = True
+        os.write(self._wake_w, b"\0")  # not a signal number: wakes the watcher to return
+        self._watcher.join()
+        signal.set_wakeup_fd(self._old_wakeup)
+        for signum, handler in self._old_handlers.items():
+            if signal.getsignal(signum) == self._on_signal:
+                signal.signal(signum, handler)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        sys.stderr.flush()
+        os.dup2(self._stderr, 2)
+        if exc_type is None:  # joined: what Ray said on the way is worth seeing
+            self._held.seek(0)
+            os.write(2, self._held.read())
+        os.close(self._stderr)
+        self._held.close()
+
+    def _watch(self) -> None:
+        while True:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                self._give_up(
+                    f"cannot join the Ray cluster at {self.where} within "
+                    f"{self.timeout_s:g} s (--timeout)"
+                )
+                return
+            ready, _, _ = select.select([self._wake_r], [], [], left)
+            if not ready:
+                continue
+            got = os.read(self._wake_r, 64)
+            with self._lock:
+                if self._done:
+                    return
+            stops = [n for n in got if n in (signal.SIGTERM, signal.SIGINT)]
+            signum = stops[0] if stops else self._signal
+            if signum is not None:
+                name = signal.Signals(signum).name
+                self._give_up(f"{name} while joining the Ray cluster at {self.where}: stopped")
+                return
+
+    def _give_up(self, message: str) -> None:
+        """Write the one error line and end the process (unless the join just ended)."""
+        with self._lock:
+            if self._done:
+                return
+            said = self._ray_said()
+            line = f"dataplane: error: {message}" + (f" (Ray: {said})" if said else "")
+            os.write(self._stderr, (line + "\n").encode())
+            os._exit(EXIT_FAILED)
+
+    def _ray_said(self) -> str:
+        """Ray's last message of the join, without its log prefix ('' if none)."""
+        fd = self._held.fileno()
+        size = os.fstat(fd).st_size
+        text = os.pread(fd, 8192, max(0, size - 8192)).decode(errors="replace")
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return _RAY_LOG_PREFIX.sub("", lines[-1])[:200] if lines else ""
 
 
 def _first_line(exc: BaseException) -> str:
@@ -141,10 +308,7 @@ def run(args) -> int:
     # What can be checked before anything starts is checked here, each as one line.
     preflight.check_files(config)
     preflight.check_ports(config)
-    address = args.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        preflight.check_ray_address(address)
-    _init_ray(args, config.namespace)
+    _init_ray(args, config.namespace)  # a cluster's address is checked as it is joined
     import ray
     from ray.exceptions import RayError
 
@@ -170,7 +334,7 @@ def run(args) -> int:
         say(line)
     if hint:
         say(hint)
-    if is_loopback(ray_address):
+    if is_loopback(ray_address) and not (args.address or os.environ.get("RAY_ADDRESS")):
         say(
             "the embedded Ray listens on 127.0.0.1 (Ray's GCS port on every interface, "
             "token-checked): join from this machine, or serve with --address on a cluster"
