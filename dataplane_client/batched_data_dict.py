@@ -217,8 +217,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         for k in sorted({k for i in positions for k in batches[i]}):
             missing = [i for i in positions if k not in batches[i]]
             if missing:
-                raise FieldNotProduced(
-                    f"key {k!r} is missing from non-empty batch(es) {missing}", fields=[k]
+                raise FieldNotProduced(  # NeMo-RL's words (its tests match them)
+                    f"Key {k!r} is missing from non-empty batches {missing}", fields=[k]
                 )
             values = [batches[i][k] for i in positions]
             if all(isinstance(v, list) for v in values):

@@ -72,7 +72,7 @@ def test_zero_row_batches_contribute_nothing_and_need_no_keys():
     )
     assert out["x"] == [1, 2]
     assert out["t"].tolist() == [5, 6]
-    with pytest.raises(KeyError, match="key 't' is missing from non-empty batch") as ei:
+    with pytest.raises(KeyError, match="Key 't' is missing from non-empty batches") as ei:
         BatchedDataDict.from_batches([{"x": [1], "t": torch.tensor([5])}, {}, {"x": [2]}])
     assert ei.value.fields == ["t"]
 
@@ -86,12 +86,23 @@ def test_from_batches_sizes_from_the_first_tensor_never_asking_metadata_its_len(
         {"tokens": torch.tensor([[1], [2]]), "metadata": Metadata()},
         {"tokens": torch.tensor([[3]]), "metadata": Metadata(), "extra": torch.tensor([1])},
     ]
-    with pytest.raises(KeyError, match=r"key 'extra' is missing from non-empty batch\(es\) \[0\]"):
+    with pytest.raises(KeyError, match=r"Key 'extra' is missing from non-empty batches \[0\]"):
         BatchedDataDict.from_batches(batches)
 
 
+def test_from_batches_missing_key_says_non_empty_batches_as_nemo_rl():
+    # NeMo-RL's own test matches "non-empty batches"; its words, with the positions (in the
+    # list given) of the batches that have rows but not the key. Its closing period is left
+    # out: our errors go on with "; fields=[...]".
+    batches = [{"x": [1], "t": [5]}, {}, {"x": [2]}, {"x": [3]}]
+    with pytest.raises(KeyError, match="non-empty batches") as ei:
+        BatchedDataDict.from_batches(batches)
+    assert ei.value.message == "Key 't' is missing from non-empty batches [2, 3]"
+    assert ei.value.fields == ["t"]
+
+
 def test_from_batches_errors():
-    with pytest.raises(KeyError, match="key 'x' is missing from non-empty batch"):
+    with pytest.raises(KeyError, match="Key 'x' is missing from non-empty batches"):
         BatchedDataDict.from_batches([{"x": [1]}, {"y": [2]}])
     with pytest.raises(InvalidBatch, match="cannot stack values"):
         BatchedDataDict.from_batches([{"x": [1]}, {"x": torch.tensor([2])}])
