@@ -9,6 +9,7 @@ applying it, frees the bytes of dropped samples on their units, and makes
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 from dataplane_client import arguments
 from dataplane_client.messages import Capabilities, ClaimRequest, ClearResult, RolloutGrant
@@ -50,8 +51,9 @@ class AsyncRLVerbs:
 
     def _log(self, *record) -> None: ...
     def _compact_if_due(self) -> None: ...
-    def _remove_rows(self, record: str, part: Partition, rows, *extra) -> dict: ...
-    async def _free(self, partition_id: str, targets: dict[int, list[str]]) -> int: ...
+
+    _remove_rows: Callable[..., dict[int, list[str]]]
+    _free: Callable[[str, dict[int, list[str]]], Awaitable[int]]
 
     @served
     async def set_policy_version(self, partition_id: str, version: int) -> int:

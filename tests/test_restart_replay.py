@@ -180,7 +180,9 @@ class Model:
 
 
 def _step(rng: random.Random, c, m: Model) -> None:
-    op = rng.choice(["put", "put", "claim_t", "claim_u", "ack", "clear", "bump", "admit", "release"])
+    op = rng.choice(
+        ["put", "put", "claim_t", "claim_u", "ack", "clear", "bump", "admit", "release"]
+    )
     if op == "put":
         free = [s for s in POOL if s not in m.live]
         if free:
@@ -193,7 +195,8 @@ def _step(rng: random.Random, c, m: Model) -> None:
         want = m.claimable(task)
         meta = c.claim_meta("p", task, ["x"], 3, blocking=False)
         got = list(meta.sample_ids)
-        assert set(got) <= want and len(got) == min(3, len(want)), (op, got, want)
+        assert set(got) <= want, (op, got, want)
+        assert len(got) == min(3, len(want)), (op, got, want)
         if task == "t":
             m.consumed["t"].update(got)
         elif got:
@@ -245,9 +248,7 @@ def test_random_histories_with_restarts_deliver_as_the_model_says(fresh, seed):
     h = fresh()
     c = h.client()
     spec = StalenessSpec(max_staleness=BOUND, admission_batch=BATCH, stale_samples="drop")
-    c.register_partition(
-        "p", ["x"], None, ["t", "u"], task_leases={"u": 600.0}, staleness=spec
-    )
+    c.register_partition("p", ["x"], None, ["t", "u"], task_leases={"u": 600.0}, staleness=spec)
     m = Model()
     restart_at = set(rng.sample(range(5, 40), 2))
     for i in range(40):

@@ -14,10 +14,9 @@ journal round trip of the versioned state. Whatever the order:
 
 from collections import Counter
 
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import numpy as np
 
 from dataplane_client.messages import CommitRequest, StalenessSpec, TagFilter
 from dataplane_server.core import async_rl
