@@ -993,7 +993,9 @@ class KeySpace:
         A row missing a named tag is not judged yet (its tag may come with a later write)."""
         if policy is None or not self.filters_refusals(part, policy):
             return np.zeros(0, dtype=np.int64)
-        rows = self._within_window(part, task, self._ready(part, task, required), policy.max_staleness)
+        rows = self._within_window(
+            part, task, self._ready(part, task, required), policy.max_staleness
+        )
         rows = rows[~part.column(part.filtered, task)[rows]]
         for name in {f.tag for f in policy.where}:
             present = part.tag_present.get(name)
@@ -1163,7 +1165,9 @@ class KeySpace:
         """Forget samples (clearing acknowledges them); returns their ids per live unit."""
         return self.clear_rows(*self.rows_to_clear(partition_id, sample_ids))
 
-    def rows_to_clear(self, partition_id: str, sample_ids: list[str]) -> tuple[Partition, np.ndarray]:
+    def rows_to_clear(
+        self, partition_id: str, sample_ids: list[str]
+    ) -> tuple[Partition, np.ndarray]:
         """The rows ``clear_samples`` would forget, changing nothing (SamplesNotFound first)."""
         part = self.partition(partition_id)
         return part, part.existing_rows(sample_ids, "cannot clear unknown samples")

@@ -158,7 +158,8 @@ def without_removed(rows: StoredRows, removed: dict[str, int]) -> tuple[StoredRo
     if not removed:
         return rows, []
     keep = [
-        i for i, (sid, seq) in enumerate(zip(rows.sample_ids, rows.seq))
+        i
+        for i, (sid, seq) in enumerate(zip(rows.sample_ids, rows.seq))
         if seq > removed.get(sid, -2)
     ]
     if len(keep) == len(rows.sample_ids):
