@@ -51,7 +51,7 @@ def start_ray(num_cpus: int, object_store_bytes: int, num_gpus: int | None = Non
     Ray detects them unless ``num_gpus`` says)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from dataplane_server.local_ray import init_local_ray
+    from dataplane_server.launch.local_ray import init_local_ray
 
     # Passed only when asked for: a base checkout run side by side (many_writers) may
     # predate init_local_ray's num_gpus.
@@ -67,8 +67,8 @@ def start_ray(num_cpus: int, object_store_bytes: int, num_gpus: int | None = Non
 
 def start_service(name: str, namespace: str, **overrides: Any) -> Any:
     """A data-plane service for one benchmark section (no admin endpoint, no metrics)."""
-    from dataplane_client.config import DataPlaneConfig
-    from dataplane_server.service import start
+    from dataplane_client.wire.config import DataPlaneConfig
+    from dataplane_server.launch.service import start
 
     cfg = {"num_storage_units": 2, "admin_enabled": False, "metrics_enabled": False, **overrides}
     return start(DataPlaneConfig(name=name, namespace=namespace, **cfg))

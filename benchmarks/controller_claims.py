@@ -144,8 +144,8 @@ def _controller_commit_cost(controller: Any, sizes: tuple[int, ...], trials: int
     def measure(self, sizes, trials):
         import time as _t
 
-        from dataplane_client.messages import CommitRequest
-        from dataplane_server import publish
+        from dataplane_client.wire.messages import CommitRequest
+        from dataplane_server.controller import publish
         from dataplane_server.core.keyspace import declaration
 
         pid = "bench-commit-cost"

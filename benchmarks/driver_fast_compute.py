@@ -63,7 +63,7 @@ def ns_per_token() -> float:
 def standin_worker_cls(cost_ns_per_token: float) -> type:
     """PolicyWorker with no model: ``get_logprobs`` is the stand-in (classic and dataplane
     paths both call it on this rank's padded slice)."""
-    from dataplane_client.batched_data_dict import BatchedDataDict
+    from dataplane_client.batching.batched_data_dict import BatchedDataDict
     from policy_workers.worker import PolicyWorker
 
     class StandInComputeWorker(PolicyWorker):

@@ -75,7 +75,7 @@ def make_rollouts(
 
 def padded(rollouts: dict[str, Any]) -> Any:
     """The classic driver's BatchedDataDict: every jagged field padded to [B, S]."""
-    from dataplane_client.batched_data_dict import BatchedDataDict
+    from dataplane_client.batching.batched_data_dict import BatchedDataDict
 
     out = {}
     for name, value in rollouts.items():
@@ -244,7 +244,7 @@ def make_policy(
     max_len: int, *, service: str = SERVICE_NAME, dp: int = DP, worker_cls: type | None = None
 ) -> Any:
     """A TQPolicy of ``dp`` timed workers (TP=1) on the benchmark's service."""
-    from dataplane_client.config import DataPlaneConfig
+    from dataplane_client.wire.config import DataPlaneConfig
     from policy_workers.config import ModelConfig, PolicyConfig
     from policy_workers.tq_policy import TQPolicy
 
@@ -389,10 +389,6 @@ def run(opts: Options) -> Section:
             policy.shutdown()
         handle.shutdown()
     _report(section, results, repeats)
-    # the same pass with GPU-speed compute, at GRPO sizes (its own service and policies)
-    from benchmarks import driver_fast_compute
-
-    driver_fast_compute.run(opts, section)
     return section
 
 

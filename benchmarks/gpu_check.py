@@ -136,7 +136,7 @@ def _cuda_fields(device: Any, rows: int) -> dict[str, Any]:
 
 def check_roundtrip(client: Any, in_process: Any, device: Any) -> dict[str, Any]:
     """CUDA tensors put, read to the host and to the GPU, on both clients: bit for bit."""
-    from dataplane_client import shm
+    from dataplane_client.wire import shm
 
     rows = 32
     fields = _cuda_fields(device, rows)

@@ -33,7 +33,7 @@ import ray
 
 from benchmarks.common import MiB, median, parse_size, start_ray
 from benchmarks.store_throughput import FIELDS_SIMPLE, SEQ_LEN, make_workload, touch
-from dataplane_client.messages import read_request, unpack_read_answer
+from dataplane_client.wire.messages import read_request, unpack_read_answer
 
 SERVICE_NAME = "bench-read-profile"
 NAMESPACE = "bench"
@@ -89,8 +89,8 @@ class Reader:
 
 
 def profile(size: int, rounds: int) -> dict[str, Any]:
-    from dataplane_client.config import DataPlaneConfig
-    from dataplane_server.service import start
+    from dataplane_client.wire.config import DataPlaneConfig
+    from dataplane_server.launch.service import start
 
     handle = start(
         DataPlaneConfig(

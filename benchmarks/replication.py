@@ -32,8 +32,8 @@ def _measure(replicas: int, total: int, row_bytes: int, repeats: int, small_puts
     import torch
 
     from benchmarks.common import median, percentile
-    from dataplane_client.config import DataPlaneConfig
-    from dataplane_server.service import start
+    from dataplane_client.wire.config import DataPlaneConfig
+    from dataplane_server.launch.service import start
 
     handle = start(
         DataPlaneConfig(
@@ -86,7 +86,7 @@ def measure_all(quick: bool, repeats: int) -> dict:
     """Both settings on one fresh two-node cluster; raw numbers."""
     import ray
 
-    from dataplane_server.local_ray import start_local_cluster
+    from dataplane_server.launch.local_ray import start_local_cluster
 
     total, row_bytes = (16 * MiB, 64 * 1024) if quick else (64 * MiB, 256 * 1024)
     small_puts = 30 if quick else 200

@@ -39,7 +39,7 @@ from benchmarks.common import (
 # name -> module; run in this order.
 SECTIONS = {
     "store": "benchmarks.store_throughput",
-    "driver": "benchmarks.driver_path",
+    "driver": "benchmarks.driver",
     "controller": "benchmarks.controller_claims",
     "scale": "benchmarks.scale",
     "staleness": "benchmarks.staleness_claims",

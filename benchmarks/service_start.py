@@ -34,9 +34,9 @@ def one_round() -> dict[str, Any]:
 
     import dataplane_client
     from benchmarks.common import start_ray
-    from dataplane_client.config import DataPlaneConfig
-    from dataplane_client.errors import ServiceUnavailable
-    from dataplane_server.service import start
+    from dataplane_client.wire.config import DataPlaneConfig
+    from dataplane_client.wire.errors import ServiceUnavailable
+    from dataplane_server.launch.service import start
 
     start_ray(num_cpus=4, object_store_bytes=256 << 20)
     t0 = time.perf_counter()

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from benchmarks.common import Section, Table, Target, median, percentile
-from dataplane_client.messages import CommitRequest, StalenessSpec
+from dataplane_client.wire.messages import CommitRequest, StalenessSpec
 from dataplane_server.core.keyspace import CommitPlan, KeySpace, declaration
 
 GROUP = 4
@@ -86,7 +86,7 @@ def measure(quick: bool) -> dict[str, Any]:
     claims = 30 if quick else 150
     eligible = min(fresh, 3 * total // versions) * 3 // 4
     assert claims * BATCH <= eligible, (claims, eligible)
-    from dataplane_client.tag_filters import parse
+    from dataplane_client.wire.tag_filters import parse
 
     cases = {}
     for name, versioned, where in (

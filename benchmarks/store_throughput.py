@@ -131,7 +131,7 @@ def touch(value: Any) -> int:
     """
     import torch
 
-    from dataplane_client.tensordict_io import as_field_mapping
+    from dataplane_client.codec.tensordict_io import as_field_mapping
 
     total = 0
     items = as_field_mapping(value).items() if hasattr(value, "items") else enumerate(value)
@@ -192,7 +192,7 @@ class StoreBenchClient:
 
     def profile_put_ours(self, partition: str) -> dict[str, Any]:
         """Client-side cProfile of one put plus the encode step timed alone."""
-        from dataplane_client.codec import encode_fields
+        from dataplane_client.codec.fields import encode_fields
 
         strings = [f for f, v in self.fields.items() if isinstance(v, list)]
         t0 = time.perf_counter()
@@ -422,8 +422,8 @@ def _write_simple(writer: Any, reader: Any, size: int, seq_len: int) -> None:
 
 
 def _start(opts: Options) -> tuple[Any, Any, Any, str]:
-    from dataplane_client.config import DataPlaneConfig
-    from dataplane_server.service import start
+    from dataplane_client.wire.config import DataPlaneConfig
+    from dataplane_server.launch.service import start
 
     # The default layout a user gets from start(): nothing tuned for the benchmark.
     handle = start(

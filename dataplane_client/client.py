@@ -50,14 +50,21 @@ import ray
 import torch
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError, RayTaskError
 
-from dataplane_client import arguments, devices, placement, prepare, routes
-from dataplane_client.actor_states import ActorStates
-from dataplane_client.admission import Admission
-from dataplane_client.assembly import assemble_fields
-from dataplane_client.call_batcher import CallBatcher
-from dataplane_client.claim_batcher import ClaimBatcher
-from dataplane_client.config import DataPlaneConfig
-from dataplane_client.errors import (
+from dataplane_client.codec import devices, prepare
+from dataplane_client.codec.assembly import assemble_fields
+from dataplane_client.codec.tensordict_io import to_tensordict
+from dataplane_client.interface import DataPlaneClient as DataPlaneClient  # re-exported
+from dataplane_client.interface import DataPlaneService, service_verbs
+from dataplane_client.transport import placement
+from dataplane_client.transport.actor_states import ActorStates
+from dataplane_client.transport.admission import Admission
+from dataplane_client.transport.bulk import SharedMemoryUnavailable, StagedRegionGone, Transport
+from dataplane_client.transport.call_batcher import CallBatcher
+from dataplane_client.transport.claim_batcher import ClaimBatcher
+from dataplane_client.transport.loopback import join_address
+from dataplane_client.wire import arguments, routes
+from dataplane_client.wire.config import DataPlaneConfig
+from dataplane_client.wire.errors import (
     CapacityExceeded,
     CodecsChanged,
     DataPlaneError,
@@ -68,10 +75,7 @@ from dataplane_client.errors import (
     StageReclaimed,
     UnknownPartition,
 )
-from dataplane_client.interface import DataPlaneClient as DataPlaneClient  # re-exported
-from dataplane_client.interface import DataPlaneService, service_verbs
-from dataplane_client.loopback import join_address
-from dataplane_client.messages import (
+from dataplane_client.wire.messages import (
     Capabilities,
     ClaimOutcome,
     ClaimRequest,
@@ -86,10 +90,8 @@ from dataplane_client.messages import (
     TaskConsumption,
     WriterLoad,
 )
-from dataplane_client.meta import KVBatchMeta
-from dataplane_client.put_deadline import PutDeadline
-from dataplane_client.tensordict_io import to_tensordict
-from dataplane_client.transport import SharedMemoryUnavailable, StagedRegionGone, Transport
+from dataplane_client.wire.meta import KVBatchMeta
+from dataplane_client.wire.put_deadline import PutDeadline
 
 Flow = Generator[list, list, Any]
 _MAX_REROUTES = 3

@@ -1,11 +1,11 @@
 """The abstract data-plane client: NeMo-RL's ``DataPlaneClient`` contract.
 
 NeMo-RL's trainer and workers talk to a data plane only through these eight
-methods and :class:`~dataplane_client.meta.KVBatchMeta`. Code written against
+methods and :class:`~dataplane_client.wire.meta.KVBatchMeta`. Code written against
 this class runs on any implementation of it. Implementations may add methods
 and keyword arguments after these (ours: async twins, leases, ``ack``, object
 fields), but never change what these do. Errors are the typed classes of
-``dataplane_client.errors``, each also the built-in named below.
+``dataplane_client.wire.errors``, each also the built-in named below.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from dataplane_client.messages import (
+from dataplane_client.wire.messages import (
     Capabilities,
     ClearResult,
     PartitionDescription,
@@ -23,7 +23,7 @@ from dataplane_client.messages import (
     ServiceInfo,
     TaskConsumption,
 )
-from dataplane_client.meta import KVBatchMeta
+from dataplane_client.wire.meta import KVBatchMeta
 
 if TYPE_CHECKING:
     from tensordict import TensorDict

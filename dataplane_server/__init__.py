@@ -6,11 +6,11 @@ gRPC) starts without importing torch or Ray.
 
 # name -> the module that defines it
 _EXPORTS = {
-    "ServiceHandle": "service",
-    "ensure_local_ray": "service",
-    "start": "service",
-    "build_data_plane_client": "factory",
-    "shutdown_started": "factory",
+    "ServiceHandle": "launch.service",
+    "ensure_local_ray": "launch.service",
+    "start": "launch.service",
+    "build_data_plane_client": "launch.factory",
+    "shutdown_started": "launch.factory",
     "InProcessDataPlaneClient": "core.inprocess",
 }
 __all__ = list(_EXPORTS)

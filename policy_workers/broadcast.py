@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dataplane_client.batched_data_dict import BatchedDataDict
-from dataplane_client.errors import InvalidBatch, NonTensorField
+from dataplane_client.batching.batched_data_dict import BatchedDataDict
+from dataplane_client.wire.errors import InvalidBatch, NonTensorField
 
 # BatchedDataDict attributes that travel with the data (small python values).
 _ATTRS = ("micro_batch_indices", "micro_batch_lengths", "elem_counts_per_gb")

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from dataplane_client import atomic_dir
+from dataplane_client.wire import atomic_dir
 from policy_workers.errors import (
     CheckpointCorrupt,
     CheckpointMismatch,

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dataplane_client.config import DataPlaneConfig
-from dataplane_client.errors import ConfigError
-from dataplane_client.preshard import DynamicBatchingArgs, SequencePackingArgs
+from dataplane_client.batching.preshard import DynamicBatchingArgs, SequencePackingArgs
+from dataplane_client.wire.config import DataPlaneConfig
+from dataplane_client.wire.errors import ConfigError
 
 
 @dataclass

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import ray
 
-    from dataplane_server.local_ray import init_local_ray
+    from dataplane_server.launch.local_ray import init_local_ray
 
     t_setup = time.perf_counter()
     own_ray = not ray.is_initialized()
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.async_mode:
             from policy_workers.demo_async import train_async
 
-            train_async(run, tally, actors, steps)
+            train_async(run, tally, actors, steps, train_one_step)
         else:
             train_synchronously(run, tally, actors, steps)
         backoffs = sum(s["backoffs"] for s in ray.get([a.stats.remote() for a in actors]))
@@ -343,7 +343,7 @@ def _take_saved_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 def start_service(args: argparse.Namespace):
     """The data-plane service on the local Ray; prints its admin and metrics addresses."""
-    from dataplane_client.config import DataPlaneConfig
+    from dataplane_client.wire.config import DataPlaneConfig
     from dataplane_server import start
 
     dp_cfg = DataPlaneConfig(name="dataplane-demo", num_storage_units=args.num_storage_units)
@@ -594,7 +594,7 @@ def claim_step_batch(run: Run, k: int, pid: str, rollouts: list, times: dict):
     Returns the batch's meta."""
     import ray
 
-    from policy_workers.rollout import GRPO_FIELDS
+    from policy_workers.rollout import GRPO_FIELDS, in_prompt_order
 
     t0 = time.perf_counter()
     bar = run.progress.bar(run.per_step, f"step {k} rollouts")
@@ -656,7 +656,7 @@ def bytes_through_the_driver(run: Run, tally: Tally) -> int:
 def check_reference_logprobs(run: Run, tally: Tally, k: int, meta) -> None:
     """The data plane's reference logprobs equal a direct computation on one sample (not
     part of the data path, so not counted); at step 0 the policy's logprobs do too."""
-    from dataplane_client.materialize import materialize
+    from dataplane_client.batching.materialize import materialize
     from policy_workers.model import reference_logprobs
 
     probe = meta.subset([k % meta.size])
@@ -752,7 +752,7 @@ def keep_serving(handle) -> None:
         "Press Ctrl-C (or send SIGTERM) to stop it.",
         flush=True,
     )
-    from dataplane_server.stop_signal import StopSignal
+    from dataplane_server.launch.stop_signal import StopSignal
 
     StopSignal().install().wait()
 
@@ -763,13 +763,6 @@ def keep_serving(handle) -> None:
 def delete_partition(client, meta) -> None:
     """After a synchronous step: its partition goes, samples and declaration."""
     client.clear_samples(None, meta.partition_id)
-
-
-def in_prompt_order(meta):
-    """The batch sorted by (prompt number, sample id): rollouts finish in any order, a
-    batch in a fixed order makes a step (and a resumed run) reproducible bit for bit."""
-    order = sorted(range(meta.size), key=lambda i: (meta.tags[i]["prompt"], meta.sample_ids[i]))
-    return meta.subset(order)
 
 
 def version_lag(meta, version: int) -> dict[str, Any]:
@@ -844,7 +837,7 @@ def classic_bytes_of_passes(policy, leaders: list[int]) -> int:
 
 
 def partition_exists(client, pid: str) -> bool:
-    from dataplane_client.errors import UnknownPartition
+    from dataplane_client.wire.errors import UnknownPartition
 
     try:
         client.describe_partition(pid)
@@ -855,7 +848,7 @@ def partition_exists(client, pid: str) -> bool:
 
 def missing_prompts(client, pid: str, prompts: list[int], group: int) -> list[int]:
     """The prompts whose group partition ``pid`` lacks (a group is written whole or not at all)."""
-    from dataplane_client.errors import SamplesNotFound
+    from dataplane_client.wire.errors import SamplesNotFound
     from policy_workers.rollout import group_sample_ids
 
     missing = []

@@ -16,13 +16,14 @@ counted), trains on it with the decoupled PPO loss (``policy_workers.loss``),
 hands the new weights to the actors and only then publishes version ``k + 1``:
 a group admitted at ``k + 1`` is generated with them. With ``N = 0`` exactly
 one batch is admitted per version, after the refit: the run trains exactly what
-the synchronous demo trains (``tests/test_demo.py``).
+the synchronous demo trains (``tests/workers/test_demo.py``).
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -31,9 +32,12 @@ ASYNC_PARTITION = "demo-async"
 TASK = "train"
 
 
-def train_async(run: Any, tally: Any, actors: list, steps: range) -> None:
-    """The async loop: producing actors, one training step per version (module docstring)."""
-    from policy_workers.demo import train_one_step
+def train_async(
+    run: Any, tally: Any, actors: list, steps: range, train_one_step: Callable[..., None]
+) -> None:
+    """The async loop: producing actors, one training step per version (module docstring).
+    ``train_one_step``: the demo's step (``demo.train_one_step``), which claims through
+    the ``claim`` it is given."""
     from policy_workers.refit import refit_actors
     from policy_workers.rollout import PromptCounter
 
@@ -64,7 +68,7 @@ def train_async(run: Any, tally: Any, actors: list, steps: range) -> None:
 
 
 def register_async_partition(run: Any) -> str:
-    from dataplane_client.messages import StalenessSpec
+    from dataplane_client.wire.messages import StalenessSpec
     from policy_workers.rollout import GRPO_FIELDS, WEIGHT_VERSION
 
     n = run.args.max_staleness
@@ -91,8 +95,7 @@ def register_async_partition(run: Any) -> str:
 def claim_async_batch(run: Any, k: int, pid: str, producing: list, times: dict):
     """Waits until one batch is ready within the window, claims it (keys only), in
     prompt order. A producing actor that crashed is raised here at once."""
-    from policy_workers.demo import in_prompt_order
-    from policy_workers.rollout import GRPO_FIELDS
+    from policy_workers.rollout import GRPO_FIELDS, in_prompt_order
 
     t0 = time.perf_counter()
     bar = run.progress.bar(run.per_step, f"step {k} rollouts")

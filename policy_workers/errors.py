@@ -1,6 +1,6 @@
 """Typed errors of the policy side (worker loss, checkpoints).
 
-They derive from :class:`dataplane_client.errors.DataPlaneError`, so a trainer
+They derive from :class:`dataplane_client.wire.errors.DataPlaneError`, so a trainer
 that catches data-plane errors catches these too, and each is also the matching
 built-in (NeMo-RL callers catch built-ins): a lost worker is a
 ``ConnectionError``, a checkpoint that is not there a ``FileNotFoundError``, a
@@ -10,7 +10,7 @@ raised inside a worker reaches the driver as the same class.
 
 from __future__ import annotations
 
-from dataplane_client.errors import DataPlaneError
+from dataplane_client.wire.errors import DataPlaneError
 
 
 class PolicyWorkerLost(DataPlaneError, ConnectionError):

@@ -27,7 +27,7 @@ import ray
 import torch
 
 from dataplane_client.client import connect
-from dataplane_client.errors import AdmissionTimeout, CapacityExceeded
+from dataplane_client.wire.errors import AdmissionTimeout, CapacityExceeded
 from policy_workers.config import ModelConfig
 from policy_workers.model import build_hf_model, reference_logprobs
 from policy_workers.refit import load_weights
@@ -237,3 +237,10 @@ class PromptCounter:
     def take(self) -> int:
         self.taken += 1
         return self.taken - 1
+
+
+def in_prompt_order(meta):
+    """The batch sorted by (prompt number, sample id): rollouts finish in any order, a
+    batch in a fixed order makes a step (and a resumed run) reproducible bit for bit."""
+    order = sorted(range(meta.size), key=lambda i: (meta.tags[i]["prompt"], meta.sample_ids[i]))
+    return meta.subset(order)

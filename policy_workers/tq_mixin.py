@@ -26,11 +26,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from dataplane_client.batched_data_dict import BatchedDataDict
-from dataplane_client.config import DataPlaneConfig
-from dataplane_client.meta import KVBatchMeta
-from dataplane_client.padded_rows import cut_rows
-from dataplane_client.preshard import (
+from dataplane_client.batching.batched_data_dict import BatchedDataDict
+from dataplane_client.batching.padded_rows import cut_rows
+from dataplane_client.batching.preshard import (
     ELEM_COUNTS_PER_GB,
     GLOBAL_FORWARD_PAD_SEQLEN,
     MICRO_BATCH_INDICES,
@@ -38,6 +36,8 @@ from dataplane_client.preshard import (
     DynamicBatchingArgs,
     SequencePackingArgs,
 )
+from dataplane_client.wire.config import DataPlaneConfig
+from dataplane_client.wire.meta import KVBatchMeta
 from policy_workers.broadcast import broadcast_batched_data_dict
 from policy_workers.recording import IORecorder
 from policy_workers.sharding import REPLICA_AXES, NamedSharding
@@ -157,9 +157,9 @@ class TQWorkerMixin:
     def _fetch_local(
         self, meta: KVBatchMeta, layout: Layout, dp_aligned_seq_len: bool
     ) -> BatchedDataDict:
-        from dataplane_client.batched_data_dict import jagged_values_offsets
-        from dataplane_client.materialize import materialize
-        from dataplane_client.tensordict_io import as_field_mapping
+        from dataplane_client.batching.batched_data_dict import jagged_values_offsets
+        from dataplane_client.batching.materialize import materialize
+        from dataplane_client.codec.tensordict_io import as_field_mapping
 
         # get_data returns a TensorDict; as a plain dict, fields can be added
         # (and ``in`` tests keys: a TensorDict refuses membership tests).

@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import ray
 import torch
 
-from dataplane_client.batched_data_dict import BatchedDataDict
-from dataplane_client.meta import KVBatchMeta
-from dataplane_client.preshard import (
+from dataplane_client.batching.batched_data_dict import BatchedDataDict
+from dataplane_client.batching.preshard import (
     GLOBAL_FORWARD_PAD_SEQLEN,
     global_forward_pad_seqlen,
     shard_meta_for_dp,
 )
+from dataplane_client.wire.meta import KVBatchMeta
 from policy_workers import checkpoint as ckpt
 from policy_workers.config import DynamicBatchingConfig, PolicyConfig, SequencePackingConfig
 from policy_workers.errors import CheckpointMismatch
@@ -204,7 +204,7 @@ class TQPolicy:
 
         A user-level read (inspection, metrics), not part of the worker data path.
         """
-        from dataplane_client.materialize import materialize
+        from dataplane_client.batching.materialize import materialize
 
         raw = self._client_or_connect().get_data(meta, list(fields))
         return materialize(raw, layout=layout)

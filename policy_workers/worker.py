@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dataplane_client.batched_data_dict import BatchedDataDict
+from dataplane_client.batching.batched_data_dict import BatchedDataDict
 from policy_workers import checkpoint as ckpt
 from policy_workers.config import DynamicBatchingConfig, PolicyConfig, SequencePackingConfig
 from policy_workers.errors import CheckpointMismatch

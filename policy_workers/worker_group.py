@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from ray.exceptions import RayActorError, RayTaskError
 
-from dataplane_client.errors import DataPlaneError
+from dataplane_client.wire.errors import DataPlaneError
 from policy_workers.errors import PolicyWorkerLost
 from policy_workers.sharding import (
     DATA_PARALLEL,

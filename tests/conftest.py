@@ -11,7 +11,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Set before Ray starts, so every actor sees it (dataplane_client/failpoints.py).
+# Set before Ray starts, so every actor sees it (dataplane_client/wire/failpoints.py).
 os.environ.setdefault("RL_DATAPLANE_FAILPOINTS", tempfile.mkdtemp(prefix="dataplane-failpoints-"))
 
 import pytest
@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(items):
 def ray_session():
     import ray
 
-    from dataplane_server.local_ray import init_local_ray
+    from dataplane_server.launch.local_ray import init_local_ray
 
     init_local_ray(RAY_NUM_CPUS, namespace="dataplane-tests", object_store_memory=2 << 30)
     yield ray
@@ -46,7 +46,7 @@ def service_factory(ray_session):
     """
     import uuid
 
-    from dataplane_client.config import DataPlaneConfig
+    from dataplane_client.wire.config import DataPlaneConfig
     from dataplane_server import start
 
     handles = []
@@ -68,7 +68,7 @@ def service_factory(ray_session):
 @pytest.fixture(scope="session")
 def service(ray_session):
     """A data-plane service shared by the test session (tests use their own partitions)."""
-    from dataplane_client.config import DataPlaneConfig
+    from dataplane_client.wire.config import DataPlaneConfig
     from dataplane_server import start
 
     handle = start(DataPlaneConfig(name="dp-tests", num_storage_units=2))

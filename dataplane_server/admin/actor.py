@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from dataplane_client.config import DataPlaneConfig
+from dataplane_client.wire.config import DataPlaneConfig
 
 if TYPE_CHECKING:
     from dataplane_server.admin.metrics import MetricsServer

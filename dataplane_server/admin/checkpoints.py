@@ -22,7 +22,7 @@ import os
 
 import grpc
 
-from dataplane_client import arguments, errors
+from dataplane_client.wire import arguments, errors
 from dataplane_server.admin.sources import ActorSources
 from dataplane_server.admin_pb import admin_pb2
 

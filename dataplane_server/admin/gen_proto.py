@@ -18,7 +18,7 @@ the last release whose output carries no runtime version gate (later ones
 write ``ValidateProtobufRuntimeVersion`` / ``GRPC_GENERATED_VERSION`` checks
 that would force protobuf >= their own version on every user). That is what
 lets pyproject ask only for grpcio >= 1.62.3 and protobuf >= 4.21.6, the
-floors ``tests/test_dependency_floor.py`` installs and runs the admin tests on.
+floors ``tests/project/test_dependency_floor.py`` installs and runs the admin tests on.
 Any grpcio-tools can run ``--check``: with another version it compares the
 compiled schema, not the text.
 """

@@ -25,7 +25,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from dataplane_client.version import __version__
+from dataplane_client.wire.version import __version__
 from dataplane_server.admin.server import advertised_host, join_host_port
 from dataplane_server.admin.sources import ActorSources, StatsPull, counter
 

@@ -29,8 +29,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dataplane_client.config import DataPlaneConfig
-from dataplane_client.errors import ConfigError
+from dataplane_client.wire.config import DataPlaneConfig
+from dataplane_client.wire.errors import ConfigError
 from dataplane_server.admin.decode_guard import DecodeErrorsAsInvalidArgument
 from dataplane_server.admin.health_watch import HealthWatch
 from dataplane_server.admin.servicer import (

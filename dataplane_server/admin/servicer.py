@@ -1,6 +1,6 @@
 """The AdminService RPCs: ask the actors, answer in protobuf.
 
-Every RPC reads a typed message (``dataplane_client.messages``) from the
+Every RPC reads a typed message (``dataplane_client.wire.messages``) from the
 controller, or plain builtins from a unit's preview, and turns it into a
 protobuf message field by field; nothing a caller sends is unpickled. Data-plane
 errors map onto gRPC status codes (unknown partition -> NOT_FOUND, bad
@@ -22,7 +22,7 @@ import grpc
 from google.protobuf import struct_pb2
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from dataplane_client import errors, messages
+from dataplane_client.wire import errors, messages
 from dataplane_server.admin import checkpoints
 from dataplane_server.admin.sources import DEFAULT_TIMEOUT_S, ActorSources, StatsPull, counter
 from dataplane_server.admin_pb import admin_pb2, admin_pb2_grpc

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from dataplane_client.messages import ControllerSnapshot, StalenessInfo, UnitSnapshot
+from dataplane_client.wire.messages import ControllerSnapshot, StalenessInfo, UnitSnapshot
 
 DEFAULT_TIMEOUT_S = 10.0
 # The health probe: a controller verb that answers only once the key space is rebuilt

@@ -72,7 +72,7 @@ CLIENT_COMMANDS = (
 
 
 class _VersionAction(argparse.Action):
-    """``--version``: the one version source, ``dataplane_client.version``, imported only
+    """``--version``: the one version source, ``dataplane_client.wire.version``, imported only
     when asked (importing the client package pulls in Ray and torch, which the other
     client commands never load)."""
 
@@ -80,7 +80,7 @@ class _VersionAction(argparse.Action):
         super().__init__(option_strings, dest=dest, nargs=0, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from dataplane_client.version import __version__
+        from dataplane_client.wire.version import __version__
 
         print(f"dataplane {__version__}", flush=True)  # stdout, as argparse's own action
         parser.exit()

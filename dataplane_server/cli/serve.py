@@ -25,7 +25,7 @@ from dataplane_server.cli import preflight
 from dataplane_server.cli.argtypes import positive_int, positive_seconds
 from dataplane_server.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CliError
 from dataplane_server.cli.render import say
-from dataplane_server.stop_signal import StopSignal
+from dataplane_server.launch.stop_signal import StopSignal
 
 DEFAULT_NUM_CPUS = 8  # logical slots for the embedded Ray; actors need them even when idle
 # Joining a cluster that answers takes a second or two; this leaves room for a slow
@@ -65,8 +65,8 @@ def register(sub) -> None:
 
 def load_config(path: str | None):
     """The config, or a one-line usage error naming the bad key (no traceback)."""
-    from dataplane_client.config import DataPlaneConfig
-    from dataplane_client.errors import ConfigError
+    from dataplane_client.wire.config import DataPlaneConfig
+    from dataplane_client.wire.errors import ConfigError
 
     try:
         return DataPlaneConfig.from_file(path) if path else DataPlaneConfig()
@@ -120,7 +120,7 @@ def connect_snippet(
 
 
 def _init_ray(args, namespace: str) -> None:
-    from dataplane_server.local_ray import init_local_ray
+    from dataplane_server.launch.local_ray import init_local_ray
 
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address:  # an existing cluster (inside `ray job submit`, RAY_ADDRESS is set)
@@ -141,7 +141,7 @@ def _join_ray(address: str, origin: str, timeout_s: float, **init_kwargs) -> Non
     """
     import ray
 
-    from dataplane_client.loopback import join_address
+    from dataplane_client.transport.loopback import join_address
 
     with JoinDeadline(repr(address), timeout_s) as deadline:
         try:
@@ -290,7 +290,7 @@ def save_drain_checkpoint(handle, parent: str) -> bool:
     """Checkpoint the drained store into a new ``drain-<UTC time>`` folder of ``parent``."""
     from ray.exceptions import RayError
 
-    from dataplane_client.errors import DataPlaneError
+    from dataplane_client.wire.errors import DataPlaneError
 
     path = os.path.join(parent, time.strftime("drain-%Y%m%dT%H%M%SZ", time.gmtime()))
     try:
@@ -312,9 +312,9 @@ def run(args) -> int:
     import ray
     from ray.exceptions import RayError
 
-    from dataplane_client.errors import ConfigError
-    from dataplane_client.loopback import is_loopback
-    from dataplane_server.service import start
+    from dataplane_client.transport.loopback import is_loopback
+    from dataplane_client.wire.errors import ConfigError
+    from dataplane_server.launch.service import start
 
     stop = StopSignal().install()  # before start: a signal during it still drains
 

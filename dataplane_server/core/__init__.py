@@ -6,5 +6,5 @@ previews, its checkpoint files), the counters, the admin views, and the in-proce
 client built on them. The actor shells at the top level of ``dataplane_server``
 wrap these; nothing here imports them, Ray, or the operations surface (``admin``,
 ``cli``): import-linter's contracts in ``pyproject.toml`` keep it so, and
-``tests/test_core_imports.py`` imports each module for real without Ray.
+``tests/core/test_core_imports.py`` imports each module for real without Ray.
 """

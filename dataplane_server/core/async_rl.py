@@ -13,16 +13,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dataplane_client import arguments
-from dataplane_client.errors import AdmissionTimeout, InvalidBatch, UnknownPartition
-from dataplane_client.messages import (
+from dataplane_client.wire import arguments
+from dataplane_client.wire.errors import AdmissionTimeout, InvalidBatch, UnknownPartition
+from dataplane_client.wire.messages import (
     TAG_FILTER_OPS,
     Capabilities,
     ClaimRequest,
     RolloutGrant,
 )
-from dataplane_client.meta import KVBatchMeta
-from dataplane_client.version import __version__
+from dataplane_client.wire.meta import KVBatchMeta
+from dataplane_client.wire.version import __version__
 from dataplane_server.core import claim_policies
 from dataplane_server.core.keyspace import KeySpace, Partition
 

@@ -23,8 +23,8 @@ import os
 
 import msgpack
 
-from dataplane_client import atomic_dir
-from dataplane_client.errors import CheckpointError, CorruptPayload, InvalidBatch
+from dataplane_client.wire import atomic_dir
+from dataplane_client.wire.errors import CheckpointError, CorruptPayload, InvalidBatch
 from dataplane_server.core.recovery_messages import DumpedFile
 
 FORMAT = 1

@@ -29,16 +29,18 @@ from typing import Any
 
 import numpy as np
 
-from dataplane_client import arguments, devices, group_fields, prepare
-from dataplane_client.assembly import assemble_fields
-from dataplane_client.encoded import EncodedField, row_byte_offsets
-from dataplane_client.errors import (
+from dataplane_client.codec import devices, prepare
+from dataplane_client.codec.assembly import assemble_fields
+from dataplane_client.codec.tensordict_io import to_tensordict
+from dataplane_client.interface import DataPlaneService, service_verbs
+from dataplane_client.wire import arguments, group_fields
+from dataplane_client.wire.encoded import EncodedField, row_byte_offsets
+from dataplane_client.wire.errors import (
     ClaimTimeout,
     ServiceUnavailable,
     UnknownPartition,
 )
-from dataplane_client.interface import DataPlaneService, service_verbs
-from dataplane_client.messages import (
+from dataplane_client.wire.messages import (
     Capabilities,
     ClaimRequest,
     ClearResult,
@@ -53,9 +55,8 @@ from dataplane_client.messages import (
     UnitInfo,
     UnitSnapshot,
 )
-from dataplane_client.meta import KVBatchMeta
-from dataplane_client.tensordict_io import to_tensordict
-from dataplane_client.version import __version__
+from dataplane_client.wire.meta import KVBatchMeta
+from dataplane_client.wire.version import __version__
 from dataplane_server.core import async_rl, views
 from dataplane_server.core.keyspace import CommitPlan, KeySpace, declare
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import msgpack
 
-from dataplane_client import failpoints
+from dataplane_client.wire import failpoints
 from dataplane_server.core import staleness_journal
 from dataplane_server.core.claim_answers import ClaimAnswer, ClaimAnswers
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from dataplane_client import arguments
-from dataplane_client.errors import (
+from dataplane_client.wire import arguments
+from dataplane_client.wire.errors import (
     CodecsChanged,
     FieldAlreadyProduced,
     FieldNotProduced,
@@ -41,7 +41,7 @@ from dataplane_client.errors import (
     UnknownPartition,
     UnknownTask,
 )
-from dataplane_client.messages import (
+from dataplane_client.wire.messages import (
     CommitRequest,
     CommitResult,
     FieldCodecs,
@@ -51,8 +51,8 @@ from dataplane_client.messages import (
     TagFilter,
     TaskConsumption,
 )
-from dataplane_client.meta import KVBatchMeta
-from dataplane_client.routes import ROUTES_KEY, route_hints
+from dataplane_client.wire.meta import KVBatchMeta
+from dataplane_client.wire.routes import ROUTES_KEY, route_hints
 from dataplane_server.core import claim_policies
 from dataplane_server.core.claim_answers import ClaimAnswer, ClaimAnswers, new_lease_id
 from dataplane_server.core.claim_policies import ClaimPolicy, PartitionTraits, ReadyRows, RowColumns

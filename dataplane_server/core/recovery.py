@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from dataplane_client.messages import UnitInfo
+from dataplane_client.wire.messages import UnitInfo
 from dataplane_server.core import unit_calls
 from dataplane_server.core.journal import Journal
 from dataplane_server.core.keyspace import Declaration, KeySpace

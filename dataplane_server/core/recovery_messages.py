@@ -1,7 +1,7 @@
 """Typed messages between the controller and its storage units for recovery and checkpoints.
 
 They never reach a client, so they live beside the server instead of in
-``dataplane_client.messages``. A unit keeps, beside each sample's bytes, what
+``dataplane_client.wire.messages``. A unit keeps, beside each sample's bytes, what
 a restarted controller needs to rebuild its key space (commit order, sequence
 length, tags): the units are the ground truth for what is stored.
 """

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from dataplane_client.errors import InvalidBatch, VersionRegression
-from dataplane_client.messages import RolloutGrant, StalenessSpec, TagFilter
+from dataplane_client.wire.errors import InvalidBatch, VersionRegression
+from dataplane_client.wire.messages import RolloutGrant, StalenessSpec, TagFilter
 from dataplane_server.core.claim_answers import new_lease_id
 
 RECENTLY_DROPPED = 4_096  # ids of dropped or evicted samples kept for listing

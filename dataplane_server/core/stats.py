@@ -8,9 +8,11 @@ path ever touching a metrics library.
 from __future__ import annotations
 
 import bisect
+import functools
+import inspect
 from collections import defaultdict
 
-from dataplane_client.errors import ClaimTimeout
+from dataplane_client.wire.errors import ClaimTimeout, DataPlaneError
 
 # Typed errors that are a normal answer, not a fault: a blocking claim that polls with a
 # short timeout ends in ClaimTimeout whenever no batch is ready yet. They are counted
@@ -92,3 +94,28 @@ class Stats:
             "errors": dict(self.errors),
             "histograms": {k: h.snapshot() for k, h in self.histograms.items()},
         }
+
+
+def counts_errors(method):
+    """Count every typed error a method raises in ``self.stats`` (by class), then re-raise."""
+    if inspect.iscoroutinefunction(method):
+
+        @functools.wraps(method)
+        async def async_wrapper(self, *args, **kwargs):
+            try:
+                return await method(self, *args, **kwargs)
+            except DataPlaneError as e:
+                self.stats.error(e)
+                raise
+
+        return async_wrapper
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except DataPlaneError as e:
+            self.stats.error(e)
+            raise
+
+    return wrapper

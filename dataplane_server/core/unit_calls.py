@@ -10,8 +10,8 @@ import asyncio
 import sys
 from collections.abc import Mapping
 
-from dataplane_client.errors import DataPlaneError
-from dataplane_client.messages import UnitInfo, UnitSnapshot
+from dataplane_client.wire.errors import DataPlaneError
+from dataplane_client.wire.messages import UnitInfo, UnitSnapshot
 
 UNIT_PING_TIMEOUT_S = 5.0
 
@@ -19,7 +19,7 @@ UNIT_PING_TIMEOUT_S = 5.0
 def is_dead_actor(exc: BaseException) -> bool:
     # Only Ray raises RayActorError, so while Ray is not loaded nothing raised one. Looked
     # up, not imported: recovery, which uses this module, imports without Ray
-    # (tests/test_core_imports.py).
+    # (tests/core/test_core_imports.py).
     ray = sys.modules.get("ray")
     return ray is not None and isinstance(exc, ray.exceptions.RayActorError)
 

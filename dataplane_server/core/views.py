@@ -10,8 +10,8 @@ import time
 
 import numpy as np
 
-from dataplane_client.errors import InvalidBatch, SamplesNotFound
-from dataplane_client.messages import (
+from dataplane_client.wire.errors import InvalidBatch, SamplesNotFound
+from dataplane_client.wire.messages import (
     FieldSummary,
     PartitionDescription,
     PartitionSummary,

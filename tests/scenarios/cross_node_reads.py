@@ -1,7 +1,7 @@
 """Cross-node reads (part of tests/scenarios/one_cluster.py).
 
 Node B (the head) holds the service and writes; a reader actor on node A gets
-through the units' ``read`` and the Ray object store. tests/test_cross_node.py
+through the units' ``read`` and the Ray object store. tests/e2e/test_cross_node.py
 asserts on what it observed.
 """
 
@@ -63,7 +63,7 @@ class Reader:
 
     def race(self, ids: list) -> dict:
         """Gets while the driver clears and rewrites: each row must be one whole version."""
-        from dataplane_client.errors import DataPlaneError
+        from dataplane_client.wire.errors import DataPlaneError
 
         outcomes = {"ok": 0, "typed_error": 0, "torn": 0, "other_error": [], "errors": {}}
         for _ in range(ROUNDS):

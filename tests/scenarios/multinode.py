@@ -1,6 +1,6 @@
 """Units on two nodes, one node lost (part of tests/scenarios/one_cluster.py).
 
-tests/test_multinode.py asserts on what it observed.
+tests/e2e/test_multinode.py asserts on what it observed.
 """
 
 import time
@@ -9,7 +9,7 @@ import ray
 import torch
 
 from dataplane_client import DataPlaneConfig
-from dataplane_client.errors import SamplesLost
+from dataplane_client.wire.errors import SamplesLost
 from dataplane_server import start
 
 

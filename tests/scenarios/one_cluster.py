@@ -1,8 +1,8 @@
 """The multi-node scenarios on one loopback cluster (ray.cluster_utils.Cluster), in order.
 
 Run in its own process (it cannot share the test session's Ray); prints one
-``RESULT {json}`` line, a key per scenario, that tests/test_cross_node.py,
-tests/test_replication.py and tests/test_multinode.py assert on. One cluster serves
+``RESULT {json}`` line, a key per scenario, that tests/e2e/test_cross_node.py,
+tests/e2e/test_replication.py and tests/e2e/test_multinode.py assert on. One cluster serves
 all three because each grows or shrinks it the way the next one needs (a cluster
 and its interpreter each took 10-20 s to start here):
 
@@ -21,14 +21,14 @@ import traceback
 from pathlib import Path
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: polling
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: polling
 
 import cross_node_reads
 import multinode
 import ray
 import replication
 
-from dataplane_server.local_ray import start_local_cluster
+from dataplane_server.launch.local_ray import start_local_cluster
 
 HEAD = {
     "num_cpus": 4,

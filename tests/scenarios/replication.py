@@ -1,6 +1,6 @@
 """Replication (``replicas: 2``) on three nodes (part of tests/scenarios/one_cluster.py).
 
-tests/test_replication.py asserts on what it observed. Three parts, each on its own
+tests/e2e/test_replication.py asserts on what it observed. Three parts, each on its own
 service:
 
 1. a node holding primaries is removed while a writer streams puts;
@@ -19,9 +19,9 @@ from polling import wait_until
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dataplane_client import DataPlaneConfig, connect
-from dataplane_client.codec import encode_fields
-from dataplane_client.errors import ConfigError, DataPlaneError, SamplesLost
-from dataplane_client.messages import CommitRequest
+from dataplane_client.codec.fields import encode_fields
+from dataplane_client.wire.errors import ConfigError, DataPlaneError, SamplesLost
+from dataplane_client.wire.messages import CommitRequest
 from dataplane_server import start
 
 BATCH = 8

@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from dataplane_client.errors import InvalidBatch
+from dataplane_client.wire.errors import InvalidBatch
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from dataplane_client.errors import InvalidBatch
+from dataplane_client.wire.errors import InvalidBatch
 from dataplane_server.core.claim_policies.base import (
     PartitionTraits,
     ReadyRows,

@@ -1,0 +1,1 @@
+"""Trainer batching: BatchedDataDict, sequence packing, DP split planning, padding."""

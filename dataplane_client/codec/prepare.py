@@ -1,0 +1,90 @@
+"""What every implementation of the client checks and prepares before touching a store.
+
+The Ray client and the in-process twin (``dataplane_server.core.inprocess``) share
+these, so the same bad input raises the same typed error on both, and a write
+reaches either store in the same encoded form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dataplane_client.codec.fields import decode_field, encode_fields
+from dataplane_client.codec.tensordict_io import as_field_mapping
+from dataplane_client.wire import arguments, group_fields
+from dataplane_client.wire.encoded import DENSE, JAGGED, EncodedField
+from dataplane_client.wire.errors import InvalidBatch
+from dataplane_client.wire.messages import FieldCodecs
+from dataplane_client.wire.meta import KVBatchMeta
+
+
+@dataclass(frozen=True)
+class Write:
+    """A put, checked and encoded: nothing of it is stored yet."""
+
+    sample_ids: list[str]
+    encoded: dict[str, EncodedField]
+    sequence_lengths: list[int] | None
+    tags: list[dict] | None
+    overwrite: bool
+    # Group fields (``group_fields``): ``encoded`` holds one row per group of the put, and
+    # ``shared[field][i]`` is sample i's row in it; ``groups``: each sample's group_id.
+    shared: dict[str, np.ndarray] = field(default_factory=dict)
+    groups: list | None = None
+
+    @property
+    def schemas(self) -> dict[str, tuple]:
+        return {name: enc.schema for name, enc in self.encoded.items()}
+
+
+def sequence_lengths(encoded: Mapping[str, EncodedField]) -> list[int] | None:
+    """A sample's sequence length: ``input_lengths`` if given, else its first jagged field."""
+    lengths = encoded.get("input_lengths")
+    if lengths is not None and lengths.kind == DENSE and lengths.shape == ():
+        return [int(x) for x in decode_field(lengths).tolist()]
+    for enc in encoded.values():
+        if enc.kind == JAGGED:
+            return enc.require_lengths().tolist()
+    return None
+
+
+def write(
+    sample_ids: Any,
+    partition_id: str,
+    fields: Any,
+    tags: Any,
+    overwrite: Any,
+    codecs: FieldCodecs,
+) -> Write:
+    """A put's arguments checked and its fields encoded (TensorDict, dict or BatchedDataDict)."""
+    ids = arguments.id_list(sample_ids, partition_id=partition_id)
+    tag_list = arguments.tag_list(tags, len(ids), partition_id=partition_id)
+    if not isinstance(overwrite, bool):
+        raise InvalidBatch(f"overwrite must be a bool, got {overwrite!r}")
+    fields = as_field_mapping(fields)
+    arguments.name_list(list(fields), "fields", allow_empty=True)  # names: non-empty UTF-8 str
+    encoded = encode_fields(
+        fields,
+        num_rows=len(ids),
+        enums=codecs.enums,
+        object_fields=codecs.object_fields,
+    )
+    lengths = sequence_lengths(encoded)  # per sample, before group fields are shared
+    put = group_fields.share(ids, tag_list, encoded, codecs.group_fields, partition_id)
+    return Write(ids, put.encoded, lengths, tag_list, overwrite, put.index, put.groups)
+
+
+def read_fields(meta: KVBatchMeta, select_fields: Sequence[str] | None) -> list[str]:
+    """The fields a ``get_data`` reads: ``select_fields``, else ``meta.fields``, else an error
+    (NeMo-RL's contract: never every field silently)."""
+    fields = select_fields if select_fields is not None else meta.fields
+    if not fields:
+        raise InvalidBatch(
+            "get_data needs select_fields or meta.fields: say which fields to fetch",
+            partition_id=meta.partition_id,
+        )
+    return arguments.name_list(fields, "select_fields")

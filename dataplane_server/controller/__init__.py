@@ -1,0 +1,1 @@
+"""The controller actor and its verb mixins: the Ray shell around the key space."""

@@ -1,0 +1,250 @@
+"""A storage unit's memory: blocks, and the regions writes are given inside them.
+
+A block is one shared-memory chunk (a memfd, one descriptor, no mapping) or,
+where shared memory is unavailable, one heap buffer. Small regions share a
+*slab* (a block of ``slab_bytes``); a region too large for a slab gets a block
+of its own. So the number of blocks, and of descriptors, grows with the bytes
+held, never with the number of writes.
+
+Space inside a block is handed out once, by bumping a pointer, and never handed
+out again while the block lives: a reader that was told where a row lives may
+map it a moment later, and copy-on-write mappings see later writes to pages they
+have not touched, so published bytes must never change. A block is freed as a
+whole when nothing points into it any more (rows and staged regions each hold a
+reference). Its memfd is then recycled (kept warm for the next write of its
+size, pages and writers' mappings intact) only when no reader lease names it and
+no stage in it was reclaimed from a writer that may still be copying; otherwise
+it is closed, and a reader's mapping keeps the old pages alive on its own. A
+block made from a fresh memfd has a new name, which is what readers verify.
+
+Writers keep their mappings of chunks (see wire/shm.py); ``closed_since`` tells them
+which chunks were closed, so they drop mappings nothing will write into again.
+
+Capacity counts what the unit holds: a slab counts in full from its creation.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from dataplane_client.wire import shm
+from dataplane_client.wire.encoded import contiguous_runs
+from dataplane_client.wire.messages import ChunkRef
+from dataplane_server.core.unit.warm_reserve import WarmReserve
+
+SLAB_BYTES = 4 << 20
+_SLABS_PER_CAPACITY = 16  # a tiny unit gets small slabs, so one slab never fills it
+_CLOSED_REMEMBERED = 4096  # names of closed chunks kept for writers to drop their mappings
+
+
+@dataclass
+class _Block:
+    store: shm.MemFd | np.ndarray
+    size: int
+    used: int = 0  # bump pointer: bytes [0, used) have been handed out
+    refs: int = 0  # rows and staged regions pointing into the block
+    readers: int = 0  # read leases naming it: a reader may map its pages copy-on-write
+    tainted: bool = False  # a stage in it was reclaimed while its writer may still copy
+
+
+class Arena:
+    def __init__(self, capacity_bytes: int, use_shm: bool, reserve: WarmReserve):
+        self.slab_bytes = max(1, min(SLAB_BYTES, capacity_bytes // _SLABS_PER_CAPACITY))
+        self.use_shm = use_shm
+        self.reserve = reserve
+        self.blocks: dict[int, _Block] = {}
+        self.used_bytes = 0
+        self._slab: int | None = None  # the slab small regions go into now
+        self._next_id = 0
+        self.recycled = 0  # blocks whose memfd went back to the reserve on freeing
+        self._closed: deque[tuple[int, str]] = deque(maxlen=_CLOSED_REMEMBERED)
+        self._closed_seq = 0
+
+    def is_small(self, nbytes: int) -> bool:
+        """Whether a region of ``nbytes`` goes into a slab (else a block of its own)."""
+        return nbytes <= self.slab_bytes // 4
+
+    def chunk_bytes(self, block: int) -> int:
+        """The memory behind a block (a reserve chunk may be a little larger than asked)."""
+        store = self.blocks[block].store
+        return store.size if isinstance(store, shm.MemFd) else store.nbytes
+
+    def extra_bytes(self, sizes: list[int]) -> int:
+        """How much ``alloc(sizes)`` would add to ``used_bytes``."""
+        room = self._slab_room()
+        extra = 0
+        for n in sizes:
+            if not self.is_small(n):
+                extra += n
+                continue
+            if n > room:
+                extra, room = extra + self.slab_bytes, self.slab_bytes
+            room -= n
+        return extra
+
+    def _slab_room(self) -> int:
+        if self._slab is None:
+            return -1  # even an empty region needs a slab to point into
+        slab = self.blocks[self._slab]
+        return slab.size - slab.used
+
+    def alloc(self, sizes: list[int]) -> list[tuple[int, int]]:
+        """(block id, offset) of a new region per size, each holding one reference.
+
+        All or nothing: an ``OSError`` (out of descriptors or memory) leaves no region.
+        """
+        regions: list[tuple[int, int]] = []
+        try:
+            for n in sizes:
+                block = self._slab_for(n) if self.is_small(n) else self._new_block(n)
+                b = self.blocks[block]
+                regions.append((block, b.used))
+                b.used += n
+                b.refs += 1
+        except OSError:
+            self.release([block for block, _ in regions])
+            raise
+        return regions
+
+    def alloc_warm(self, nbytes: int) -> tuple[int, int] | None:
+        """A block of its own for a region too large for a slab, like ``alloc([nbytes])``,
+        but only from a chunk the reserve has ready (None when it has none): nothing is
+        made or zeroed here."""
+        store = self.reserve.take(nbytes) if self.use_shm else None
+        if store is None:
+            return None
+        block = self._add_block(store, nbytes)
+        b = self.blocks[block]
+        b.used, b.refs = nbytes, 1
+        return block, 0
+
+    def _slab_for(self, nbytes: int) -> int:
+        slab = self._slab
+        if slab is None or nbytes > self._slab_room():
+            # The full slab lives on while rows point into it; it is freed with its last row.
+            slab = self._slab = self._new_block(self.slab_bytes)
+        return slab
+
+    def _new_block(self, nbytes: int) -> int:
+        store: shm.MemFd | np.ndarray
+        if self.use_shm:
+            store = self.reserve.take(nbytes) or shm.create(nbytes)
+        else:
+            store = np.empty(nbytes, dtype=np.uint8)
+        return self._add_block(store, nbytes)
+
+    def _add_block(self, store: shm.MemFd | np.ndarray, nbytes: int) -> int:
+        block = self._next_id
+        self._next_id += 1
+        self.blocks[block] = _Block(store, nbytes)
+        self.used_bytes += nbytes
+        return block
+
+    def hold(self, block: int, count: int) -> None:
+        self.blocks[block].refs += count
+
+    def release(self, blocks) -> None:
+        """Drop one reference per entry of ``blocks`` (ids >= 0); free what nothing holds."""
+        ids, counts = np.unique(np.asarray(blocks, dtype=np.int64), return_counts=True)
+        for block, n in zip(ids.tolist(), counts.tolist()):
+            if block < 0:
+                continue
+            b = self.blocks[block]
+            b.refs -= n
+            if b.refs <= 0:
+                if block == self._slab:
+                    self._slab = None  # an empty unit holds no block at all
+                self._free(block)
+
+    def _free(self, block: int) -> None:
+        b = self.blocks.pop(block)
+        self.used_bytes -= b.size
+        if not isinstance(b.store, shm.MemFd):
+            return
+        if b.readers == 0 and not b.tainted:
+            closed = self.reserve.recycle(b.store)  # closes what it does not keep
+            self.recycled += b.store.name not in closed
+        else:
+            # Readers that mapped the chunk keep their bytes; the memory goes back to
+            # the kernel when the last mapping does.
+            b.store.close()
+            closed = [b.store.name]
+        for name in closed:
+            self._closed_seq += 1
+            self._closed.append((self._closed_seq, name))
+
+    # ---- leases: who may still touch a block's pages ---------------------------------
+    def lease(self, blocks) -> None:
+        """A reader was told where rows of these blocks live (it may map them now)."""
+        for block in blocks:
+            self.blocks[block].readers += 1
+
+    def unlease(self, blocks) -> None:
+        """A reader's mappings of these blocks are gone (freed blocks are skipped)."""
+        for block in blocks:
+            b = self.blocks.get(block)
+            if b is not None:
+                b.readers -= 1
+
+    def taint(self, blocks) -> None:
+        """Never recycle these blocks: a writer whose stage was reclaimed may still copy."""
+        for block in blocks:
+            b = self.blocks.get(int(block))
+            if b is not None:
+                b.tainted = True
+
+    def closed_since(self, seq: int) -> tuple[list[str], int, bool]:
+        """(names of chunks closed after ``seq``, the latest seq, whether some were forgotten)."""
+        oldest = self._closed[0][0] if self._closed else self._closed_seq + 1
+        if seq + 1 < oldest:
+            return [], self._closed_seq, True
+        return [name for s, name in self._closed if s > seq], self._closed_seq, False
+
+    def close(self) -> None:
+        for block in list(self.blocks):
+            self._free(block)
+        self._slab = None
+
+    # ---- bytes in and out -----------------------------------------------------------
+    def write(self, block: int, offset: int, data: np.ndarray) -> None:
+        store = self.blocks[block].store
+        if isinstance(store, shm.MemFd):
+            store.write(offset, data)
+        else:
+            store[offset : offset + data.nbytes] = data.reshape(-1).view(np.uint8)
+
+    def gather(
+        self, blocks: list[int], which: np.ndarray, starts: np.ndarray, ends: np.ndarray
+    ) -> np.ndarray:
+        """Byte ranges [starts[i], ends[i]) of ``blocks[which[i]]``, back to back in one buffer."""
+        out = np.empty(int((ends - starts).sum()), dtype=np.uint8)
+        # Merge abutting ranges only inside one block: offset each block far from the others.
+        key = which.astype(np.int64) << 48
+        run_starts, run_ends = contiguous_runs(starts + key, ends + key)
+        pos = 0
+        for s, e in zip(run_starts.tolist(), run_ends.tolist()):
+            lo, n = s & ((1 << 48) - 1), e - s
+            store = self.blocks[blocks[s >> 48]].store
+            if isinstance(store, shm.MemFd):
+                store.read_into(lo, out[pos : pos + n])
+            else:
+                out[pos : pos + n] = store[lo : lo + n]
+            pos += n
+        return out
+
+    def view(self, block: int, start: int, end: int) -> np.ndarray:
+        """Bytes [start, end) of a block without copying (read-only; a shared-memory
+        block is mapped, and the mapping outlives the block's freeing)."""
+        store = self.blocks[block].store
+        if isinstance(store, shm.MemFd):
+            return shm.map_for_read(store.ref(), start, end)
+        return store[start:end]
+
+    def ref(self, block: int) -> ChunkRef:
+        """How a same-node process opens the block (shared memory only)."""
+        store = self.blocks[block].store
+        assert isinstance(store, shm.MemFd), "heap blocks are never offered for mapping"
+        return store.ref()

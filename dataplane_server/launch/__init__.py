@@ -1,0 +1,1 @@
+"""Starting a service: the local Ray, the actors, the factory, the process's signals."""

@@ -1,0 +1,1 @@
+"""The storage unit actor: the Ray shell around ``core.unit.store.UnitStore``."""

@@ -1,0 +1,199 @@
+"""``dataplane checkpoint save|restore`` against real services, through the admin API.
+
+One service is saved by the CLI and a fresh one restored from the directory; a
+sample read back through the restored service's client equals what was written,
+bit for bit (bf16 compared as its raw int16 bits). Each failure reaches the
+operator as one line with the gRPC code it maps to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from dataplane_client.wire.config import DataPlaneConfig
+from dataplane_client.wire.errors import UnknownPartition
+from dataplane_server import start
+from dataplane_server.admin_pb import admin_pb2, admin_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "ckpt-token"
+
+
+def dataplane(*args: str, address: str, token: str | None = TOKEN):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAPLANE_ADMIN_")}
+    env["DATAPLANE_ADMIN_ADDRESS"] = address
+    if token:
+        env["DATAPLANE_ADMIN_TOKEN"] = token
+    return subprocess.run(
+        [sys.executable, "-m", "dataplane_server", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def ok(proc) -> str:
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def refused(proc, code: int, *needles: str) -> str:
+    assert proc.returncode == code, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+PARTITIONS = ("rollouts", "p")  # every partition a test here makes
+
+
+@pytest.fixture(scope="module")
+def started(ray_session):
+    """Two services for the module: each start costs seconds here, and no test needs more."""
+    handles = [
+        start(
+            DataPlaneConfig(
+                name=f"cli-ckpt-{uuid.uuid4().hex[:6]}",
+                num_storage_units=2,
+                unit_warm_reserve_bytes=0,
+                metrics_enabled=False,
+                admin_token=TOKEN,
+            )
+        )
+        for _ in range(2)
+    ]
+    yield handles
+    for h in handles:
+        h.shutdown()
+
+
+@pytest.fixture
+def services(started, monkeypatch):
+    """``services()`` gives the next service holding no partition (restore needs an empty
+    one): the first test gets them fresh, the next ones emptied by the test before."""
+    monkeypatch.delenv("DATAPLANE_ADMIN_TOKEN", raising=False)
+    for h in started:
+        assert h.client().service_info().num_partitions == 0
+    yield iter(started).__next__
+    for h in started:
+        c = h.client()
+        for pid in PARTITIONS:
+            with contextlib.suppress(UnknownPartition):
+                c.delete_partition(pid)
+
+
+def _fields(n: int) -> dict:
+    g = torch.Generator().manual_seed(11)
+    return {
+        "input_ids": [torch.randint(0, 50_000, (3 + i % 5,), generator=g) for i in range(n)],
+        "logprobs": torch.randn(n, 4, generator=g).to(torch.bfloat16),
+        "mask": torch.rand(n, generator=g) > 0.5,
+    }
+
+
+def test_save_then_restore_into_a_fresh_service_bit_for_bit(services, tmp_path):
+    src_handle = services()
+    src = src_handle.client()
+    pid, ids = "rollouts", [f"s{i}" for i in range(12)]
+    src.register_partition(pid, ["input_ids", "logprobs", "mask"], 12, ["train"])
+    fields = _fields(12)
+    src.put_samples(ids, pid, fields)
+    taken = src.claim_meta(pid, "train", ["input_ids"], 5).sample_ids
+
+    target = tmp_path / "ck"
+    out = ok(dataplane("checkpoint", "save", str(target), address=src_handle.admin_address))
+    assert out.strip() == f"saved checkpoint {target}"
+    assert (target / "manifest.json").is_file()
+
+    dst_handle = services()
+    got = json.loads(
+        ok(
+            dataplane(
+                "checkpoint", "restore", str(target), "--json", address=dst_handle.admin_address
+            )
+        )
+    )
+    assert got == {"directory": str(target), "restored_samples": 12}
+    dst = dst_handle.client()
+    back = dst.get_samples(ids, pid, ["input_ids", "logprobs", "mask"])
+    for i, row in enumerate(back["input_ids"].unbind()):
+        assert row.dtype == torch.int64
+        assert torch.equal(row, fields["input_ids"][i])
+    assert back["logprobs"].dtype == torch.bfloat16
+    assert torch.equal(back["logprobs"].view(torch.int16), fields["logprobs"].view(torch.int16))
+    assert torch.equal(back["mask"], fields["mask"])
+    rest = dst.claim_meta(pid, "train", ["input_ids"], 100, blocking=False)
+    assert sorted(rest.sample_ids) == sorted(set(ids) - set(taken))  # the cursor came along
+
+
+def test_each_refusal_is_one_line_with_its_grpc_code(services, tmp_path):
+    h = services()
+    h.client().register_partition("p", ["x"])
+    h.client().put_samples(["a"], "p", {"x": torch.ones(1, 2)})
+    addr = h.admin_address
+    target = tmp_path / "ck"
+
+    refused(dataplane("checkpoint", "save", str(target), address=addr, token=None), 4, "token")
+    assert not target.exists()
+    ok(dataplane("checkpoint", "save", str(target), address=addr))
+    refused(
+        dataplane("checkpoint", "save", str(target), address=addr),
+        1,
+        "FAILED_PRECONDITION",
+        str(target),
+    )
+    # Restoring over live data is refused; the service keeps what it holds.
+    refused(
+        dataplane("checkpoint", "restore", str(target), address=addr),
+        1,
+        "FAILED_PRECONDITION",
+        "empty service",
+    )
+    assert h.client().describe_partition("p").num_samples == 1
+
+    fresh = services()
+    state = target / "state.msgpack"
+    raw = bytearray(state.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    state.write_bytes(bytes(raw))
+    refused(
+        dataplane("checkpoint", "restore", str(target), address=fresh.admin_address),
+        1,
+        "DATA_LOSS",
+    )
+    refused(
+        dataplane("checkpoint", "restore", str(tmp_path / "none"), address=fresh.admin_address),
+        1,
+        "DATA_LOSS",
+        "manifest",
+    )
+
+
+def test_a_relative_directory_is_invalid_argument(services):
+    # The CLI makes paths absolute; another client sending a relative one is told why.
+    h = services()
+    with grpc.insecure_channel(h.admin_address) as channel:
+        stub = admin_pb2_grpc.AdminServiceStub(channel)
+        md = [("authorization", f"Bearer {TOKEN}")]
+        for call, request in (
+            (stub.SaveCheckpoint, admin_pb2.SaveCheckpointRequest(directory="ck")),
+            (stub.RestoreCheckpoint, admin_pb2.RestoreCheckpointRequest(directory="")),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                call(request, timeout=30, metadata=md)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "absolute path" in info.value.details()

@@ -1,0 +1,155 @@
+"""deploy/grafana-dashboard.json: valid, importable, and asking only for metrics we export."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from promtool import promtool_or_skip
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
+_METRIC = re.compile(r"\bdataplane_[a-zA-Z0-9_]+")
+# Grafana replaces these before the query reaches Prometheus.
+_GRAFANA_MACROS = {"$__rate_interval": "5m", "$__interval": "1m"}
+
+
+def _dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def _expressions() -> list[str]:
+    return [t["expr"] for p in _dashboard()["panels"] for t in p["targets"]]
+
+
+def test_panels_are_well_formed():
+    dash = _dashboard()
+    assert dash["uid"]
+    assert dash["title"]
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for panel in dash["panels"]:
+        grid = panel["gridPos"]
+        assert all(isinstance(grid[k], int) for k in ("x", "y", "w", "h")), panel["title"]
+        assert grid["x"] + grid["w"] <= 24, f"{panel['title']} is wider than the 24-column grid"
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        refs = [t["refId"] for t in panel["targets"]]
+        assert refs, panel["title"]
+        assert len(refs) == len(set(refs)), panel["title"]
+
+
+def test_dashboard_covers_what_an_operator_needs():
+    text = " ".join(_expressions())
+    needed = {
+        "throughput": "dataplane_put_bytes_total",
+        "latency percentiles": "histogram_quantile(0.99, sum by (le) "
+        "(rate(dataplane_put_latency_seconds_bucket",
+        "store fill": "dataplane_unit_capacity_bytes",
+        "claim wait": "dataplane_claim_wait_seconds_bucket",
+        "errors": "dataplane_errors_total",
+        "lost samples": "dataplane_units_lost_total",
+    }
+    missing = [topic for topic, expr in needed.items() if expr not in text]
+    assert not missing
+
+
+def _exported_names(service) -> set[str]:
+    url = f"http://{service.metrics_address}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names.update(s.name for s in family.samples)
+        if family.type == "histogram":  # a histogram with no observation yet has no samples
+            names.update(f"{family.name}{suffix}" for suffix in ("_bucket", "_sum", "_count"))
+        if family.type == "counter":
+            names.add(f"{family.name}_total")
+        else:
+            names.add(family.name)
+    return names
+
+
+def test_every_expression_uses_only_exported_metrics(service):
+    exported = _exported_names(service)
+    used = {name for expr in _expressions() for name in _METRIC.findall(expr)}
+    assert used
+    assert used <= exported, f"not exported: {sorted(used - exported)}"
+
+
+def test_promtool_parses_every_expression(tmp_path):
+    promtool = promtool_or_skip()
+    # promtool has no "check expression"; a rule file with one recording rule per
+    # panel query makes it parse each one as PromQL.
+    rules = []
+    for i, expr in enumerate(_expressions()):
+        for macro, value in _GRAFANA_MACROS.items():
+            expr = expr.replace(macro, value)
+        rules.append({"record": f"dashboard:query_{i}", "expr": expr})
+    path = tmp_path / "dashboard-rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    proc = subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_missing_promtool_fails_under_ci_and_skips_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # a folder without promtool
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="apt-get install prometheus"):
+        promtool_or_skip()
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception):
+        promtool_or_skip()
+
+
+def _series_of(text: str) -> list[dict]:
+    """A /metrics scrape as promtool input series, each value held for 10 minutes."""
+    series = []
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            series.append({"series": f"{s.name}{{{labels}}}", "values": f"{s.value}+0x10"})
+    return series
+
+
+def _panel(title: str) -> dict:
+    [panel] = [p for p in _dashboard()["panels"] if p["title"] == title]
+    return panel
+
+
+def test_the_claim_wait_panel_shows_zero_on_a_fresh_service_not_no_data(service_factory, tmp_path):
+    """A service nobody has claimed from: its histogram has no buckets yet and no claim
+    has timed out. Each query of the panel, evaluated by promtool over that scrape, is one
+    sample of 0 (Grafana's "no data" was an empty or NaN result)."""
+    promtool = promtool_or_skip()
+    fresh = service_factory("dash-fresh", num_storage_units=1)
+    with urllib.request.urlopen(f"http://{fresh.metrics_address}/metrics", timeout=10) as r:
+        scrape = r.read().decode()
+    tests = []
+    for target in _panel("Claim wait")["targets"]:
+        expr = target["expr"]
+        for macro, value in _GRAFANA_MACROS.items():
+            expr = expr.replace(macro, value)
+        tests.append({"expr": expr, "eval_time": "10m", "exp_samples": [{"value": 0}]})
+    unit = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [
+            {"interval": "1m", "input_series": _series_of(scrape), "promql_expr_test": tests}
+        ],
+    }
+    path = tmp_path / "fresh-service-test.yaml"
+    path.write_text(yaml.safe_dump(unit))
+    proc = subprocess.run(
+        [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
