@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from dataclasses import dataclass
 
 import ray
 
@@ -58,6 +59,15 @@ from dataplane_server.core.journal import Journal
 from dataplane_server.core.keyspace import CommitPlan, KeySpace, Partition, PolicyCall, declare
 from dataplane_server.core.retention import EmptiedPartitions
 from dataplane_server.core.stats import Stats
+
+
+@dataclass(frozen=True)
+class Removed:
+    """Samples journaled as removed and forgotten, whose bytes the units are to free."""
+
+    partition_id: str
+    targets: dict[int, list[str]]  # unit -> ids
+    births: dict[str, int]  # id -> birth (journal.py)
 
 
 @ray.remote
@@ -184,28 +194,30 @@ class Controller(Inspection, AsyncRLVerbs):
                 state[pid]["removed"] = [[sid, born] for sid, born in freeing.items()]
         return state
 
-    def _remove_rows(self, record: str, part: Partition, rows, *extra) -> dict[int, list[str]]:
+    def _remove_rows(self, record: str, part: Partition, rows, *extra) -> Removed:
         """Journal a removal of ``rows`` (a "clear" record, or "dropped" with its counts in
-        ``extra``), then forget them; returns their ids per live unit, for ``_free``."""
+        ``extra``), then forget them; what ``_free`` frees on the units."""
         ids, births = self.keys.removal_record(part, rows)
         self._log(record, part.partition_id, *extra, ids, births)
-        targets = self.keys.clear_rows(part, rows)
-        freeing = self._freeing.setdefault(part.partition_id, {})
-        freeing.update(zip(ids, births))
+        removed = Removed(
+            part.partition_id, self.keys.clear_rows(part, rows), dict(zip(ids, births))
+        )
+        self._freeing.setdefault(part.partition_id, {}).update(removed.births)
         self._compact_if_due()
-        return targets
+        return removed
 
-    async def _free(self, partition_id: str, targets: dict[int, list[str]]) -> int:
-        """Free removed samples' bytes on their units; from then on no snapshot names them."""
+    async def _free(self, removed: Removed) -> int:
+        """Free removed samples' bytes on their units; from then on no snapshot names them
+        (unless the same id was removed again meanwhile: a later birth stays named)."""
         try:
-            return await unit_calls.free(self.units, partition_id, targets)
+            return await unit_calls.free(self.units, removed.partition_id, removed.targets)
         finally:
-            freeing = self._freeing.get(partition_id, {})
-            for ids in targets.values():
-                for sid in ids:
-                    freeing.pop(sid, None)
+            freeing = self._freeing.get(removed.partition_id, {})
+            for sid, born in removed.births.items():
+                if freeing.get(sid) == born:
+                    del freeing[sid]
             if not freeing:
-                self._freeing.pop(partition_id, None)
+                self._freeing.pop(removed.partition_id, None)
 
     @served
     def unit_handles(self) -> list:
@@ -609,12 +621,12 @@ class Controller(Inspection, AsyncRLVerbs):
             return await self.delete_partition(partition_id)
         ids = arguments.id_list(sample_ids, partition_id=partition_id)
         part, rows = self.keys.rows_to_clear(partition_id, ids)
-        targets = self._remove_rows("clear", part, rows)
+        removed = self._remove_rows("clear", part, rows)
         if not part.num_samples:
             self._emptied.emptied(partition_id)
         self.changes.notify(partition_id)
         failpoints.die_once_if_armed(failpoints.CLEAR_BEFORE_FREE)  # journaled, not freed
-        freed = await self._free(partition_id, targets)
+        freed = await self._free(removed)
         self.stats.inc("cleared_samples_total", len(ids))
         await self._apply_retention()
         return ClearResult(cleared=len(ids), bytes_freed=freed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from dataplane_client.wire import arguments
 from dataplane_client.wire.messages import Capabilities, ClaimRequest, ClearResult, RolloutGrant
@@ -52,8 +53,8 @@ class AsyncRLVerbs:
     def _log(self, *record) -> None: ...
     def _compact_if_due(self) -> None: ...
 
-    _remove_rows: Callable[..., dict[int, list[str]]]
-    _free: Callable[[str, dict[int, list[str]]], Awaitable[int]]
+    _remove_rows: Callable[..., Any]  # -> actor.Removed (the actor imports this module)
+    _free: Callable[[Any], Awaitable[int]]
 
     @served
     async def set_policy_version(self, partition_id: str, version: int) -> int:
@@ -82,14 +83,14 @@ class AsyncRLVerbs:
         """Journal, forget and free a removal; returns how many samples went."""
         pid = removal.part.partition_id
         ids = removal.ids  # before the rows are forgotten
-        targets = self._remove_rows(
+        removed = self._remove_rows(
             "dropped", removal.part, removal.rows, dict(removal.per_task), removal.evicted
         )
         async_rl.count_removal(removal, ids)
         self.stats.inc("stale_samples_dropped_total", len(removal.rows) - removal.evicted)
         self.stats.inc("samples_evicted_total", removal.evicted)
         self.changes.notify(pid)
-        await self._free(pid, targets)
+        await self._free(removed)
         return len(removal.rows)
 
     # ---- rollout admission -----------------------------------------------------------
@@ -145,8 +146,7 @@ class AsyncRLVerbs:
     async def clear_versions(self, partition_id: str, lowest: int, highest: int) -> ClearResult:
         """Retire whole generations: every sample whose version is in [lowest, highest]."""
         part, rows = async_rl.versions_range(self.keys, partition_id, lowest, highest)
-        targets = self._remove_rows("clear", part, rows)
-        freed = await self._free(partition_id, targets)
+        freed = await self._free(self._remove_rows("clear", part, rows))
         self.stats.inc("cleared_samples_total", len(rows))
         self.changes.notify(partition_id)
         return ClearResult(cleared=len(rows), bytes_freed=freed)
