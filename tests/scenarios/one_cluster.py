@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: polling
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: polling
 
 import cross_node_reads
 import multinode
