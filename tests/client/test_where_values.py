@@ -122,7 +122,9 @@ HOSTILE = {
 def test_a_hostile_string_is_refused_in_linear_time(shape):
     """Under the length bound the parser reads it: 32 KB first (a quadratic parse takes
     seconds there), then the issue's 60 KB (5-97 s before); past the bound, 1 MB is refused
-    unread. 0.5 s is 10x the issue's 50 ms, room for a loaded CI machine."""
+    unread. 3 s is far above what a linear parse takes (ms) and below what the quadratic
+    one took at 60 KB (5-97 s): room for a machine running other tests beside this one.
+    The speed itself is measured where the issue's 50 ms is judged, not here."""
     for n in (32 << 10, 60_000, 1 << 20):
         text = HOSTILE[shape](n)
         t0 = time.perf_counter()
@@ -130,7 +132,7 @@ def test_a_hostile_string_is_refused_in_linear_time(shape):
             parse(text)
         took = time.perf_counter() - t0
         print(f"{shape}: {len(text)} chars refused in {took * 1000:.2f} ms")
-        assert took < 0.5, f"{shape}: {len(text)} chars took {took:.2f} s to refuse"
+        assert took < 3.0, f"{shape}: {len(text)} chars took {took:.2f} s to refuse"
         assert ("characters, more than 65536" in str(refused.value)) == (len(text) > 65536)
 
 
@@ -148,7 +150,7 @@ def test_a_long_valid_string_parses_in_linear_time():
     print(f"{len(got)} comparisons, {len(text)} chars parsed in {took * 1000:.1f} ms")
     assert got[-1] == TagFilter(f"t{3_899 % 7}", ">=", 3_899.5)
     assert len(got) == 3_900
-    assert took < 0.5
+    assert took < 5.0  # ~11 ms here: a guard against a pathological parse, not a timing
 
 
 # The parser before issue 35, verbatim: the reference the new one must agree with.
