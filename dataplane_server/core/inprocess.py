@@ -15,7 +15,8 @@ object fields and ``overwrite``. Not here (Ray only):
 
 Thread-safe: one lock around the key space and the store; a blocking claim
 waits on a condition that every commit, clear and registration notifies, so a
-claim in one thread is served by a put in another.
+claim in one thread is served by a put in another. What it does after each wake
+and when it gives up is the controller's too (``core/claim_wait.py``).
 """
 
 from __future__ import annotations
@@ -35,11 +36,7 @@ from dataplane_client.codec.tensordict_io import to_tensordict
 from dataplane_client.interface import DataPlaneService, service_verbs
 from dataplane_client.wire import arguments, group_fields
 from dataplane_client.wire.encoded import EncodedField, row_byte_offsets
-from dataplane_client.wire.errors import (
-    ClaimTimeout,
-    ServiceUnavailable,
-    UnknownPartition,
-)
+from dataplane_client.wire.errors import ServiceUnavailable
 from dataplane_client.wire.messages import (
     Capabilities,
     ClaimRequest,
@@ -57,7 +54,7 @@ from dataplane_client.wire.messages import (
 )
 from dataplane_client.wire.meta import KVBatchMeta
 from dataplane_client.wire.version import __version__
-from dataplane_server.core import async_rl, views
+from dataplane_server.core import async_rl, claim_wait, views
 from dataplane_server.core.keyspace import CommitPlan, KeySpace, declare
 
 _UNIT = 0  # the one in-memory "storage unit" every sample lives on
@@ -358,63 +355,37 @@ class InProcessDataPlaneClient(DataPlaneService):
                 max_staleness=max_staleness,
             )
         )
-        task_name, required = request.task_name, request.required_fields
-        batch_size, blocking = request.batch_size, request.blocking
-        deadline = time.monotonic() + request.timeout_s
         with self._changed:
             keys = self._open()
-            part = keys.partition(partition_id)
-            keys.task_of(part, task_name)
-            policy = keys.claim_policy(
-                part,
-                request.claim_policy,
-                request.policy_options,
-                request.where,
-                request.max_staleness,
-            )
+            part, task, policy = keys.claim_setup(request)
             self._remove(keys, async_rl.stale_removal(keys, part))
-            meta = keys.claim(
-                part,
-                task_name,
-                required,
-                batch_size,
-                partial_ok=not blocking,
-                dp_rank=request.dp_rank,
-                policy=policy,
-            )
-            while meta is None and blocking:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    have = keys.ready_count(part, task_name, required, batch_size, policy)
-                    raise ClaimTimeout(
-                        f"only {have} of {batch_size} samples ready after {request.timeout_s}s "
-                        f"(task {task_name!r})",
-                        fields=required,
-                        partition_id=partition_id,
-                    )
-                expiry = keys.next_lease_expiry(part, task_name)
-                if expiry is not None:  # wake when a lease runs out, too
-                    remaining = min(remaining, max(expiry - keys.clock(), 0.001))
-                self._changed.wait(remaining)
-                if self._keys is None:
-                    raise ServiceUnavailable("this in-process client was closed during the claim")
-                if keys.partitions.get(partition_id) is not part:
-                    raise UnknownPartition(
-                        "partition deleted while the claim waited", partition_id=partition_id
-                    )
-                meta = keys.claim(
+
+            def claim(partial_ok: bool) -> KVBatchMeta | None:
+                return keys.claim(
                     part,
-                    task_name,
-                    required,
-                    batch_size,
-                    partial_ok=False,
+                    task,
+                    request.required_fields,
+                    request.batch_size,
+                    partial_ok=partial_ok,
                     dp_rank=request.dp_rank,
                     policy=policy,
                 )
+
+            meta = claim(not request.blocking)
+            if meta is None and request.blocking:
+                steps = claim_wait.waiting(keys, part, request, policy, lambda: claim(False))
+                meta = claim_wait.drive(steps, self._wait_for_change)
             if meta is None:
                 return request.nothing_due()
             self._notify()  # trained samples make room for waiting rollout admissions
             return meta
+
+    def _wait_for_change(self, seconds: float) -> None:
+        """A waiting claim's sleep (holding the condition): until notified or ``seconds``
+        passed; ServiceUnavailable when the client was closed meanwhile."""
+        self._changed.wait(seconds)
+        if self._keys is None:
+            raise ServiceUnavailable("this in-process client was closed during the claim")
 
     def ack(self, meta: KVBatchMeta) -> int:
         """Acknowledge a leased claim (or a slice of it): its samples are done for its task."""
@@ -604,7 +575,7 @@ class InProcessDataPlaneClient(DataPlaneService):
             max_staleness=max_staleness,
         )
         with self._changed:
-            return async_rl.peek(self._open(), request)
+            return async_rl.peek(self._open(), arguments.claim_request(request))
 
     def ready_depth(
         self, partition_id: str, task_names: Sequence[str], required_fields: Sequence[str] = ()
