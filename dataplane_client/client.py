@@ -6,12 +6,15 @@ our typed extras of :class:`~dataplane_client.interface.DataPlaneService` (async
 twins, leases and ``ack``, ``delete_partition``, inspection), plus Ray-only ones
 (``checkpoint``, ``restore``) and object fields.
 
-Every verb is written once and gets its ``*_async`` twin from ``_Verb``. A
-verb of several steps (put, get) is a *flow*: a generator that yields lists of
-Ray ObjectRefs (or futures of a batcher's answers) and receives their results
-(an exception in place of a result that failed); ``_run_sync`` drives it with
-``ray.get``, ``_run_async`` with ``await``, so the twins never block an event loop. A verb of one controller
-call just returns that call's ObjectRef.
+Every verb is declared once, in the interface (``@verb``: signature, docstring,
+argument checks), and this class writes its body ``_name``, which gets the checked
+arguments and serves both the verb and its ``*_async`` twin. A body of several
+steps (put, get, claim) is a *flow*: a generator that yields lists of Ray ObjectRefs
+(or futures of a batcher's answers) and receives their results (an exception in
+place of a result that failed); ``_run_sync`` drives it with ``ray.get``,
+``_run_async`` with ``await``, so the twins never block an event loop. A body of
+one controller call just returns that call's ObjectRef (``_get_sync`` /
+``_get_async`` wait on it).
 
 Data path of a put: wait for one of this process's put credits (``admission``)
 -> encode (zero-copy views of the caller's tensors) -> split rows by storage
@@ -35,26 +38,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import itertools
 import threading
 import time
 import uuid
 import zlib
-from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import ray
 import torch
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError, RayTaskError
 
-from dataplane_client.codec import devices, prepare
+from dataplane_client.codec import prepare
 from dataplane_client.codec.assembly import assemble_fields
 from dataplane_client.codec.tensordict_io import to_tensordict
 from dataplane_client.interface import DataPlaneClient as DataPlaneClient  # re-exported
-from dataplane_client.interface import DataPlaneService, service_verbs
+from dataplane_client.interface import DataPlaneService, awaitable, checked, service_verbs, verb
 from dataplane_client.transport import placement
 from dataplane_client.transport.actor_states import ActorStates
 from dataplane_client.transport.admission import Admission
@@ -76,18 +78,12 @@ from dataplane_client.wire.errors import (
     UnknownPartition,
 )
 from dataplane_client.wire.messages import (
-    Capabilities,
     ClaimOutcome,
     ClaimRequest,
-    ClearResult,
     CommitRequest,
     FieldCodecs,
-    PartitionDescription,
     PartitionSpec,
     RolloutGrant,
-    ServiceInfo,
-    StalenessSpec,
-    TaskConsumption,
     WriterLoad,
 )
 from dataplane_client.wire.meta import KVBatchMeta
@@ -256,41 +252,15 @@ async def _get_async(ref: Any) -> Any:
         raise _unwrap(e) from None
 
 
-class _Verb:
-    """A client verb written once: the class gets ``name`` and its awaitable ``name_async``.
-
-    ``body`` takes the verb's arguments and returns what ``run_sync`` /
-    ``run_async`` complete: a flow, or one ObjectRef.
-    """
-
-    def __init__(self, body, run_sync, run_async):
-        self.body, self.run_sync, self.run_async = body, run_sync, run_async
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        body, run_sync, run_async = self.body, self.run_sync, self.run_async
-
-        @functools.wraps(body)
-        def sync(self, *args, **kwargs):
-            self._check_open()
-            return run_sync(body(self, *args, **kwargs))
-
-        @functools.wraps(body)
-        async def twin(self, *args, **kwargs):
-            self._check_open()
-            return await run_async(body(self, *args, **kwargs))
-
-        twin.__name__ = f"{name}_async"
-        twin.__qualname__ = f"{owner.__qualname__}.{name}_async"
-        setattr(owner, name, sync)
-        setattr(owner, twin.__name__, twin)
+def _complete_sync(result: Flow | Any) -> Any:
+    """A verb body's result completed: a flow driven, one ObjectRef (or Future) waited on."""
+    return _run_sync(result) if isinstance(result, Generator) else _get_sync(result)
 
 
-def _flow_verb(body):
-    return _Verb(body, _run_sync, _run_async)
-
-
-def _rpc_verb(body):
-    return _Verb(body, _get_sync, _get_async)
+async def _complete_async(result: Flow | Any) -> Any:
+    if isinstance(result, Generator):
+        return await _run_async(result)
+    return await _get_async(result)
 
 
 def _claim_answer(request: ClaimRequest, outcome: ClaimOutcome) -> KVBatchMeta:
@@ -412,15 +382,6 @@ class RayDataPlaneClient(DataPlaneService):
     either completes or raises ``ServiceUnavailable``.
     """
 
-    if TYPE_CHECKING:
-        # Each verb's _Verb adds its awaitable twin to the class (``_Verb.__set_name__``),
-        # replacing DataPlaneService's thread-running default with one that awaits the
-        # ObjectRefs. The twins DataPlaneService declares are typed there; the Ray-only
-        # verbs' twins are declared here, Any like the verbs (their decorator is untyped).
-        # claim_meta_async is written by hand below: it goes through the claim batcher.
-        checkpoint_async: Callable[..., Awaitable[Any]]
-        restore_async: Callable[..., Awaitable[Any]]
-
     def __init__(self, controller: Any, name: str = "dataplane", namespace: str = "dataplane"):
         self.name, self.namespace = name, namespace
         self._controller = controller
@@ -465,8 +426,15 @@ class RayDataPlaneClient(DataPlaneService):
             raise ServiceUnavailable(f"this client of {self.name!r} was closed")
         return controller
 
+    # ---- how a verb runs: its body's flow or ObjectRef, waited on or awaited ----------
     def _check_open(self) -> None:
         self._open_controller()
+
+    def _run_verb(self, body: Callable[[], Any]) -> Any:
+        return _complete_sync(body())
+
+    async def _run_verb_async(self, body: Callable[[], Any]) -> Any:
+        return await _complete_async(body())
 
     def _open_transport(self) -> Transport:
         """The transport to the units; ServiceUnavailable once the client is closed."""
@@ -548,119 +516,42 @@ class RayDataPlaneClient(DataPlaneService):
         self._alive = list(routing.alive)
 
     # ---- partitions ---------------------------------------------------------------
-    @_flow_verb
-    def register_partition(
-        self,
-        partition_id: str,
-        fields: Sequence[str] = (),
-        num_samples: int | None = None,
-        consumer_tasks: Sequence[str] = (),
-        grpo_group_size: int | None = None,
-        enums: Mapping[str, Sequence[str]] | None = None,
-        *,
-        object_fields: Sequence[str] = (),
-        task_leases: Mapping[str, float] | None = None,
-        claim_policy: str | None = None,
-        policy_options: Mapping[str, Any] | None = None,
-        numeric_tags: Mapping[str, str] | None = None,
-        staleness: StalenessSpec | None = None,
-        group_fields: Sequence[str] = (),
-    ) -> Flow:
-        """Declare a partition; one of the same id is replaced (its samples deleted).
-
-        ``enums`` maps a field to its vocabulary: puts give strings, rows travel
-        as int32 codes, gets return the strings. Ours, opt-in: ``object_fields``
-        may hold msgpack values (any other non-tensor value is refused);
-        ``task_leases`` maps a consumer task to a lease in seconds: that task's
-        claims must be acknowledged with ``ack``, and samples whose lease runs
-        out are handed out again. ``claim_policy`` names how claims choose
-        samples (default ``"sequential"``, or ``"grpo_groups"`` with a group
-        size; also ``"seqlen_balanced"``), ``policy_options`` its options (e.g.
-        ``{"dp_size": 4}``); ``numeric_tags`` declares tags kept as typed
-        columns (e.g. ``{"policy_version": "int64"}``); ``staleness`` makes the partition
-        versioned (async RL: ``StalenessSpec``); ``group_fields`` names fields whose
-        value is one per GRPO group (the ``group_id`` tag): stored once per group, read
-        back by every member (needs ``grpo_group_size``).
-        """
-        # Every argument checked (in the controller's order) before anything is forgotten or sent.
-        spec = arguments.partition_spec(
-            PartitionSpec(
-                partition_id,
-                fields=fields,
-                num_samples=num_samples,
-                consumer_tasks=consumer_tasks,
-                grpo_group_size=grpo_group_size,
-                task_leases=task_leases,
-                enums=enums,
-                object_fields=object_fields,
-                claim_policy=claim_policy,
-                policy_options=policy_options,
-                numeric_tags=numeric_tags,
-                staleness=staleness,
-                group_fields=group_fields,
-            )
-        )
+    def _register_partition(self, spec: PartitionSpec) -> Flow:
         codecs = dataclasses.replace(
             arguments.field_codecs(spec.enums, spec.object_fields),
             group_fields=frozenset(spec.group_fields),
         )
-        self._forget(partition_id, None)
+        self._forget(spec.partition_id, None)
         _one((yield [self._open_controller().register_partition.remote(spec)]))
-        self._codecs[partition_id] = codecs
+        self._codecs[spec.partition_id] = codecs
 
-    @_rpc_verb
-    def delete_partition(self, partition_id: str) -> ClearResult:
-        """Delete the partition: its samples, bytes and declaration."""
+    def _delete_partition(self, partition_id: str) -> Any:
         self._forget(partition_id, None)
         return self._open_controller().delete_partition.remote(partition_id)
 
     # ---- put ----------------------------------------------------------------------
-    @_flow_verb
-    def put_samples(
-        self,
-        sample_ids: Sequence[str],
-        partition_id: str,
-        fields: Any = None,
-        tags: Sequence[dict] | None = None,
-        overwrite: bool = False,
-    ) -> Flow:
-        """Write fields of samples (new samples, or new fields of existing ones).
-
-        ``fields``: a TensorDict, dict or BatchedDataDict of one row per id.
-        ``overwrite`` (ours) replaces fields already produced.
-        """
+    def _put_samples(self, put: prepare.PutArguments) -> Flow:
         credit = self._admission.enter()
         try:
             admitted = (yield [credit])[0]
             _one([admitted])  # Overloaded when not admitted in time: nothing staged
             deadline = PutDeadline.after(self._stage_ttl_s)  # every later step runs against it
-            return (
-                yield from self._admitted_put(
-                    sample_ids, partition_id, fields, tags, overwrite, deadline
-                )
-            )
+            return (yield from self._admitted_put(put, deadline))
         finally:
             self._admission.leave(credit)
 
-    def _admitted_put(
-        self,
-        sample_ids: Sequence[str],
-        partition_id: str,
-        fields: Any,
-        tags: Sequence[dict] | None,
-        overwrite: bool,
-        deadline: PutDeadline,
-    ) -> Flow:
+    def _admitted_put(self, put: prepare.PutArguments, deadline: PutDeadline) -> Flow:
         """A put holding a credit: encoded, then staged and committed (``_put_flow``)."""
+        partition_id = put.partition_id
         codecs = yield from self._codecs_of(partition_id)
-        w = prepare.write(sample_ids, partition_id, fields, tags, overwrite, codecs)
+        w = prepare.write(put, codecs)
         try:
             return (yield from self._put_making_room(partition_id, w, codecs.key, deadline))
         except CodecsChanged:
             # Registered again with another vocabulary since we cached it: encode anew.
             self._drop_codecs(partition_id)
             codecs = yield from self._codecs_of(partition_id)
-            w = prepare.write(sample_ids, partition_id, fields, tags, overwrite, codecs)
+            w = prepare.write(put, codecs)
             return (yield from self._put_making_room(partition_id, w, codecs.key, deadline))
 
     def _put_making_room(
@@ -828,49 +719,24 @@ class RayDataPlaneClient(DataPlaneService):
         self._open_controller().report_writer_load.remote(self._load())
 
     # ---- get ----------------------------------------------------------------------
-    @_flow_verb
-    def get_samples(
-        self,
-        sample_ids: Sequence[str],
-        partition_id: str,
-        select_fields: Sequence[str],
-        device: Any = None,
+    def _get_data(
+        self, meta: KVBatchMeta, sample_ids: list[str], fields: list[str], device: Any
     ) -> Flow:
-        """Read fields of samples as a TensorDict in ``sample_ids`` order (touches no cursor);
-        ``device`` (ours): its tensors on that device (None: in host memory)."""
-        return self._read(sample_ids, partition_id, select_fields, device)
+        """A claimed meta says where its rows live (``routes``): read straight from the units."""
+        hints = routes.hinted(meta.extra_info, sample_ids)
+        return self._get_samples(sample_ids, meta.partition_id, fields, device, hints)
 
-    @_flow_verb
-    def get_data(
-        self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None, device: Any = None
-    ) -> Flow:
-        """Read a meta's samples as a TensorDict: ``select_fields``, else the meta's fields;
-        ``device`` (ours): its tensors on that device (None: in host memory). A claimed
-        meta says where its rows live (``routes``): read straight from the units."""
-        meta = arguments.batch_meta(meta, "get_data")
-        hints = routes.hinted(meta.extra_info, meta.sample_ids)
-        return self._read(
-            meta.sample_ids,
-            meta.partition_id,
-            prepare.read_fields(meta, select_fields),
-            device,
-            hints,
-        )
-
-    def _read(
+    def _get_samples(
         self,
-        sample_ids: Sequence[str],
+        ids: list[str],
         partition_id: str,
-        fields: Sequence[str],
-        device: Any,
+        names: list[str],
+        to: torch.device | None,
         hints: tuple[str | None, np.ndarray, np.ndarray] | None = None,
     ) -> Flow:
-        """The get flow, once its arguments are valid (checked before anything is sent):
-        straight from the units where the rows' (unit, generation) are known (the meta's
-        ``hints``, else this client's route cache), else located by the controller."""
-        ids = arguments.id_list(sample_ids, partition_id=arguments.partition_name(partition_id))
-        names = arguments.name_list(fields, "select_fields")
-        to = devices.parse_device(device)
+        """The get flow, of checked arguments: straight from the units where the rows'
+        (unit, generation) are known (the meta's ``hints``, else this client's route
+        cache), else located by the controller."""
         cached = hints is None
         if cached and self._direct_backoff.try_direct(partition_id):
             known = self._routes.routes(partition_id, ids)
@@ -1026,12 +892,16 @@ class RayDataPlaneClient(DataPlaneService):
                 )
             return self._batcher
 
-    def _claim_request(self, *args: Any, **kwargs: Any) -> ClaimRequest:
-        """A ``claim_meta`` call as a checked ``ClaimRequest`` (each error names its argument)
-        with a request id of its own, checked before anything is sent."""
-        self._check_open()
-        request = ClaimRequest(*args, **kwargs)
-        return arguments.claim_request(dataclasses.replace(request, request_id=uuid.uuid4().hex))
+    def _claim_meta(self, request: ClaimRequest) -> Flow:
+        """The claim goes to the controller with this client's concurrent ones (the claim
+        batcher's answer, a Future, is waited on like a ref); a blocking one with nothing
+        due then waits at the controller, alone, for what is left of its timeout."""
+        started = time.monotonic()
+        request = dataclasses.replace(request, request_id=uuid.uuid4().hex)
+        outcome = _one((yield [self._claims().submit(request)]))
+        if outcome.must_wait:
+            return _one((yield [self._wait_claim(request, started)]))
+        return _claim_answer(request, outcome)
 
     def _wait_claim(self, request: ClaimRequest, started: float) -> Any:
         """A blocking claim with nothing due when its batch was served: now a claim of its
@@ -1041,228 +911,65 @@ class RayDataPlaneClient(DataPlaneService):
             dataclasses.replace(request, timeout_s=left)
         )
 
-    def claim_meta(
-        self,
-        partition_id: str,
-        task_name: str,
-        required_fields: Sequence[str],
-        batch_size: int,
-        dp_rank: int | None = None,
-        blocking: bool = True,
-        timeout_s: float = 60.0,
-        *,
-        claim_policy: str | None = None,
-        policy_options: Mapping[str, Any] | None = None,
-        where: Any = None,
-        max_staleness: int | None = None,
-    ) -> KVBatchMeta:
-        """Claim up to ``batch_size`` ready samples the task has not consumed yet (a
-        non-blocking claim with nothing due: an empty meta).
+    def _ack(self, partition_id: str, task: str, ids: list[str], lease_id: int) -> Any:
+        return self._open_controller().ack.remote(partition_id, task, ids, lease_id)
 
-        ``claim_policy`` overrides the partition's for this claim (``policy_options``:
-        its options, over the partition's when it is the partition's own policy).
-        ``where`` keeps only samples whose numeric tags pass every comparison (e.g.
-        ``"reward_std > 0"``); ``max_staleness`` tightens a versioned partition's window.
-        Concurrent claims of this client (threads and coroutines alike) share one
-        controller call (``ClaimBatcher``); each still gets its own answer, error and
-        timeout.
-        """
-        started = time.monotonic()
-        request = self._claim_request(
-            partition_id,
-            task_name,
-            required_fields,
-            batch_size,
-            dp_rank,
-            blocking,
-            timeout_s=timeout_s,
-            claim_policy=claim_policy,
-            policy_options=policy_options,
-            where=where,
-            max_staleness=max_staleness,
-        )
-        outcome = self._claims().submit(request).result()
-        if outcome.must_wait:
-            return _get_sync(self._wait_claim(request, started))
-        return _claim_answer(request, outcome)
+    def _reset_consumption(self, partition_id: str, task_name: str) -> Any:
+        return self._open_controller().reset_consumption.remote(partition_id, task_name)
 
-    async def claim_meta_async(
-        self,
-        partition_id: str,
-        task_name: str,
-        required_fields: Sequence[str],
-        batch_size: int,
-        dp_rank: int | None = None,
-        blocking: bool = True,
-        timeout_s: float = 60.0,
-        *,
-        claim_policy: str | None = None,
-        policy_options: Mapping[str, Any] | None = None,
-        where: Any = None,
-        max_staleness: int | None = None,
-    ) -> KVBatchMeta:
-        """``claim_meta``, awaitable: it never blocks the event loop."""
-        started = time.monotonic()
-        request = self._claim_request(
-            partition_id,
-            task_name,
-            required_fields,
-            batch_size,
-            dp_rank,
-            blocking,
-            timeout_s=timeout_s,
-            claim_policy=claim_policy,
-            policy_options=policy_options,
-            where=where,
-            max_staleness=max_staleness,
-        )
-        outcome = await asyncio.wrap_future(self._claims().submit(request))
-        if outcome.must_wait:
-            return await _get_async(self._wait_claim(request, started))
-        return _claim_answer(request, outcome)
+    def _check_consumption_status(self, partition_id: str, task_names: list[str]) -> Any:
+        return self._open_controller().check_consumption_status.remote(partition_id, task_names)
 
-    @_rpc_verb
-    def ack(self, meta: KVBatchMeta) -> int:
-        """Acknowledge a leased claim (or a slice of it): its samples are done for its task.
+    def _consumption_detail(self, partition_id: str, task_names: list[str]) -> Any:
+        return self._open_controller().consumption_detail.remote(partition_id, task_names)
 
-        Late acks are harmless while nobody re-claimed the samples; once another
-        claim holds them, the ack raises LeaseExpired and changes nothing.
-        """
-        return self._open_controller().ack.remote(*arguments.lease_ack(meta))
+    def _describe_partition(self, partition_id: str) -> Any:
+        return self._open_controller().describe_partition.remote(partition_id)
 
-    @_rpc_verb
-    def reset_consumption(self, partition_id: str, task_name: str) -> None:
-        """Make every sample of the partition claimable again by the task."""
-        return self._open_controller().reset_consumption.remote(
-            arguments.partition_name(partition_id), arguments.name(task_name, "task_name")
-        )
-
-    @_rpc_verb
-    def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool:
-        """True iff every named task has consumed every sample of the partition."""
-        return self._open_controller().check_consumption_status.remote(
-            arguments.partition_name(partition_id), arguments.name_list(task_names, "task_names")
-        )
-
-    @_rpc_verb
-    def consumption_detail(
-        self, partition_id: str, task_names: Sequence[str]
-    ) -> list[TaskConsumption]:
-        """Per task: consumed / total / expected, held leases and redeliveries."""
-        return self._open_controller().consumption_detail.remote(
-            arguments.partition_name(partition_id), arguments.name_list(task_names, "task_names")
-        )
-
-    @_rpc_verb
-    def describe_partition(self, partition_id: str) -> PartitionDescription:
-        return self._open_controller().describe_partition.remote(
-            arguments.partition_name(partition_id)
-        )
-
-    @_rpc_verb
-    def service_info(self) -> ServiceInfo:
-        """Units, bytes held and capacity (rollout actors back off on this)."""
+    def _service_info(self) -> Any:
         return self._open_controller().service_info.remote()
 
     # ---- async RL: versions, admission, introspection ------------------------------
-    @_rpc_verb
-    def set_policy_version(self, partition_id: str, version: int) -> int:
-        """Publish the trainer's policy version (never backwards: VersionRegression)."""
-        return self._open_controller().set_policy_version.remote(
-            arguments.partition_name(partition_id), version
-        )
+    def _set_policy_version(self, partition_id: str, version: int) -> Any:
+        return self._open_controller().set_policy_version.remote(partition_id, version)
 
-    @_rpc_verb
-    def policy_version(self, partition_id: str) -> int:
-        return self._open_controller().policy_version.remote(arguments.partition_name(partition_id))
+    def _policy_version(self, partition_id: str) -> Any:
+        return self._open_controller().policy_version.remote(partition_id)
 
-    @_rpc_verb
-    def admit_rollouts(
-        self,
-        partition_id: str,
-        n: int,
-        *,
-        wait: bool = False,
-        timeout_s: float = 60.0,
-        lease_s: float = 300.0,
-    ) -> RolloutGrant | None:
-        """Ask to start ``n`` trajectories at the current version (see ``StalenessSpec``):
-        a grant, None when there is no room and ``wait`` is False, AdmissionTimeout when
-        waiting ran out. Release it with ``release_rollouts`` once its samples are put."""
+    def _admit_rollouts(
+        self, partition_id: str, n: int, wait: bool, timeout_s: float, lease_s: float
+    ) -> Any:
         return self._open_controller().admit_rollouts.remote(
-            arguments.partition_name(partition_id), n, wait, timeout_s, lease_s
+            partition_id, n, wait, timeout_s, lease_s
         )
 
-    @_rpc_verb
-    def release_rollouts(self, grant: RolloutGrant) -> bool:
-        grant = arguments.rollout_grant(grant)
+    def _release_rollouts(self, grant: RolloutGrant) -> Any:
         return self._open_controller().release_rollouts.remote(grant.partition_id, grant.grant_id)
 
-    @_rpc_verb
-    def evict_samples(self, sample_ids: Sequence[str], partition_id: str) -> int:
-        """Evict samples by id: cleared, counted as evicted and listed as recently dropped."""
-        ids = arguments.id_list(sample_ids, partition_id=arguments.partition_name(partition_id))
+    def _evict_samples(self, ids: list[str], partition_id: str) -> Any:
         self._forget(partition_id, ids)
         return self._open_controller().evict_samples.remote(partition_id, ids)
 
-    @_rpc_verb
-    def peek_meta(
-        self,
-        partition_id: str,
-        task_name: str,
-        required_fields: Sequence[str],
-        batch_size: int,
-        *,
-        where: Any = None,
-        max_staleness: int | None = None,
-    ) -> KVBatchMeta:
-        """The batch ``claim_meta`` would hand out now, without claiming it (empty: none)."""
-        raw: Any = ClaimRequest  # the caller's raw arguments; claim_request checks them
-        request = raw(
-            partition_id,
-            task_name,
-            required_fields,
-            batch_size,
-            None,
-            False,
-            where=where,
-            max_staleness=max_staleness,
-        )
-        return self._open_controller().peek_meta.remote(arguments.claim_request(request))
+    def _peek_meta(self, request: ClaimRequest) -> Any:
+        return self._open_controller().peek_meta.remote(request)
 
-    @_rpc_verb
-    def ready_depth(
-        self, partition_id: str, task_names: Sequence[str], required_fields: Sequence[str] = ()
-    ) -> dict[str, int]:
-        """Per task: samples it could claim now (within its staleness window)."""
-        return self._open_controller().ready_depth.remote(
-            arguments.partition_name(partition_id),
-            arguments.name_list(task_names, "task_names"),
-            arguments.name_list(required_fields, "required_fields", allow_empty=True),
-        )
+    def _ready_depth(
+        self, partition_id: str, task_names: list[str], required_fields: list[str]
+    ) -> Any:
+        return self._open_controller().ready_depth.remote(partition_id, task_names, required_fields)
 
-    @_rpc_verb
-    def capabilities(self) -> Capabilities:
+    def _capabilities(self) -> Any:
         return self._open_controller().capabilities.remote(service_verbs(type(self)))
 
-    @_rpc_verb
-    def ping(self) -> bool:
+    def _ping(self) -> Any:
         return self._open_controller().ping.remote()
 
     # ---- clear --------------------------------------------------------------------
-    @_rpc_verb
-    def clear_versions(self, partition_id: str, lowest: int, highest: int) -> ClearResult:
-        """Retire whole generations: every sample whose version is in [lowest, highest]."""
-        pid = arguments.partition_name(partition_id)
-        self._routes.forget(pid, None)
-        return self._open_controller().clear_versions.remote(pid, lowest, highest)
+    def _clear_versions(self, partition_id: str, lowest: int, highest: int) -> Any:
+        self._routes.forget(partition_id, None)
+        return self._open_controller().clear_versions.remote(partition_id, lowest, highest)
 
-    @_rpc_verb
-    def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> ClearResult:
-        """Forget samples and free their bytes; ``None`` deletes the whole partition."""
-        ids = (
-            None if sample_ids is None else arguments.id_list(sample_ids, partition_id=partition_id)
-        )
+    def _clear_samples(self, ids: list[str] | None, partition_id: str) -> Any:
         self._forget(partition_id, ids)
         return self._open_controller().clear.remote(partition_id, ids)
 
@@ -1281,16 +988,27 @@ class RayDataPlaneClient(DataPlaneService):
         self._routes.clear()
         self._codecs.clear()
 
-    @_rpc_verb
+    # ---- Ray only: the store to files and back ---------------------------------------
+    @verb
     def checkpoint(self, directory: str) -> str:
         """Save the whole store (declarations, samples, cursors, leases) to a new directory,
         reachable from every storage unit's node; returns its absolute path."""
-        return self._open_controller().checkpoint.remote(arguments.directory(directory))
+        return checked(arguments.directory(directory))
 
-    @_rpc_verb
+    checkpoint_async = awaitable(checkpoint)
+
+    @verb
     def restore(self, directory: str) -> int:
         """Load a checkpoint into this (empty) service; returns the number of samples."""
-        return self._open_controller().restore.remote(arguments.directory(directory))
+        return checked(arguments.directory(directory))
+
+    restore_async = awaitable(restore)
+
+    def _checkpoint(self, directory: str) -> Any:
+        return self._open_controller().checkpoint.remote(directory)
+
+    def _restore(self, directory: str) -> Any:
+        return self._open_controller().restore.remote(directory)
 
 
 def connect(

@@ -52,30 +52,45 @@ def sequence_lengths(encoded: Mapping[str, EncodedField]) -> list[int] | None:
     return None
 
 
-def write(
-    sample_ids: Any,
-    partition_id: str,
-    fields: Any,
-    tags: Any,
-    overwrite: Any,
-    codecs: FieldCodecs,
-) -> Write:
-    """A put's arguments checked and its fields encoded (TensorDict, dict or BatchedDataDict)."""
+@dataclass(frozen=True)
+class PutArguments:
+    """A put's arguments, checked: what ``write`` encodes once the partition's codecs are
+    known (its fields as a mapping of names to values, not encoded yet)."""
+
+    sample_ids: list[str]
+    partition_id: str
+    fields: Mapping[str, Any]
+    tags: list[dict] | None
+    overwrite: bool
+
+
+def put_arguments(
+    sample_ids: Any, partition_id: Any, fields: Any, tags: Any, overwrite: Any
+) -> PutArguments:
+    """A put's arguments checked, each error naming its argument (the fields a TensorDict,
+    dict or BatchedDataDict): all that is checked before the partition's codecs are known."""
+    partition_id = arguments.partition_name(partition_id)
     ids = arguments.id_list(sample_ids, partition_id=partition_id)
     tag_list = arguments.tag_list(tags, len(ids), partition_id=partition_id)
     if not isinstance(overwrite, bool):
         raise InvalidBatch(f"overwrite must be a bool, got {overwrite!r}")
-    fields = as_field_mapping(fields)
-    arguments.name_list(list(fields), "fields", allow_empty=True)  # names: non-empty UTF-8 str
+    mapping = as_field_mapping(fields)
+    arguments.name_list(list(mapping), "fields", allow_empty=True)  # names: non-empty UTF-8 str
+    return PutArguments(ids, partition_id, mapping, tag_list, overwrite)
+
+
+def write(put: PutArguments, codecs: FieldCodecs) -> Write:
+    """A checked put's fields encoded with the partition's codecs (``encode_fields``)."""
+    ids, partition_id = put.sample_ids, put.partition_id
     encoded = encode_fields(
-        fields,
+        put.fields,
         num_rows=len(ids),
         enums=codecs.enums,
         object_fields=codecs.object_fields,
     )
     lengths = sequence_lengths(encoded)  # per sample, before group fields are shared
-    put = group_fields.share(ids, tag_list, encoded, codecs.group_fields, partition_id)
-    return Write(ids, put.encoded, lengths, tag_list, overwrite, put.index, put.groups)
+    shared = group_fields.share(ids, put.tags, encoded, codecs.group_fields, partition_id)
+    return Write(ids, shared.encoded, lengths, put.tags, put.overwrite, shared.index, shared.groups)
 
 
 def read_fields(meta: KVBatchMeta, select_fields: Sequence[str] | None) -> list[str]:

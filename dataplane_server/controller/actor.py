@@ -55,6 +55,7 @@ from dataplane_server.controller.inspection import Inspection
 from dataplane_server.controller.verbs import served
 from dataplane_server.controller.writer_loads import WriterLoads
 from dataplane_server.core import recovery, unit_calls
+from dataplane_server.core.claim_wait import raise_if_unsatisfiable
 from dataplane_server.core.journal import Journal
 from dataplane_server.core.keyspace import CommitPlan, KeySpace, Partition, PolicyCall, declare
 from dataplane_server.core.retention import EmptiedPartitions
@@ -475,8 +476,9 @@ class Controller(Inspection, AsyncRLVerbs):
         and raises ClaimTimeout otherwise. A claim whose ``request_id`` was
         answered before (a retry after a controller restart) gets that answer.
         """
-        await self._drop_stale_before_claim(request)
-        request, part, policy, meta = self._claim_now(request)
+        request = arguments.claim_request(request)  # checked once, here
+        await self._drop_stale_before_claim(request.partition_id)
+        part, policy, meta = self._claim_now(request)
         if meta is None and request.blocking:
             t0 = time.monotonic()
             try:
@@ -486,11 +488,11 @@ class Controller(Inspection, AsyncRLVerbs):
                 self.stats.observe("claim_wait_seconds", time.monotonic() - t0)
         return meta
 
-    async def _drop_stale_before_claim(self, request: ClaimRequest) -> None:
+    async def _drop_stale_before_claim(self, partition_id: str) -> None:
         """A versioned partition that drops stale samples drops them before a claim chooses
         (a sample put with an old version is stale on arrival); what the claim may see is
         bounded by its window either way, so this is housekeeping, not the bound."""
-        part = self.keys.partitions.get(arguments.claim_request(request).partition_id)
+        part = self.keys.partitions.get(partition_id)
         if part is not None and part.versions is not None:
             await self._drop_stale(part)
 
@@ -509,28 +511,22 @@ class Controller(Inspection, AsyncRLVerbs):
         out = []
         for request in requests:
             try:
-                request, _, _, meta = self._claim_now(request)
+                request = arguments.claim_request(request)
+                _, _, meta = self._claim_now(request)
                 out.append(ClaimOutcome(meta=meta, must_wait=meta is None and request.blocking))
             except DataPlaneError as e:
                 self.stats.error(e)
                 out.append(ClaimOutcome(error=e))
         return out
 
-    def _claim_now(
-        self, request: ClaimRequest
-    ) -> tuple[ClaimRequest, Partition, PolicyCall, KVBatchMeta | None]:
-        """Check a claim (its policy and options too) and try it once; SamplesLost when a
-        blocking one can never be served. Returns the request as checked."""
-        request = arguments.claim_request(request)
-        part = self.keys.partition(request.partition_id)
-        task = self.keys.task_of(part, request.task_name)
-        policy = self.keys.claim_policy(
-            part, request.claim_policy, request.policy_options, request.where, request.max_staleness
-        )
+    def _claim_now(self, request: ClaimRequest) -> tuple[Partition, PolicyCall, KVBatchMeta | None]:
+        """Set up a checked claim (``KeySpace.claim_setup``: its policy and options too) and
+        try it once; SamplesLost when a blocking one can never be served."""
+        part, task, policy = self.keys.claim_setup(request)
         meta = self._claim(part, request, policy, not request.blocking)
         if meta is None and request.blocking:
-            claim_wait.raise_if_unsatisfiable(self.keys, part, task)
-        return request, part, policy, meta
+            raise_if_unsatisfiable(self.keys, part, task)
+        return part, policy, meta
 
     def _claim(
         self, part: Partition, request: ClaimRequest, policy: PolicyCall, partial_ok: bool
@@ -546,16 +542,7 @@ class Controller(Inspection, AsyncRLVerbs):
             self._log("filtered", part.partition_id, task, [part.ids[r] for r in refused.tolist()])
             self.keys.mark_filtered(part, task, refused)
             self.changes.notify(part.partition_id)
-        choice = self.keys.choose(
-            part,
-            task,
-            request.required_fields,
-            request.batch_size,
-            partial_ok=partial_ok,
-            dp_rank=request.dp_rank,
-            request_id=request_id,
-            policy=policy,
-        )
+        choice = self.keys.choose_for(request, part, policy, partial_ok=partial_ok)
         if choice is None:
             return None
         lease = part.declaration.task_leases.get(task)

@@ -167,7 +167,7 @@ class AsyncRLVerbs:
     @served
     def peek_meta(self, request: ClaimRequest) -> KVBatchMeta:
         """The batch a claim would get now; nothing is handed out."""
-        return async_rl.peek(self.keys, request)
+        return async_rl.peek(self.keys, arguments.claim_request(request))
 
     @served
     def ready_depth(

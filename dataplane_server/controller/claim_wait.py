@@ -1,35 +1,21 @@
-"""Blocking claims: where they wait, and what wakes them.
+"""Blocking claims: where they wait on the controller, and what wakes them.
 
-Each partition has one asyncio condition. A claim that found no batch due
-waits on it until a commit, clear, reset or unit loss wakes it (or a held
-lease of its task runs out), then tries again; it never blocks the event
-loop, so other callers are served meanwhile. It ends with a batch, or a typed
-error: the partition was deleted, the batch can never come (its samples were
-lost), or the deadline passed.
+Each partition has one asyncio condition. A claim that found no batch due waits on
+it until a commit, clear, reset or unit loss wakes it (or a held lease of its task
+runs out), then tries again; it never blocks the event loop, so other callers are
+served meanwhile. What to do after each wake and when to give up is the core's
+(``core/claim_wait.py``), shared with the in-process client.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
-from dataplane_client.wire.errors import ClaimTimeout, SamplesLost, UnknownPartition
 from dataplane_client.wire.messages import ClaimRequest
 from dataplane_client.wire.meta import KVBatchMeta
+from dataplane_server.core import claim_wait
 from dataplane_server.core.keyspace import KeySpace, Partition, PolicyCall
-
-
-def raise_if_unsatisfiable(keys: KeySpace, part: Partition, task: str) -> None:
-    """SamplesLost naming the lost ids when nothing but lost samples is left for the task."""
-    lost = keys.unsatisfiable(part, task)
-    if lost:
-        raise SamplesLost(
-            f"task {task!r} can never get a batch: every other sample of the partition is "
-            "done, and these were lost with their storage unit",
-            ids=lost,
-            partition_id=part.partition_id,
-        )
 
 
 class ClaimWaits:
@@ -60,36 +46,18 @@ class ClaimWaits:
         try_claim: Callable[[], KVBatchMeta | None],
     ) -> KVBatchMeta:
         """Call ``try_claim`` after each wake-up until it hands out a batch (``request``: the
-        checked claim, ``policy``: the claim policy it runs)."""
-        task, timeout_s = request.task_name, request.timeout_s
-        deadline = time.monotonic() + timeout_s
+        checked claim, ``policy``: the claim policy it runs): ``claim_wait.waiting``."""
         cond = self._changed.setdefault(part.partition_id, asyncio.Condition())
-        part.waiting_claims += 1
+        steps = claim_wait.waiting(keys, part, request, policy, try_claim)
         try:
             async with cond:
-                while (remaining := deadline - time.monotonic()) > 0:
-                    expiry = keys.next_lease_expiry(part, task)
-                    if expiry is not None:  # wake when a lease runs out, too
-                        remaining = min(remaining, max(expiry - keys.clock(), 0.001))
+                while True:
+                    seconds = next(steps)  # before cond.wait(): a finished wait makes none
                     try:
-                        await asyncio.wait_for(cond.wait(), timeout=remaining)
+                        await asyncio.wait_for(cond.wait(), timeout=seconds)
                     except asyncio.TimeoutError:
                         pass
-                    if keys.partitions.get(part.partition_id) is not part:
-                        raise UnknownPartition(
-                            "partition deleted while the claim waited",
-                            partition_id=part.partition_id,
-                        )
-                    meta = try_claim()
-                    if meta is not None:
-                        return meta
-                    raise_if_unsatisfiable(keys, part, task)
+        except StopIteration as stop:
+            return stop.value
         finally:
-            part.waiting_claims -= 1
-        required, batch_size = request.required_fields, request.batch_size
-        have = keys.ready_count(part, task, required, batch_size, policy)
-        raise ClaimTimeout(
-            f"only {have} of {batch_size} samples ready after {timeout_s}s (task {task!r})",
-            fields=required,
-            partition_id=part.partition_id,
-        )
+            steps.close()

@@ -149,16 +149,10 @@ class AdmissionAsk:
 
 
 def peek(keys: KeySpace, request: ClaimRequest) -> KVBatchMeta:
-    """The batch a claim would get now, handing nothing out (empty meta: none ready)."""
-    request = arguments.claim_request(request)
-    part = keys.partition(request.partition_id)
-    task = keys.task_of(part, request.task_name)
-    policy = keys.claim_policy(
-        part, request.claim_policy, request.policy_options, request.where, request.max_staleness
-    )
-    choice = keys.choose(
-        part, task, request.required_fields, request.batch_size, partial_ok=True, policy=policy
-    )
+    """The batch a (checked) claim would get now, handing nothing out (empty meta: none
+    ready)."""
+    part, task, policy = keys.claim_setup(request)
+    choice = keys.choose_for(request, part, policy, partial_ok=True)
     if choice is None:
         return KVBatchMeta(partition_id=part.partition_id, task_name=task, sample_ids=[])
     return keys.meta_of(part, dataclasses.replace(choice.answer, lease_id=None))

@@ -6,8 +6,10 @@ in-memory byte store, behind the same abstract
 :class:`~dataplane_client.interface.DataPlaneService` (NeMo-RL's
 ``DataPlaneClient`` and our typed extras). For users' unit tests and ours: code
 written against either ABC runs unchanged on either client, with the same
-semantics and the same typed errors. The extras: ``*_async`` twins (the ABC's
-defaults, which run the verb in a worker thread), ``ack``,
+semantics and the same typed errors: each verb is declared once, in the interface
+(signature, docstring, argument checks), and this class writes only its body
+(``_name``, the checked arguments in). The extras: ``*_async`` twins (the body run in a
+worker thread), ``ack``,
 ``reset_consumption``, ``delete_partition``, ``consumption_detail``,
 ``describe_partition``, ``service_info`` (one "unit": this process's memory),
 object fields and ``overwrite``. Not here (Ray only):
@@ -15,31 +17,29 @@ object fields and ``overwrite``. Not here (Ray only):
 
 Thread-safe: one lock around the key space and the store; a blocking claim
 waits on a condition that every commit, clear and registration notifies, so a
-claim in one thread is served by a put in another.
+claim in one thread is served by a put in another. What it does after each wake
+and when it gives up is the controller's too (``core/claim_wait.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from dataplane_client.codec import devices, prepare
+from dataplane_client.codec import prepare
 from dataplane_client.codec.assembly import assemble_fields
 from dataplane_client.codec.tensordict_io import to_tensordict
 from dataplane_client.interface import DataPlaneService, service_verbs
-from dataplane_client.wire import arguments, group_fields
+from dataplane_client.wire import group_fields
 from dataplane_client.wire.encoded import EncodedField, row_byte_offsets
-from dataplane_client.wire.errors import (
-    ClaimTimeout,
-    ServiceUnavailable,
-    UnknownPartition,
-)
+from dataplane_client.wire.errors import ServiceUnavailable
 from dataplane_client.wire.messages import (
     Capabilities,
     ClaimRequest,
@@ -50,14 +50,13 @@ from dataplane_client.wire.messages import (
     PartitionSpec,
     RolloutGrant,
     ServiceInfo,
-    StalenessSpec,
     TaskConsumption,
     UnitInfo,
     UnitSnapshot,
 )
 from dataplane_client.wire.meta import KVBatchMeta
 from dataplane_client.wire.version import __version__
-from dataplane_server.core import async_rl, views
+from dataplane_server.core import async_rl, claim_wait, views
 from dataplane_server.core.keyspace import CommitPlan, KeySpace, declare
 
 _UNIT = 0  # the one in-memory "storage unit" every sample lives on
@@ -112,51 +111,25 @@ class InProcessDataPlaneClient(DataPlaneService):
     def _notify(self) -> None:
         self._changed.notify_all()
 
+    # ---- how a verb runs: its body, here or in a worker thread --------------------------
+    def _check_open(self) -> None:
+        self._open()
+
+    def _run_verb(self, body: Callable[[], Any]) -> Any:
+        return body()
+
+    async def _run_verb_async(self, body: Callable[[], Any]) -> Any:
+        return await asyncio.to_thread(body)  # a blocking claim never stalls the loop
+
     # ---- partitions ---------------------------------------------------------------
-    def register_partition(
-        self,
-        partition_id: str,
-        fields: Sequence[str] = (),
-        num_samples: int | None = None,
-        consumer_tasks: Sequence[str] = (),
-        grpo_group_size: int | None = None,
-        enums: Mapping[str, Sequence[str]] | None = None,
-        *,
-        object_fields: Sequence[str] = (),
-        task_leases: Mapping[str, float] | None = None,
-        claim_policy: str | None = None,
-        policy_options: Mapping[str, Any] | None = None,
-        numeric_tags: Mapping[str, str] | None = None,
-        staleness: StalenessSpec | None = None,
-        group_fields: Sequence[str] = (),
-    ) -> None:
-        """Declare a partition; one of the same id is replaced (its samples deleted). The
-        extras as the Ray client's: leases, claim policy and options, numeric tags."""
-        decl = declare(
-            PartitionSpec(
-                partition_id,
-                fields=fields,
-                num_samples=num_samples,
-                consumer_tasks=consumer_tasks,
-                grpo_group_size=grpo_group_size,
-                task_leases=task_leases,
-                enums=enums,
-                object_fields=object_fields,
-                claim_policy=claim_policy,
-                policy_options=policy_options,
-                numeric_tags=numeric_tags,
-                staleness=staleness,
-                group_fields=group_fields,
-            )
-        )
+    def _register_partition(self, spec: PartitionSpec) -> None:
+        decl = declare(spec)
         with self._changed:
-            self._open().register(partition_id, decl)
-            self._store[partition_id] = {}
+            self._open().register(spec.partition_id, decl)
+            self._store[spec.partition_id] = {}
             self._notify()  # claims waiting on the replaced partition fail
 
-    def delete_partition(self, partition_id: str) -> ClearResult:
-        """Delete the partition: its samples, bytes and declaration."""
-        arguments.partition_name(partition_id)
+    def _delete_partition(self, partition_id: str) -> ClearResult:
         with self._changed:
             part = self._open().delete(partition_id)
             freed = self._nbytes(self._store.pop(partition_id, {}).values())
@@ -166,7 +139,6 @@ class InProcessDataPlaneClient(DataPlaneService):
     @staticmethod
     def _codecs_of(keys: KeySpace, partition_id: str) -> FieldCodecs:
         """As the partition was declared (none for an unknown one: its commit check says so)."""
-        arguments.partition_name(partition_id)  # a typed error before any dict lookup
         part = keys.partitions.get(partition_id)
         return FieldCodecs() if part is None else part.declaration.codecs
 
@@ -224,25 +196,11 @@ class InProcessDataPlaneClient(DataPlaneService):
         return out
 
     # ---- put ----------------------------------------------------------------------
-    def put_samples(
-        self,
-        sample_ids: Sequence[str],
-        partition_id: str,
-        fields: Any = None,
-        tags: Sequence[dict] | None = None,
-        overwrite: bool = False,
-    ) -> KVBatchMeta:
-        """Write fields of samples (new samples, or new fields of existing ones)."""
+    def _put_samples(self, put: prepare.PutArguments) -> KVBatchMeta:
+        partition_id = put.partition_id
         with self._changed:
             keys = self._open()
-            w = prepare.write(
-                sample_ids,
-                partition_id,
-                fields,
-                tags,
-                overwrite,
-                self._codecs_of(keys, partition_id),
-            )
+            w = prepare.write(put, self._codecs_of(keys, partition_id))
             stored = self._stored_group_rows(keys, partition_id, w)  # before any reservation
             plan = keys.check_commit(
                 CommitRequest(
@@ -282,31 +240,12 @@ class InProcessDataPlaneClient(DataPlaneService):
         )
 
     # ---- get ----------------------------------------------------------------------
-    def get_samples(
-        self,
-        sample_ids: Sequence[str],
-        partition_id: str,
-        select_fields: Sequence[str],
-        device: Any = None,
+    def _get_data(
+        self, meta: KVBatchMeta, sample_ids: list[str], fields: list[str], device: Any
     ) -> Any:
-        """Read fields of samples as a TensorDict in ``sample_ids`` order (touches no cursor);
-        ``device``: its tensors on that device (None: in host memory)."""
-        return self._read(sample_ids, partition_id, select_fields, device)
+        return self._get_samples(sample_ids, meta.partition_id, fields, device)
 
-    def get_data(
-        self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None, device: Any = None
-    ) -> Any:
-        """Read a meta's samples as a TensorDict: ``select_fields``, else the meta's fields;
-        ``device``: its tensors on that device (None: in host memory)."""
-        meta = arguments.batch_meta(meta, "get_data")
-        return self._read(
-            meta.sample_ids, meta.partition_id, prepare.read_fields(meta, select_fields), device
-        )
-
-    def _read(self, sample_ids: Any, partition_id: str, fields: Any, device: Any) -> Any:
-        ids = arguments.id_list(sample_ids, partition_id=arguments.partition_name(partition_id))
-        names = arguments.name_list(fields, "select_fields")
-        target = devices.parse_device(device)
+    def _get_samples(self, ids: list[str], partition_id: str, names: list[str], target: Any) -> Any:
         with self._changed:
             keys = self._open()
             keys.locate(partition_id, ids, names)
@@ -322,126 +261,58 @@ class InProcessDataPlaneClient(DataPlaneService):
         return to_tensordict(decoded, len(ids), enums=codecs.enums, device=target)
 
     # ---- claims and consumption ---------------------------------------------------
-    def claim_meta(
-        self,
-        partition_id: str,
-        task_name: str,
-        required_fields: Sequence[str],
-        batch_size: int,
-        dp_rank: int | None = None,
-        blocking: bool = True,
-        timeout_s: float = 60.0,
-        *,
-        claim_policy: str | None = None,
-        policy_options: Mapping[str, Any] | None = None,
-        where: Any = None,
-        max_staleness: int | None = None,
-    ) -> KVBatchMeta:
-        """Claim up to ``batch_size`` ready samples the task has not consumed yet, as the
-        claim's policy (else the partition's) chooses them (a non-blocking claim with
-        nothing due: an empty meta)."""
-        # The caller's raw arguments; arguments.claim_request checks them and gives the
-        # typed form the rest relies on.
-        raw: Any = ClaimRequest
-        request = arguments.claim_request(
-            raw(
-                partition_id,
-                task_name,
-                required_fields,
-                batch_size,
-                dp_rank,
-                blocking,
-                timeout_s=timeout_s,
-                claim_policy=claim_policy,
-                policy_options=policy_options,
-                where=where,
-                max_staleness=max_staleness,
-            )
-        )
-        task_name, required = request.task_name, request.required_fields
-        batch_size, blocking = request.batch_size, request.blocking
-        deadline = time.monotonic() + request.timeout_s
+    def _claim_meta(self, request: ClaimRequest) -> KVBatchMeta:
         with self._changed:
             keys = self._open()
-            part = keys.partition(partition_id)
-            keys.task_of(part, task_name)
-            policy = keys.claim_policy(
-                part,
-                request.claim_policy,
-                request.policy_options,
-                request.where,
-                request.max_staleness,
-            )
+            part, task, policy = keys.claim_setup(request)
             self._remove(keys, async_rl.stale_removal(keys, part))
-            meta = keys.claim(
-                part,
-                task_name,
-                required,
-                batch_size,
-                partial_ok=not blocking,
-                dp_rank=request.dp_rank,
-                policy=policy,
-            )
-            while meta is None and blocking:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    have = keys.ready_count(part, task_name, required, batch_size, policy)
-                    raise ClaimTimeout(
-                        f"only {have} of {batch_size} samples ready after {request.timeout_s}s "
-                        f"(task {task_name!r})",
-                        fields=required,
-                        partition_id=partition_id,
-                    )
-                expiry = keys.next_lease_expiry(part, task_name)
-                if expiry is not None:  # wake when a lease runs out, too
-                    remaining = min(remaining, max(expiry - keys.clock(), 0.001))
-                self._changed.wait(remaining)
-                if self._keys is None:
-                    raise ServiceUnavailable("this in-process client was closed during the claim")
-                if keys.partitions.get(partition_id) is not part:
-                    raise UnknownPartition(
-                        "partition deleted while the claim waited", partition_id=partition_id
-                    )
-                meta = keys.claim(
+
+            def claim(partial_ok: bool) -> KVBatchMeta | None:
+                return keys.claim(
                     part,
-                    task_name,
-                    required,
-                    batch_size,
-                    partial_ok=False,
+                    task,
+                    request.required_fields,
+                    request.batch_size,
+                    partial_ok=partial_ok,
                     dp_rank=request.dp_rank,
                     policy=policy,
                 )
+
+            meta = claim(not request.blocking)
+            if meta is None and request.blocking:
+                steps = claim_wait.waiting(keys, part, request, policy, lambda: claim(False))
+                meta = claim_wait.drive(steps, self._wait_for_change)
             if meta is None:
                 return request.nothing_due()
             self._notify()  # trained samples make room for waiting rollout admissions
             return meta
 
-    def ack(self, meta: KVBatchMeta) -> int:
-        """Acknowledge a leased claim (or a slice of it): its samples are done for its task."""
-        partition_id, task, ids, lease_id = arguments.lease_ack(meta)
+    def _wait_for_change(self, seconds: float) -> None:
+        """A waiting claim's sleep (holding the condition): until notified or ``seconds``
+        passed; ServiceUnavailable when the client was closed meanwhile."""
+        self._changed.wait(seconds)
+        if self._keys is None:
+            raise ServiceUnavailable("this in-process client was closed during the claim")
+
+    def _ack(self, partition_id: str, task: str, ids: list[str], lease_id: int) -> int:
         with self._changed:
             done = self._open().ack(partition_id, task, ids, lease_id)
             self._notify()
             return done
 
-    def reset_consumption(self, partition_id: str, task_name: str) -> None:
-        """Make every sample of the partition claimable again by the task."""
-        arguments.partition_name(partition_id)
-        arguments.name(task_name, "task_name")
+    def _reset_consumption(self, partition_id: str, task_name: str) -> None:
         with self._changed:
             self._open().reset_consumption(partition_id, task_name)
             self._notify()
 
-    def consumption_detail(
-        self, partition_id: str, task_names: Sequence[str]
-    ) -> list[TaskConsumption]:
-        """Per task: consumed / total / expected, held leases and redeliveries."""
-        arguments.partition_name(partition_id)
-        names = arguments.name_list(task_names, "task_names")
+    def _consumption_detail(self, partition_id: str, names: list[str]) -> list[TaskConsumption]:
         with self._changed:
             keys = self._open()
             part = keys.partition(partition_id)
             return [keys.consumption(part, t) for t in names]
+
+    def _check_consumption_status(self, partition_id: str, names: list[str]) -> bool:
+        return all(t.done for t in self._consumption_detail(partition_id, names))
 
     # ---- inspection ---------------------------------------------------------------
     def _snapshot(self) -> UnitSnapshot:
@@ -458,15 +329,13 @@ class InProcessDataPlaneClient(DataPlaneService):
             partition_bytes=per_partition,
         )
 
-    def describe_partition(self, partition_id: str) -> PartitionDescription:
-        """Fields and how many samples produced each, consumption per task, bytes held."""
-        arguments.partition_name(partition_id)
+    def _describe_partition(self, partition_id: str) -> PartitionDescription:
         with self._changed:
             keys = self._open()
             keys.partition(partition_id)  # unknown -> UnknownPartition
             return views.describe_partition(keys, partition_id, [self._snapshot()])
 
-    def service_info(self) -> ServiceInfo:
+    def _service_info(self) -> ServiceInfo:
         """One unit, this process's memory: alive, the bytes and samples it holds, and as
         ``capacity_bytes`` the machine's physical memory (nothing here refuses a put for
         room; the figure is for readers such as the rollout actors' back-off)."""
@@ -485,21 +354,10 @@ class InProcessDataPlaneClient(DataPlaneService):
                 default_capacity=_memory_bytes(),
             )
 
-    def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool:
-        """True iff every named task has consumed every sample of the partition."""
-        arguments.partition_name(partition_id)
-        names = arguments.name_list(task_names, "task_names")
-        return all(t.done for t in self.consumption_detail(partition_id, names))
-
     # ---- clear --------------------------------------------------------------------
-    # Returns what was freed (our extra, as the Ray client's; the ABC says None).
-    def clear_samples(  # type: ignore[override]
-        self, sample_ids: Sequence[str] | None, partition_id: str
-    ) -> ClearResult:
-        """Forget samples and free their bytes; ``None`` deletes the whole partition."""
-        if sample_ids is None:
-            return self.delete_partition(partition_id)
-        ids = arguments.id_list(sample_ids, partition_id=arguments.partition_name(partition_id))
+    def _clear_samples(self, ids: list[str] | None, partition_id: str) -> ClearResult:
+        if ids is None:
+            return self._delete_partition(partition_id)
         with self._changed:
             self._open().clear_samples(partition_id, ids)
             store = self._store[partition_id]
@@ -519,8 +377,7 @@ class InProcessDataPlaneClient(DataPlaneService):
         self._notify()
         return len(removal.rows)
 
-    def set_policy_version(self, partition_id: str, version: int) -> int:
-        arguments.partition_name(partition_id)
+    def _set_policy_version(self, partition_id: str, version: int) -> int:
         with self._changed:
             keys = self._open()
             part, versions = keys.versioned(partition_id)
@@ -529,21 +386,13 @@ class InProcessDataPlaneClient(DataPlaneService):
             self._notify()
             return versions.version
 
-    def policy_version(self, partition_id: str) -> int:
-        arguments.partition_name(partition_id)
+    def _policy_version(self, partition_id: str) -> int:
         with self._changed:
             return self._open().versioned(partition_id)[1].version
 
-    def admit_rollouts(
-        self,
-        partition_id: str,
-        n: int,
-        *,
-        wait: bool = False,
-        timeout_s: float = 60.0,
-        lease_s: float = 300.0,
+    def _admit_rollouts(
+        self, partition_id: str, n: int, wait: bool, timeout_s: float, lease_s: float
     ) -> RolloutGrant | None:
-        arguments.partition_name(partition_id)
         with self._changed:
             ask = async_rl.AdmissionAsk(self._open(), partition_id, n, wait, timeout_s, lease_s)
             while True:
@@ -558,22 +407,19 @@ class InProcessDataPlaneClient(DataPlaneService):
                     return None
                 self._changed.wait(ask.wait_s())
 
-    def release_rollouts(self, grant: RolloutGrant) -> bool:
-        grant = arguments.rollout_grant(grant)
+    def _release_rollouts(self, grant: RolloutGrant) -> bool:
         with self._changed:
             _, versions = self._open().versioned(grant.partition_id)
             released = versions.release(grant.grant_id)
             self._notify()
             return released
 
-    def evict_samples(self, sample_ids: Sequence[str], partition_id: str) -> int:
-        arguments.partition_name(partition_id)
+    def _evict_samples(self, ids: list[str], partition_id: str) -> int:
         with self._changed:
             keys = self._open()
-            return self._remove(keys, async_rl.evict_ids(keys, partition_id, sample_ids))
+            return self._remove(keys, async_rl.evict_ids(keys, partition_id, ids))
 
-    def clear_versions(self, partition_id: str, lowest: int, highest: int) -> ClearResult:
-        arguments.partition_name(partition_id)
+    def _clear_versions(self, partition_id: str, lowest: int, highest: int) -> ClearResult:
         with self._changed:
             keys = self._open()
             part, rows = async_rl.versions_range(keys, partition_id, lowest, highest)
@@ -582,42 +428,20 @@ class InProcessDataPlaneClient(DataPlaneService):
             self._notify()
             return ClearResult(cleared=len(rows), bytes_freed=self._freed(partition_id, gone))
 
-    def peek_meta(
-        self,
-        partition_id: str,
-        task_name: str,
-        required_fields: Sequence[str],
-        batch_size: int,
-        *,
-        where: Any = None,
-        max_staleness: int | None = None,
-    ) -> KVBatchMeta:
-        raw: Any = ClaimRequest
-        request = raw(
-            partition_id,
-            task_name,
-            required_fields,
-            batch_size,
-            None,
-            False,
-            where=where,
-            max_staleness=max_staleness,
-        )
+    def _peek_meta(self, request: ClaimRequest) -> KVBatchMeta:
         with self._changed:
             return async_rl.peek(self._open(), request)
 
-    def ready_depth(
-        self, partition_id: str, task_names: Sequence[str], required_fields: Sequence[str] = ()
+    def _ready_depth(
+        self, partition_id: str, task_names: list[str], required_fields: list[str]
     ) -> dict[str, int]:
-        arguments.partition_name(partition_id)
         with self._changed:
             return async_rl.ready_depth(self._open(), partition_id, task_names, required_fields)
 
-    def capabilities(self) -> Capabilities:
+    def _capabilities(self) -> Capabilities:
         return async_rl.capabilities("in-process", service_verbs(type(self)))
 
-    def ping(self) -> bool:
-        self._open()
+    def _ping(self) -> bool:
         return True
 
     def close(self) -> None:

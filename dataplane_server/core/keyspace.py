@@ -42,6 +42,7 @@ from dataplane_client.wire.errors import (
     UnknownTask,
 )
 from dataplane_client.wire.messages import (
+    ClaimRequest,
     CommitRequest,
     CommitResult,
     FieldCodecs,
@@ -861,6 +862,17 @@ class KeySpace:
             raise InvalidBatch(e.message, partition_id=part.partition_id) from None
         return PolicyCall(name, policy, checked, tuple(where), max_staleness)
 
+    def claim_setup(self, request: ClaimRequest) -> tuple[Partition, str, PolicyCall]:
+        """A checked claim's partition, task and the policy it runs (``claim_policy``);
+        UnknownPartition, UnknownTask or InvalidBatch, changing nothing. The one set-up of
+        every claim: the controller's, the in-process client's and a peek's."""
+        part = self.partition(request.partition_id)
+        task = self.task_of(part, request.task_name)
+        policy = self.claim_policy(
+            part, request.claim_policy, request.policy_options, request.where, request.max_staleness
+        )
+        return part, task, policy
+
     def _pick(
         self, part: Partition, ready: np.ndarray, batch_size: int, policy: PolicyCall | None
     ) -> np.ndarray:
@@ -943,6 +955,22 @@ class KeySpace:
                 lease_id=new_lease_id() if leased else None,
                 dp_rank=dp_rank,
             ),
+        )
+
+    def choose_for(
+        self, request: ClaimRequest, part: Partition, policy: PolicyCall, *, partial_ok: bool
+    ) -> ClaimChoice | None:
+        """``choose`` for a checked claim (after ``claim_setup``): its task, fields, batch
+        size, rank and request id."""
+        return self.choose(
+            part,
+            request.task_name,
+            request.required_fields,
+            request.batch_size,
+            partial_ok=partial_ok,
+            dp_rank=request.dp_rank,
+            request_id=request.request_id,
+            policy=policy,
         )
 
     def grant(self, choice: ClaimChoice) -> KVBatchMeta:

@@ -45,3 +45,29 @@ def test_an_implementation_missing_a_method_cannot_be_built():
 
     with pytest.raises(TypeError, match="abstract"):
         Partial()
+
+
+def test_each_service_verb_is_declared_once_and_both_clients_take_it_from_there():
+    """``DataPlaneService`` declares each verb once (signature, docstring, argument checks):
+    both clients take the verb and its awaitable twin from it and write only its body."""
+    from dataplane_client.client import RayDataPlaneClient
+    from dataplane_client.interface import DataPlaneService, service_verbs
+    from dataplane_server.core.inprocess import InProcessDataPlaneClient
+
+    names = service_verbs(DataPlaneService)
+    verbs = [v for v in names if v != "close" and not v.endswith("_async")]
+    assert {"claim_meta", "policy_version", "ping"} <= set(verbs)
+    assert sorted(names) == sorted([*verbs, *(f"{v}_async" for v in verbs), "close"])
+    for name in verbs:
+        sync, twin = getattr(DataPlaneService, name), getattr(DataPlaneService, f"{name}_async")
+        assert inspect.signature(sync) == inspect.signature(twin)
+        assert inspect.iscoroutinefunction(twin)
+        assert not inspect.iscoroutinefunction(sync)
+        assert sync.__doc__
+        assert twin.__doc__ == sync.__doc__
+    for cls in (RayDataPlaneClient, InProcessDataPlaneClient):
+        assert not inspect.isabstract(cls)
+        for name in verbs:
+            for public in (name, f"{name}_async"):
+                assert getattr(cls, public) is getattr(DataPlaneService, public), public
+            assert f"_{name}" in vars(cls), f"{cls.__name__} writes no body for {name}"
