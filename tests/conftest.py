@@ -79,3 +79,17 @@ def service(ray_session):
 @pytest.fixture(scope="session")
 def client(service):
     return service.client()
+
+
+@pytest.fixture(params=[pytest.param("ray", marks=pytest.mark.ray), "in_process"])
+def dp(request):
+    """A client of each kind in turn: the session's Ray service's, then an in-process one
+    (a test taking it runs on both, as code written against DataPlaneService does)."""
+    from dataplane_server.core.inprocess import InProcessDataPlaneClient
+
+    if request.param == "ray":
+        c = request.getfixturevalue("service").client()
+    else:
+        c = InProcessDataPlaneClient()
+    yield c
+    c.close()

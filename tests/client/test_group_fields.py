@@ -15,23 +15,11 @@ import torch
 from dataplane_client.codec.fields import encode_field
 from dataplane_client.wire import group_fields
 from dataplane_client.wire.errors import GroupValueConflict, InvalidBatch, SamplesNotFound
-from dataplane_server.core.inprocess import InProcessDataPlaneClient
 from dataplane_server.core.recovery_messages import SampleMeta
 from dataplane_server.core.unit.store import UnitStore
 
-IMPLS = [pytest.param("ray", marks=pytest.mark.ray), "in_process"]
 GROUP = 4
 PROMPT_TOKENS = 300  # int64: 2,400 bytes per group's prompt
-
-
-@pytest.fixture(params=IMPLS)
-def dp(request):
-    if request.param == "ray":
-        c = request.getfixturevalue("service").client()
-        yield c
-        c.close()
-    else:
-        yield InProcessDataPlaneClient()
 
 
 def _partition(dp) -> str:

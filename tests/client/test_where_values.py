@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from dataplane_client.wire.errors import InvalidBatch
 from dataplane_client.wire.messages import ClaimRequest, TagFilter
 from dataplane_client.wire.tag_filters import parse
-from dataplane_server.core.inprocess import InProcessDataPlaneClient
 
 HUGE = 10**400  # an int float64 cannot hold
 
@@ -232,18 +231,7 @@ def test_every_string_reads_as_the_old_parser_read_it(text):
         assert new == old, text
 
 
-# ---- both clients and the controller ------------------------------------------------------
-IMPLS = [pytest.param("ray", marks=pytest.mark.ray), "in_process"]
-
-
-@pytest.fixture(params=IMPLS)
-def dp(request):
-    if request.param == "ray":
-        c = request.getfixturevalue("service").client()
-    else:
-        c = InProcessDataPlaneClient()
-    yield c
-    c.close()
+# ---- both clients and the controller (the dp fixture: tests/conftest.py) --------------------
 
 
 def _partition(dp) -> str:

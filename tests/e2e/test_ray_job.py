@@ -18,11 +18,8 @@ the teardown, and the drain alone took 30 s of every CI run. Its --temp-dir keep
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,26 +32,15 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ray_heads import RAY, free_ports, ray_env, read, stop_group
 
 from dataplane_server.admin_pb import admin_pb2, admin_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-RAY = str(Path(sys.executable).parent / "ray")
 HEAD_START_S = 180
 JOB_START_S = 240
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def http_json(url: str, timeout: float = 5.0):
@@ -72,23 +58,6 @@ def poll(what: str, check, deadline_s: float, every_s: float = 0.5):
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {deadline_s}s waiting for {what}")
         time.sleep(every_s)  # poll interval
-
-
-def ray_env(extra: dict | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "DATAPLANE_"))}
-    env.update(
-        {
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-            # The supervisor waits this long after SIGTERM before SIGKILL: room to drain.
-            "RAY_JOB_STOP_WAIT_TIME_S": "60",
-            "RAY_USAGE_STATS_ENABLED": "0",
-            # A throwaway cluster on loopback: no token, so it works whether or not
-            # ~/.ray/auth_token exists (Ray turns token auth on when that file does).
-            "RAY_AUTH_MODE": "disabled",
-        }
-    )
-    env.update(extra or {})
-    return env
 
 
 @pytest.fixture
@@ -136,33 +105,6 @@ def ray_head():
         stop_group(head, grace_s=45)
         log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the group's leader (ray start --block then stops its cluster's processes,
-    raylet first, GCS last), then SIGKILL whatever is left of the group after grace_s.
-
-    Only the leader: a SIGTERM to the whole group ends the GCS at once, and the
-    leader's own shutdown then waits about 30 s on processes still asking that GCS."""
-    pgid = proc.pid  # start_new_session: the group id is the leader's pid
-    try:
-        proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            proc.poll()  # reap the leader once it exits
-            os.killpg(pgid, 0)  # raises ProcessLookupError once the group is gone
-            time.sleep(0.2)  # poll interval
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
-
-
-def read(path: str) -> str:
-    try:
-        return Path(path).read_text()[-4000:]
-    except OSError:
-        return ""
 
 
 def ray_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:

@@ -21,8 +21,9 @@ FOLDERS: dict[str, tuple[str, ...] | None] = {
     "e2e": None,
     "project": None,
 }
-# The session's service fixtures stand for the server package (tests/conftest.py).
-SERVICE_FIXTURES = {"service", "service_factory", "client", "ray_session"}
+# The session's service fixtures stand for the server package (tests/conftest.py; ``dp`` is
+# its client and an in-process one in turn).
+SERVICE_FIXTURES = {"service", "service_factory", "client", "ray_session", "dp"}
 
 
 def _imports(tree: ast.AST) -> set[str]:

@@ -17,19 +17,6 @@ from dataplane_client.wire.errors import (
     UnknownTask,
     VersionRegression,
 )
-from dataplane_server.core.inprocess import InProcessDataPlaneClient
-
-IMPLS = [pytest.param("ray", marks=pytest.mark.ray), "in_process"]
-
-
-@pytest.fixture(params=IMPLS)
-def dp(request):
-    if request.param == "ray":
-        c = request.getfixturevalue("service").client()
-    else:
-        c = InProcessDataPlaneClient()
-    yield c
-    c.close()
 
 
 def _pid():

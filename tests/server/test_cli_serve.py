@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 from polling import wait_until
-from test_ray_job import RAY, free_ports, ray_env, read, stop_group
+from ray_heads import RAY, free_ports, ray_env, read, stop_group
 
 from dataplane_server.core import checkpoint
 
@@ -49,6 +49,21 @@ def _pump(pipe, lines: queue.Queue) -> None:
     for line in pipe:
         lines.put(line.rstrip("\n"))
     lines.put(None)
+
+
+def start_serve(config: Path, args: list[str], env: dict) -> tuple[subprocess.Popen, queue.Queue]:
+    """``dataplane serve --config config *args``, its output lines pumped into a queue."""
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "dataplane_server", "serve", "--config", str(config), *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_pump, args=(serve.stdout, lines), daemon=True).start()
+    return serve, lines
 
 
 def read_until(lines: queue.Queue, prefix: str, seen: list[str]) -> str:
@@ -142,17 +157,7 @@ def test_serve_prints_a_snippet_that_connects_and_drains_on_sigterm(tmp_path):
             ("DATAPLANE_", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
         )
     }
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "dataplane_server", "serve", "--config", str(config)]
-        + ["--num-cpus", "4"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_pump, args=(serve.stdout, lines), daemon=True).start()
+    serve, lines = start_serve(config, ["--num-cpus", "4"], env)
     seen: list[str] = []
     try:
         ray_address = read_until(lines, "ray_address=", seen).split("=", 1)[1]
@@ -281,16 +286,7 @@ def test_serve_joins_a_loopback_head(loopback_head, tmp_path, how):
     if how == "auto":  # found as Ray finds it: RAY_ADDRESS first
         args, env = ["--address", "auto"], serve_env(RAY_ADDRESS=loopback_head)
     config = serve_config(tmp_path, f"join-{how}-{uuid.uuid4().hex[:6]}")
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "dataplane_server", "serve", "--config", str(config), *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_pump, args=(serve.stdout, lines), daemon=True).start()
+    serve, lines = start_serve(config, args, env)
     seen: list[str] = []
     try:
         deadline = time.monotonic() + JOIN_S
