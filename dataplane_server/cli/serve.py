@@ -119,7 +119,9 @@ def connect_snippet(
     return lines
 
 
-def _init_ray(args, namespace: str) -> None:
+def _init_ray(args, namespace: str) -> bool:
+    """Join the cluster the flag or ``RAY_ADDRESS`` names, else start an embedded Ray on
+    loopback; True when it joined one."""
     from dataplane_server.launch.local_ray import init_local_ray
 
     address = args.address or os.environ.get("RAY_ADDRESS")
@@ -128,6 +130,7 @@ def _init_ray(args, namespace: str) -> None:
         _join_ray(address, origin, args.timeout, namespace=namespace, log_to_driver=args.ray_logs)
     else:
         init_local_ray(args.num_cpus, namespace=namespace, log_to_driver=args.ray_logs)
+    return bool(address)
 
 
 def _join_ray(address: str, origin: str, timeout_s: float, **init_kwargs) -> None:
@@ -308,7 +311,7 @@ def run(args) -> int:
     # What can be checked before anything starts is checked here, each as one line.
     preflight.check_files(config)
     preflight.check_ports(config)
-    _init_ray(args, config.namespace)  # a cluster's address is checked as it is joined
+    joined = _init_ray(args, config.namespace)  # a cluster's address is checked as it is joined
     import ray
     from ray.exceptions import RayError
 
@@ -334,7 +337,7 @@ def run(args) -> int:
         say(line)
     if hint:
         say(hint)
-    if is_loopback(ray_address) and not (args.address or os.environ.get("RAY_ADDRESS")):
+    if is_loopback(ray_address) and not joined:
         say(
             "the embedded Ray listens on 127.0.0.1 (Ray's GCS port on every interface, "
             "token-checked): join from this machine, or serve with --address on a cluster"

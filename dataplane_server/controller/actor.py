@@ -537,12 +537,14 @@ class Controller(Inspection, AsyncRLVerbs):
             self.stats.inc("claims_replayed_total")
             return answered
         task, request_id = request.task_name, request.request_id
-        refused = self.keys.refused_by_filter(part, task, request.required_fields, policy)
-        if len(refused):  # no longer owed: admission may go on (docs/async_rl.md "Filtering")
+        claimable, refused = self.keys.judged(part, task, request.required_fields, policy)
+        if len(refused):  # no longer owed: admission may go on (architecture.md "Async RL")
             self._log("filtered", part.partition_id, task, [part.ids[r] for r in refused.tolist()])
             self.keys.mark_filtered(part, task, refused)
             self.changes.notify(part.partition_id)
-        choice = self.keys.choose_for(request, part, policy, partial_ok=partial_ok)
+        choice = self.keys.choose_for(
+            request, part, policy, partial_ok=partial_ok, claimable=claimable
+        )
         if choice is None:
             return None
         lease = part.declaration.task_leases.get(task)

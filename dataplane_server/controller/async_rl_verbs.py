@@ -82,11 +82,10 @@ class AsyncRLVerbs:
     async def _remove(self, removal: async_rl.Removal) -> int:
         """Journal, forget and free a removal; returns how many samples went."""
         pid = removal.part.partition_id
-        ids = removal.ids  # before the rows are forgotten
         removed = self._remove_rows(
             "dropped", removal.part, removal.rows, dict(removal.per_task), removal.evicted
         )
-        async_rl.count_removal(removal, ids)
+        async_rl.count_removal(removal, list(removed.births))  # its ids, in order
         self.stats.inc("stale_samples_dropped_total", len(removal.rows) - removal.evicted)
         self.stats.inc("samples_evicted_total", removal.evicted)
         self.changes.notify(pid)

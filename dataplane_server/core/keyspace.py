@@ -794,14 +794,27 @@ class KeySpace:
         self, part: Partition, task: str, required: list[str], policy: PolicyCall | None = None
     ) -> np.ndarray:
         """Rows ready for the task, within its staleness window and the claim's ``where``."""
+        return self.judged(part, task, required, policy)[0]
+
+    def judged(
+        self, part: Partition, task: str, required: list[str], policy: PolicyCall | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The rows ready for the task within its window (the claim's ``max_staleness`` may
+        tighten it), split by the claim's ``where``: those it passes (``claimable``), and
+        those it refuses for the first time on a versioned partition, where a refused sample
+        stops being owed (``mark_filtered``; docs/architecture.md, "Async RL"). A row
+        missing a tag the filter names is neither: not judged yet (the tag may come with a
+        later write)."""
         rows = self._ready(part, task, required)
-        if not len(rows) or policy is None:
-            return self._within_window(part, task, rows, None)
-        rows = self._within_window(part, task, rows, policy.max_staleness)
-        if policy.where:
-            columns = part.tag_values
-            rows = rows[matching(columns, part.tag_present, rows, policy.where, part.partition_id)]
-        return rows
+        rows = self._within_window(part, task, rows, policy.max_staleness if policy else None)
+        if policy is None or not policy.where or not len(rows):
+            return rows, rows[:0]
+        keep = matching(part.tag_values, part.tag_present, rows, policy.where, part.partition_id)
+        refused = rows[~keep] if part.versions is not None else rows[:0]
+        refused = refused[~part.column(part.filtered, task)[refused]]
+        for name in {f.tag for f in policy.where}:
+            refused = refused[part.tag_present[name][refused]]
+        return rows[keep], refused
 
     @staticmethod
     def _within_window(
@@ -920,11 +933,13 @@ class KeySpace:
         dp_rank: int | None = None,
         request_id: str | None = None,
         policy: PolicyCall | None = None,
+        claimable: np.ndarray | None = None,
     ) -> ClaimChoice | None:
         """The batch a claim would hand out, changing nothing (``grant`` hands it out); None
         when none is due yet.
 
-        ``policy`` chooses the rows (None: the partition's, see ``claim_policy``). A
+        ``policy`` chooses the rows (None: the partition's, see ``claim_policy``) among
+        ``claimable`` (None: ``self.claimable``, for a caller that has not judged them). A
         full batch is always due; so is the tail of a partition of known size;
         anything non-empty is due when ``partial_ok``.
         """
@@ -935,7 +950,9 @@ class KeySpace:
                 f"{part.group_size}; groups are never split",
                 partition_id=part.partition_id,
             )
-        rows = self._pick(part, self.claimable(part, task, required, policy), batch_size, policy)
+        if claimable is None:
+            claimable = self.claimable(part, task, required, policy)
+        rows = self._pick(part, claimable, batch_size, policy)
         expected = part.declaration.expected_samples
         left = None
         if expected is not None:  # samples of a lost unit will never come: not waited for
@@ -958,7 +975,13 @@ class KeySpace:
         )
 
     def choose_for(
-        self, request: ClaimRequest, part: Partition, policy: PolicyCall, *, partial_ok: bool
+        self,
+        request: ClaimRequest,
+        part: Partition,
+        policy: PolicyCall,
+        *,
+        partial_ok: bool,
+        claimable: np.ndarray | None = None,
     ) -> ClaimChoice | None:
         """``choose`` for a checked claim (after ``claim_setup``): its task, fields, batch
         size, rank and request id."""
@@ -971,6 +994,7 @@ class KeySpace:
             dp_rank=request.dp_rank,
             request_id=request.request_id,
             policy=policy,
+            claimable=claimable,
         )
 
     def grant(self, choice: ClaimChoice) -> KVBatchMeta:
@@ -999,37 +1023,21 @@ class KeySpace:
         dp_rank: int | None = None,
         policy: PolicyCall | None = None,
     ) -> KVBatchMeta | None:
-        """``choose`` then ``grant``: for callers with no journal to write in between."""
-        if policy is not None:
-            self.mark_filtered(part, task, self.refused_by_filter(part, task, required, policy))
+        """``choose`` then ``grant``: for callers with no journal to write in between (what
+        the claim's ``where`` refuses is marked first, ``judged``)."""
+        claimable, refused = self.judged(part, task, required, policy)
+        self.mark_filtered(part, task, refused)
         choice = self.choose(
-            part, task, required, batch_size, partial_ok=partial_ok, dp_rank=dp_rank, policy=policy
+            part,
+            task,
+            required,
+            batch_size,
+            partial_ok=partial_ok,
+            dp_rank=dp_rank,
+            policy=policy,
+            claimable=claimable,
         )
         return None if choice is None else self.grant(choice)
-
-    @staticmethod
-    def filters_refusals(part: Partition, policy: PolicyCall | None) -> bool:
-        """Whether this claim's ``where`` marks what it refuses (versioned partitions only:
-        there a refused sample stops counting as owed, docs/async_rl.md "Filtering")."""
-        return part.versions is not None and policy is not None and bool(policy.where)
-
-    def refused_by_filter(
-        self, part: Partition, task: str, required: list[str], policy: PolicyCall | None
-    ) -> np.ndarray:
-        """Rows the claim's ``where`` judged and refused: ready for the task, within its
-        window, carrying every tag the filter names, failing it, not refused before.
-        A row missing a named tag is not judged yet (its tag may come with a later write)."""
-        if policy is None or not self.filters_refusals(part, policy):
-            return np.zeros(0, dtype=np.int64)
-        rows = self._within_window(
-            part, task, self._ready(part, task, required), policy.max_staleness
-        )
-        rows = rows[~part.column(part.filtered, task)[rows]]
-        for name in {f.tag for f in policy.where}:
-            present = part.tag_present.get(name)
-            rows = rows[present[rows]] if present is not None else rows[:0]
-        keep = matching(part.tag_values, part.tag_present, rows, policy.where, part.partition_id)
-        return rows[~keep]
 
     @staticmethod
     def mark_filtered(part: Partition, task: str, rows: np.ndarray) -> None:

@@ -53,7 +53,7 @@ class VersionState:
         self.grants: dict[int, Grant] = {}
         self.granted_at: collections.Counter[int] = collections.Counter()  # version -> samples
         self.dropped: collections.Counter[str] = collections.Counter()  # task -> samples
-        # task -> samples its filtered claims refused (docs/async_rl.md, "Filtering")
+        # task -> samples its filtered claims refused (docs/architecture.md, "Async RL")
         self.filtered: collections.Counter[str] = collections.Counter()
         self.evicted = 0
         self.admission_waits = 0
