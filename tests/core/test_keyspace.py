@@ -23,7 +23,12 @@ from dataplane_client.wire.errors import (
     UnknownPartition,
     UnknownTask,
 )
-from dataplane_client.wire.messages import CommitRequest, CommitResult, FieldCodecs
+from dataplane_client.wire.messages import (
+    CommitRequest,
+    CommitResult,
+    FieldCodecs,
+    StalenessSpec,
+)
 from dataplane_server.core.keyspace import CommitPlan, Declaration, KeySpace, declaration
 
 DENSE_F32 = ("dense", "float32", ())
@@ -694,3 +699,32 @@ def test_a_chosen_claim_changes_nothing_until_granted():
     assert ks.answered(part, "r2") is None
     ks2, part2 = _restarted(ks, ks.clock, ["a", "b"])
     assert ks2.answered(part2, "r1").sample_ids == ["a", "b"]  # kept across a restart
+
+
+def test_a_numeric_tag_is_kept_once_as_its_column_and_read_back_whole():
+    ks = _space()
+    ks.register(
+        "p",
+        declaration(
+            "p",
+            ["x"],
+            consumer_tasks=["t"],
+            numeric_tags={"score": "float64"},
+            staleness=StalenessSpec(max_staleness=1),
+        ),
+    )
+    part = ks.partition("p")
+    tags = [{"weight_version": 4, "score": 0.5, "note": "a"}, {"weight_version": 5}]
+    _write(ks, ["a", "b"], tags=tags)
+    _write(ks, ["a"], fields=("y",), tags=[{"note": "b"}])
+    # The row's dict holds only what has no column: the version and the score live once.
+    assert part.tags[:2] == [{"note": "b"}, None]
+    assert part.tag_values["weight_version"][:2].tolist() == [4, 5]
+    assert part.tags_of([1, -1, 0]) == [
+        {"weight_version": 5},
+        {},
+        {"note": "b", "weight_version": 4, "score": 0.5},
+    ]
+    meta = ks.claim(part, "t", ["x"], 2, partial_ok=False)
+    assert meta is not None
+    assert [t["weight_version"] for t in meta.tags] == [4, 5]
