@@ -417,7 +417,8 @@ class DataPlaneService(DataPlaneClient):
         replaces fields already produced. ``version`` (ours, async RL): the policy version
         the samples were generated under, one int for all or one per sample; a versioned
         partition keeps it as its version column (readers see it in ``meta.tags`` under
-        the partition's ``StalenessSpec.version_tag``); an unversioned one refuses it.
+        the partition's ``StalenessSpec.version_tag``); an unversioned one keeps it as a
+        plain ``weight_version`` tag.
         """
         return checked(
             prepare.put_arguments(sample_ids, partition_id, fields, tags, overwrite, version)

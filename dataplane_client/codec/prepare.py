@@ -18,7 +18,7 @@ from dataplane_client.codec.tensordict_io import as_field_mapping
 from dataplane_client.wire import arguments, group_fields
 from dataplane_client.wire.encoded import DENSE, JAGGED, EncodedField
 from dataplane_client.wire.errors import InvalidBatch
-from dataplane_client.wire.messages import FieldCodecs
+from dataplane_client.wire.messages import DEFAULT_VERSION_TAG, FieldCodecs
 from dataplane_client.wire.meta import KVBatchMeta
 
 
@@ -87,16 +87,13 @@ def put_arguments(
 
 
 def versioned_tags(put: PutArguments, version_tag: str | None) -> list[dict] | None:
-    """The put's tags with each sample's ``version=`` under the partition's version tag:
-    the form the key space keeps (a typed column) and the units keep for rebuilds."""
+    """The put's tags with each sample's ``version=`` under the partition's version tag
+    (``DEFAULT_VERSION_TAG`` for a partition without a StalenessSpec, where it is a plain
+    tag): the form the key space keeps (a versioned partition's typed column) and the
+    units keep for rebuilds."""
     if put.versions is None:
         return put.tags
-    if version_tag is None:
-        raise InvalidBatch(
-            "version= is for a versioned partition (register it with "
-            "staleness=StalenessSpec(...)); this one is not",
-            partition_id=put.partition_id,
-        )
+    version_tag = version_tag or DEFAULT_VERSION_TAG
     tags = put.tags or [{} for _ in put.versions]
     out = []
     for sid, tag, version in zip(put.sample_ids, tags, put.versions):

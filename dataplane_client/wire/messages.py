@@ -69,6 +69,10 @@ class Routing:
     stage_ttl_s: float = 30.0  # a put's deadline, from its admission (put_deadline)
 
 
+# The tag a put's ``version=`` is kept under, unless a StalenessSpec names another.
+DEFAULT_VERSION_TAG = "weight_version"
+
+
 @dataclass(frozen=True)
 class FieldCodecs:
     """How a partition's non-tensor fields travel, declared at registration.
@@ -206,7 +210,7 @@ class StalenessSpec:
     evicts whole unclaimed groups of the oldest version instead of failing.
     """
 
-    version_tag: str = "weight_version"
+    version_tag: str = DEFAULT_VERSION_TAG
     max_staleness: Any = None  # int (every task) | {task: int} | None (no bound)
     stale_samples: str = "drop"
     admission_batch: Any = None

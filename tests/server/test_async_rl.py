@@ -96,6 +96,7 @@ def test_a_put_says_its_version_as_an_argument_kept_once_as_the_version_column(d
 
 
 def test_a_bad_version_argument_is_refused_naming_it_and_stores_nothing(dp):
+    """...and an unversioned partition keeps a good one as a plain tag."""
     pid = _register(dp)
     plain = _pid()
     dp.register_partition(plain, ["x"], None, ["train"])
@@ -108,13 +109,16 @@ def test_a_bad_version_argument_is_refused_naming_it_and_stores_nothing(dp):
         (pid, dict(version=[False]), r"version\[0\] must be an int"),
         (pid, dict(version=[1, 2]), "2 versions for 1 sample ids"),
         (pid, dict(version=2, tags=[{"weight_version": 1}]), "give the version once"),
-        (plain, dict(version=2), "versioned partition"),
+        (plain, dict(version=2, tags=[{"weight_version": 3}]), "give the version once"),
     ]
     for target, kwargs, message in bad:
         with pytest.raises(InvalidBatch, match=message):
             dp.put_samples(["a"], target, one, **kwargs)
     assert dp.describe_partition(pid).num_samples == 0
     assert dp.describe_partition(plain).num_samples == 0
+    # An unversioned partition keeps the version as a plain tag (no window reads it).
+    dp.put_samples(["a"], plain, one, tags=[{"k": 1}], version=2)
+    assert dp.claim_meta(plain, "train", ["x"], 1).tags == [{"k": 1, "weight_version": 2}]
 
 
 def test_a_bad_staleness_spec_is_refused_naming_what_is_wrong(dp):
