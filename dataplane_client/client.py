@@ -473,15 +473,6 @@ class RayDataPlaneClient(DataPlaneService):
         self._codecs.pop(partition_id, None)
         self._codecs_asked.pop(partition_id, None)
 
-    def _remember(
-        self,
-        partition_id: str,
-        sample_ids: Sequence[str],
-        units: Iterable[int],
-        generations: Any = -1,
-    ) -> None:
-        self._routes.remember(partition_id, sample_ids, units, generations)
-
     def _forget(self, partition_id: str, sample_ids: Sequence[str] | None) -> None:
         arguments.partition_name(partition_id)  # a typed error before any dict lookup
         if sample_ids is None:
@@ -678,7 +669,7 @@ class RayDataPlaneClient(DataPlaneService):
                     units[position[s]] = u
                     replicas[position[s]] = result.rerouted_replicas.get(s, -1)
                 continue
-            self._remember(partition_id, sample_ids, units, result.generation)
+            self._routes.remember(partition_id, sample_ids, units, result.generation)
             return KVBatchMeta(
                 partition_id=partition_id,
                 sample_ids=sample_ids,
@@ -809,7 +800,7 @@ class RayDataPlaneClient(DataPlaneService):
             self._codecs[partition_id] = codecs
         assert codecs is not None
         if learn:
-            self._remember(partition_id, sample_ids, units, gens)
+            self._routes.remember(partition_id, sample_ids, units, gens)
         return to_tensordict(decoded, len(sample_ids), enums=codecs.enums, device=device)
 
     def _get_flow(
@@ -831,7 +822,7 @@ class RayDataPlaneClient(DataPlaneService):
             # dropped it already (no KeyError), or cached the new ones (asked again).
             self._drop_codecs(partition_id)
         units = np.asarray(where.units, dtype=np.int64)
-        self._remember(
+        self._routes.remember(
             partition_id,
             sample_ids,
             units,
