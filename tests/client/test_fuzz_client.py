@@ -576,6 +576,20 @@ class _Named:
         self.value, self.needle = value, needle
 
 
+def _mapping_wrong(needle: str, key: str, entries: dict) -> dict:
+    """Wrong values for a mapping argument keyed like `key`, each named by `needle`: not a
+    mapping at all (int, str, bytes, NaN, bool, list), then `entries`' wrong contents."""
+    not_a_mapping = {
+        "int": 5,
+        "str": key,
+        "bytes": key.encode(),
+        "float-nan": NAN,
+        "bool": True,
+        "list": [key],
+    }
+    return {k: _Named(v, needle) for k, v in {**not_a_mapping, **entries}.items()}
+
+
 STR_WRONG = {
     "none": None,
     "int": 5,
@@ -685,15 +699,10 @@ def _wrong(s) -> dict:
                 "num_samples": _without(INT_WRONG, "none"),
                 "consumer_tasks": NAMES_WRONG,
                 "grpo_group_size": _without(INT_WRONG, "none"),
-                "enums": {
-                    k: _Named(v, "enum")
-                    for k, v in {
-                        "int": 5,
-                        "str": "f",
-                        "bytes": b"f",
-                        "float-nan": NAN,
-                        "bool": True,
-                        "list": ["f"],
+                "enums": _mapping_wrong(
+                    "enum",
+                    "f",
+                    {
                         "word-str": {"f": "abc"},
                         "words-none": {"f": None},
                         "word-int": {"f": ["a", 1]},
@@ -701,18 +710,13 @@ def _wrong(s) -> dict:
                         "field-int": {1: ["a"]},
                         "surrogate-word": {"f": ["a", "b" + SURROGATE]},
                         "surrogate-field": {"f" + SURROGATE: ["a"]},
-                    }.items()
-                },
+                    },
+                ),
                 "object_fields": _without(NAMES_WRONG, "none"),  # None: no object fields
-                "task_leases": {
-                    k: _Named(v, "lease")
-                    for k, v in {
-                        "int": 5,
-                        "str": "t",
-                        "bytes": b"t",
-                        "float-nan": NAN,
-                        "bool": True,
-                        "list": ["t"],
+                "task_leases": _mapping_wrong(
+                    "lease",
+                    "t",
+                    {
                         "lease-str": {"t": "1"},
                         "lease-none": {"t": None},
                         "lease-nan": {"t": NAN},
@@ -720,8 +724,8 @@ def _wrong(s) -> dict:
                         "key-int": {1: 1.0},
                         "key-bytes": {b"t": 1.0},
                         "surrogate-key": {"t" + SURROGATE: 1.0},
-                    }.items()
-                },
+                    },
+                ),
             },
         ),
         "put_samples": (
