@@ -81,6 +81,44 @@ def client(service):
     return service.client()
 
 
+@pytest.fixture(scope="module")
+def unit(ray_session, request):
+    """A service of its own for the test module (named after it): one storage unit, the
+    one its tests watch (``unit.units[0]``), and no admin endpoint."""
+    from dataplane_client.wire.config import DataPlaneConfig
+    from dataplane_server import start
+
+    module = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    name = "dp-" + module.replace("_", "-")
+    handle = start(DataPlaneConfig(name=name, num_storage_units=1, admin_enabled=False))
+    yield handle
+    handle.shutdown()
+
+
+@pytest.fixture
+def admin_server(service):
+    """``make(**config)``: an admin endpoint in this process over the session's service,
+    started, on a free loopback port; ``config`` sets more (``admin_token=...``). Every one
+    made is stopped after the test."""
+    from dataplane_client.wire.config import DataPlaneConfig
+    from dataplane_server.admin.server import AdminServer
+    from dataplane_server.admin.sources import ActorSources
+
+    servers = []
+
+    def make(**config):
+        cfg = DataPlaneConfig(
+            name=service.config.name, namespace=service.config.namespace, **config
+        )
+        servers.append(AdminServer(cfg, ActorSources(cfg.name, cfg.namespace)))
+        servers[-1].start()
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.stop(grace_s=0)
+
+
 @pytest.fixture(params=[pytest.param("ray", marks=pytest.mark.ray), "in_process"])
 def dp(request):
     """A client of each kind in turn: the session's Ray service's, then an in-process one
