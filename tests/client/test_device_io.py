@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from dataplane_client import KVBatchMeta
 from dataplane_client.codec import devices
 from dataplane_client.codec import fields as codec
 from dataplane_client.wire import encoded, shm
@@ -64,6 +65,15 @@ def _fields(rows: int = ROWS, width: int = 3) -> dict:
         "kind": ["a" if i % 3 else "b" for i in range(rows)],  # an enum
         "note": [{"i": i} if i % 2 else f"row {i}" for i in range(rows)],  # objects
     }
+
+
+def _put_one(client, name: str) -> tuple[dict, str, KVBatchMeta]:
+    """Field ``name`` of `_fields` alone, put as ROWS samples into a partition of its own:
+    (the fields put, the partition, the put's meta)."""
+    fields = {name: _fields()[name]}
+    pid = f"dev-{uuid.uuid4().hex[:8]}"
+    client.register_partition(pid, fields=[name], consumer_tasks=[])
+    return fields, pid, client.put_samples([f"s{i}" for i in range(ROWS)], pid, fields)
 
 
 def _register(client, fields: dict) -> str:
@@ -163,10 +173,7 @@ def test_read_to_cpu_device_equals_host_read_bit_for_bit(any_client):
 
 def test_device_read_owns_its_bytes(client):
     """A device read is a copy: changing it changes neither the store nor a later read."""
-    fields = {"big": _fields()["big"]}
-    pid = f"dev-{uuid.uuid4().hex[:8]}"
-    client.register_partition(pid, fields=["big"], consumer_tasks=[])
-    meta = client.put_samples([f"s{i}" for i in range(ROWS)], pid, fields)
+    fields, pid, meta = _put_one(client, "big")
     got = client.get_data(meta, device="cpu")["big"]
     got.zero_()
     assert torch.equal(client.get_data(meta, device="cpu")["big"], fields["big"])
@@ -176,10 +183,7 @@ def test_device_read_owns_its_bytes(client):
 def test_async_twins_take_the_device(client):
     import asyncio
 
-    fields = {"f32": _fields()["f32"]}
-    pid = f"dev-{uuid.uuid4().hex[:8]}"
-    client.register_partition(pid, fields=["f32"], consumer_tasks=[])
-    meta = client.put_samples([f"s{i}" for i in range(ROWS)], pid, fields)
+    fields, pid, meta = _put_one(client, "f32")
     got = asyncio.run(client.get_data_async(meta, device="cpu"))
     assert got.device == torch.device("cpu")
     assert torch.equal(got["f32"], fields["f32"])
@@ -290,10 +294,8 @@ def test_a_device_read_pins_the_chunk_mapping_once(client, monkeypatch):
     registrar = RecordingRegistrar()
     monkeypatch.setattr(shm.write_maps, "registrar", None)  # restored after the test
     shm.write_maps.pin_with(registrar)
-    big = _fields()["big"]
-    pid = f"dev-{uuid.uuid4().hex[:8]}"
-    client.register_partition(pid, fields=["big"], consumer_tasks=[])
-    meta = client.put_samples([f"s{i}" for i in range(ROWS)], pid, {"big": big})
+    fields, pid, meta = _put_one(client, "big")
+    big = fields["big"]
     shm.write_maps.forget([], prefix="")  # the put's kept mappings gone: the read maps anew
     assert shm.write_maps.pinned_bytes() == 0
     before = len(registrar.registered)
