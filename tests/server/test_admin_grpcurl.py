@@ -47,11 +47,6 @@ def call(address: str, rpc: str, data: dict | None = None, *headers: str) -> dic
 
 
 @pytest.fixture(scope="module")
-def addr(service):
-    return service.admin_address
-
-
-@pytest.fixture(scope="module")
 def part(client):
     pid = f"grpcurl-{uuid.uuid4().hex[:8]}"
     client.register_partition(pid, fields=["input_ids"], consumer_tasks=["train"])

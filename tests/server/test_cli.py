@@ -62,11 +62,6 @@ def ok(proc) -> str:
 
 
 @pytest.fixture(scope="module")
-def addr(service):
-    return service.admin_address
-
-
-@pytest.fixture(scope="module")
 def part(client):
     """5 samples: 4 with both fields, 1 still missing "score"."""
     pid = f"cli-{uuid.uuid4().hex[:8]}"
