@@ -88,6 +88,15 @@ def _register(client, fields: dict) -> str:
     return pid
 
 
+def _put_all(client) -> tuple[dict, str, list[str], KVBatchMeta]:
+    """Every field of `_fields` put as ROWS samples into a partition of its own:
+    (the fields put, the partition, the ids, the put's meta)."""
+    fields = _fields()
+    pid = _register(client, fields)
+    ids = [f"s{i}" for i in range(ROWS)]
+    return fields, pid, ids, client.put_samples(ids, pid, fields)
+
+
 def _bits(t: torch.Tensor) -> tuple:
     if t.is_nested:
         return (_bits(t.values()), _bits(t.offsets()))
@@ -135,10 +144,7 @@ def test_cuda_without_cuda_is_invalid_batch(asked):
 
 
 def test_bad_device_on_get_is_refused_before_anything_is_read(any_client):
-    fields = _fields()
-    pid = _register(any_client, fields)
-    ids = [f"s{i}" for i in range(ROWS)]
-    meta = any_client.put_samples(ids, pid, fields)
+    fields, pid, ids, meta = _put_all(any_client)
     for call in (
         lambda: any_client.get_data(meta, device="cuda:x"),
         lambda: any_client.get_samples(ids, pid, ["f32"], device=7),
@@ -153,10 +159,7 @@ def test_bad_device_on_get_is_refused_before_anything_is_read(any_client):
 
 
 def test_read_to_cpu_device_equals_host_read_bit_for_bit(any_client):
-    fields = _fields()
-    pid = _register(any_client, fields)
-    ids = [f"s{i}" for i in range(ROWS)]
-    meta = any_client.put_samples(ids, pid, fields)
+    fields, pid, ids, meta = _put_all(any_client)
     shuffled = [ids[i] for i in np.random.default_rng(3).permutation(ROWS)]
     host = any_client.get_samples(shuffled, pid, list(fields))
     on_cpu = any_client.get_samples(shuffled, pid, list(fields), device="cpu")

@@ -335,6 +335,20 @@ def _lease_meta_bad(s) -> dict:
     }
 
 
+def _register_args(pid: str) -> dict:
+    """Well-formed keyword arguments of register_partition: every one given."""
+    return {
+        "partition_id": pid,
+        "fields": ["a"],
+        "num_samples": None,
+        "consumer_tasks": ["t"],
+        "grpo_group_size": None,
+        "enums": None,
+        "object_fields": (),
+        "task_leases": None,
+    }
+
+
 def _without(pool: dict, *labels: str) -> dict:
     return {k: v for k, v in pool.items() if k not in labels}
 
@@ -351,16 +365,7 @@ def _verbs(s) -> dict:
     fresh = f"fresh-{uuid.uuid4().hex[:6]}"
     return {
         "register_partition": (
-            {
-                "partition_id": fresh,
-                "fields": ["a"],
-                "num_samples": None,
-                "consumer_tasks": ["t"],
-                "grpo_group_size": None,
-                "enums": None,
-                "object_fields": (),
-                "task_leases": None,
-            },
+            _register_args(fresh),
             {
                 "partition_id": PARTITION_BAD,
                 "fields": _without(NAMES_BAD, "empty"),  # no fields: well-formed
@@ -683,16 +688,7 @@ def _wrong(s) -> dict:
     return {
         "register_partition": (
             # The existing partition: a refused re-register must leave it as it was.
-            {
-                "partition_id": pid,
-                "fields": ["a"],
-                "num_samples": None,
-                "consumer_tasks": ["t"],
-                "grpo_group_size": None,
-                "enums": None,
-                "object_fields": (),
-                "task_leases": None,
-            },
+            _register_args(pid),
             {
                 "partition_id": PARTITION_WRONG,
                 "fields": NAMES_WRONG,
