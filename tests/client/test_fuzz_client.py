@@ -349,6 +349,19 @@ def _register_args(pid: str) -> dict:
     }
 
 
+def _claim_args(pid: str, *, blocking: bool) -> dict:
+    """Well-formed keyword arguments of claim_meta: every one given."""
+    return {
+        "partition_id": pid,
+        "task_name": "train",
+        "required_fields": ["tokens"],
+        "batch_size": 2,
+        "dp_rank": None,
+        "blocking": blocking,
+        "timeout_s": 0.2,
+    }
+
+
 def _without(pool: dict, *labels: str) -> dict:
     return {k: v for k, v in pool.items() if k not in labels}
 
@@ -440,15 +453,7 @@ def _verbs(s) -> dict:
             {},
         ),
         "claim_meta": (
-            {
-                "partition_id": pid,
-                "task_name": "train",
-                "required_fields": ["tokens"],
-                "batch_size": 2,
-                "dp_rank": None,
-                "blocking": True,
-                "timeout_s": 0.2,
-            },
+            _claim_args(pid, blocking=True),
             {
                 "partition_id": PARTITION_BAD | PARTITION_UNKNOWN,
                 "task_name": TASK_BAD,
@@ -512,22 +517,23 @@ def _untyped(exc: BaseException | None) -> bool:
     return exc is not None and not (isinstance(exc, DataPlaneError) and isinstance(exc, BUILTINS))
 
 
-@pytest.mark.parametrize(
-    "verb",
-    [
-        "register_partition",
-        "put_samples",
-        "get_samples",
-        "get_data",
-        "claim_meta",
-        "ack",
-        "consumption_detail",
-        "check_consumption_status",
-        "clear_samples",
-        "delete_partition",
-        "reset_consumption",
-    ],
-)
+# The verbs both clients have.
+VERBS = [
+    "register_partition",
+    "put_samples",
+    "get_samples",
+    "get_data",
+    "claim_meta",
+    "ack",
+    "reset_consumption",
+    "check_consumption_status",
+    "consumption_detail",
+    "clear_samples",
+    "delete_partition",
+]
+
+
+@pytest.mark.parametrize("verb", VERBS)
 @SETTINGS
 @given(data=st.data())
 def test_malformed_arguments_get_typed_errors_and_leave_the_store_unchanged(store, verb, data):
@@ -786,15 +792,7 @@ def _wrong(s) -> dict:
             },
         ),
         "claim_meta": (
-            {
-                "partition_id": pid,
-                "task_name": "train",
-                "required_fields": ["tokens"],
-                "batch_size": 2,
-                "dp_rank": None,
-                "blocking": False,
-                "timeout_s": 0.2,
-            },
+            _claim_args(pid, blocking=False),
             {
                 "partition_id": PARTITION_WRONG,
                 "task_name": STR_WRONG,
@@ -868,22 +866,7 @@ def _wrong(s) -> dict:
     }
 
 
-WRONG_VERBS = [
-    "register_partition",
-    "put_samples",
-    "get_samples",
-    "get_data",
-    "claim_meta",
-    "ack",
-    "reset_consumption",
-    "check_consumption_status",
-    "consumption_detail",
-    "clear_samples",
-    "delete_partition",
-    "describe_partition",
-    "checkpoint",
-    "restore",
-]
+WRONG_VERBS = [*VERBS, "describe_partition", "checkpoint", "restore"]
 
 
 def _call(c, verb: str, awaited: bool, kwargs: dict) -> BaseException | None:
