@@ -526,6 +526,14 @@ def test_commits_in_flight_applied_in_any_order_never_leave_a_short_column():
     assert min(done["claim"], done["clear"]) >= 1, done
 
 
+def _check(ks, step, pending: list[CommitPlan]):
+    """A ("check", ids, field) step: its answer, kept in ``pending`` when it is a plan."""
+    plan = ks.check_commit(_request(step[1], fields=(step[2],)))
+    if isinstance(plan, CommitPlan):
+        pending.append(plan)
+    return plan
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps=st.lists(_step, max_size=30))
 @example(steps=[("check", ["s0", "s1"], "x"), ("apply", 0), ("claim", "a", "x"), ("clear", ["s0"])])
@@ -537,10 +545,7 @@ def _commits_in_flight_in_any_order(done: Counter, steps):
     for step in steps:
         try:
             if step[0] == "check":
-                plan = ks.check_commit(_request(step[1], fields=(step[2],)))
-                if isinstance(plan, CommitPlan):
-                    pending.append(plan)
-                    done["check"] += 1
+                done["check"] += isinstance(_check(ks, step, pending), CommitPlan)
             elif step[0] == "apply" and pending:
                 ks.apply_commit(pending.pop(step[1] % len(pending)))
                 done["apply"] += 1
@@ -570,10 +575,7 @@ def _run_steps(steps, *, fresh_lookup: bool):
     for step in steps:
         try:
             if step[0] == "check":
-                plan = ks.check_commit(_request(step[1], fields=(step[2],)))
-                if isinstance(plan, CommitPlan):
-                    pending.append(plan)
-                outcomes.append(type(plan).__name__)
+                outcomes.append(type(_check(ks, step, pending)).__name__)
             elif step[0] == "apply" and pending:
                 if fresh_lookup:
                     part.epoch += 1
