@@ -381,3 +381,26 @@ def test_status_partitions_watch_and_metrics_agree_on_stored_bytes(addr, part, s
     assert sum(s.value for s in families["dataplane_partition_stored_bytes"].samples) == stored
     assert sum(s.value for s in families["dataplane_unit_stored_bytes"].samples) == stored
     assert sum(s.value for s in families["dataplane_unit_allocated_bytes"].samples) == allocated
+
+
+def test_a_reader_that_goes_away_ends_the_cli_quietly(addr, part):
+    """`dataplane status | head -3`: the reader closes the pipe; the CLI ends without a
+    BrokenPipeError traceback, with the shell's exit code for SIGPIPE (128 + 13). The
+    read end is closed before the child writes, so its first write meets a closed pipe."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAPLANE_ADMIN_")}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "dataplane_server", "status", "--address", addr],
+            cwd=REPO,
+            env=env,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141, proc.stderr
+    assert proc.stderr == ""
