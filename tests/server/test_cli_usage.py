@@ -187,6 +187,15 @@ def test_serve_with_a_bad_config_key_is_one_line_and_exit_2(tmp_path):
 
 
 @pytest.mark.slow  # a fresh interpreter that imports Ray
+def test_serve_with_a_json_config_that_is_not_json_is_one_line_and_exit_2(tmp_path):
+    config = tmp_path / "dataplane.json"
+    config.write_text('{"name": "x",}')  # a trailing comma: YAML reads it, JSON does not
+    err = one_line_error(dataplane("serve", "--config", str(config)), 2)
+    assert "not valid JSON" in err
+    assert str(config) in err
+
+
+@pytest.mark.slow  # a fresh interpreter that imports Ray
 def test_serve_with_a_bad_config_value_names_the_key(tmp_path):
     config = tmp_path / "dataplane.yaml"
     config.write_text("admin_port: 70000\n")
