@@ -307,6 +307,9 @@ def test_wrong_or_missing_token(service, client):
         # Service info holds no sample data: it answers without the token (the stored
         # bytes come from the partitions, a guarded read: the token shows them).
         assert "? (needs the token) stored" in ok(dataplane("status", *at))
+        tokenless = json.loads(ok(dataplane("status", "--json", *at)))
+        assert tokenless["stored_bytes"] is None
+        assert tokenless["allocated_bytes"] == tokenless["bytes"]
         for command in (["partitions"], ["samples", pid], ["sample", pid, "a"], ["clear", pid]):
             for token in ([], ["--token", "wrong"]):
                 proc = dataplane(*command, *token, *at)
@@ -366,6 +369,8 @@ def test_status_partitions_watch_and_metrics_agree_on_stored_bytes(addr, part, s
     info = json.loads(ok(dataplane("status", "--json", "--address", addr)))
     allocated = info["bytes"]
     assert 0 < stored <= allocated
+    # --json names both figures (it once had only the allocated one, as "bytes")
+    assert (info["stored_bytes"], info["allocated_bytes"]) == (stored, allocated)
     status = ok(dataplane("status", "--address", addr))
     holds = next(line for line in status.splitlines() if line.startswith("holds"))
     assert f"{human_bytes(stored)} stored, {human_bytes(allocated)} allocated" in holds
