@@ -1390,6 +1390,7 @@ class KeySpace:
         return {
             pid: {
                 "declaration": p.declaration.to_record(),
+                "created_at": p.created_at,
                 "tasks": self.export_consumption(p),
                 "answers": p.answers.export(),
                 "staleness": None if p.versions is None else p.versions.export(),
