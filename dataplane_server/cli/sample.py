@@ -35,6 +35,8 @@ def run(ep, args) -> None:
         return emit_json(got)
     s = got["sample"]
     say(f"sample       {s['sample_id']} (partition {got['partition_id']})")
+    held = ", ".join(f"{t}: lease {n}" for t, n in sorted(s["leased_by"].items()))
+    say(f"status       {s['status']}" + (f" ({held})" if held else ""))
     say(f"unit         {s['unit']}" + ("  LOST" if s["lost"] else ""))
     say(f"seq length   {s['sequence_length']}")
     say(f"consumed by  {joined(s['consumed_by'])}")

@@ -164,6 +164,45 @@ def test_samples_paging_and_status_filter(addr, part):
     assert [s["sample_id"] for s in pending["samples"]] == ["e"]
 
 
+def test_samples_shows_leased_samples_as_leased_with_their_holder(addr, client):
+    """Claimed under a lease and not acknowledged: `samples` listed them as ready, with no
+    holder; they are leased, by the claim that holds them, until acknowledged."""
+    pid = f"cli-lease-{uuid.uuid4().hex[:8]}"
+    client.register_partition(
+        pid, fields=["x"], consumer_tasks=["train"], task_leases={"train": 600.0}
+    )
+    client.put_samples(["a", "b", "c"], pid, {"x": torch.zeros(3, 2)})
+    held = client.claim_meta(pid, "train", ["x"], 2)
+    lease = held.extra_info["lease_id"]
+
+    def listed(*status: str) -> dict[str, dict]:
+        page = json.loads(ok(dataplane("samples", pid, *status, "--json", "--address", addr)))
+        return {s["sample_id"]: s for s in page["samples"]}
+
+    every = listed()
+    for sid in held.sample_ids:
+        assert every[sid]["status"] == "leased"
+        assert every[sid]["leased_by"] == {"train": lease}
+    (free,) = set("abc") - set(held.sample_ids)
+    assert (every[free]["status"], every[free]["leased_by"]) == ("ready", {})
+    assert set(listed("--status", "ready")) == {free}
+    assert set(listed("--status", "leased")) == set(held.sample_ids)
+    table = ok(dataplane("samples", pid, "--address", addr))
+    assert "STATUS" in table.splitlines()[0]
+    assert "HELD_BY" in table.splitlines()[0]
+    row = next(line for line in table.splitlines() if line.startswith(held.sample_ids[0]))
+    assert "leased" in row
+    assert f"train:{lease}" in row
+    one = ok(dataplane("sample", pid, held.sample_ids[0], "--address", addr))
+    assert f"leased (train: lease {lease})" in one
+    client.ack(held)
+    after = listed()
+    assert {every_id: s["status"] for every_id, s in after.items()} == {
+        **dict.fromkeys(held.sample_ids, "consumed"),
+        free: "ready",
+    }
+
+
 def test_sample_preview(addr, part):
     out = ok(dataplane("sample", part, "c", "--max-elems", "3", "--address", addr))
     assert "input_ids" in out
