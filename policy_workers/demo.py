@@ -38,7 +38,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from policy_workers.demo_report import WIDTH, StepReport, header_line, report_lines, row_line
+from policy_workers.demo_report import (
+    WIDTH,
+    StepReport,
+    header_line,
+    report_lines,
+    row_line,
+    versions,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -156,12 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     samples_lost = len(steps) * run.per_step - len(tally.seen)
     add_run_checks(tally, samples_lost, run.per_step, args.max_staleness)
     if args.learn:
-        last = [r.mean_reward for r in tally.reports[-LEARNED_OVER:]]
-        tally.checks[
-            f"it learned: mean reward of the last {LEARNED_OVER} steps >= {LEARNED_REWARD} "
-            f"(random: 0.5)"
-        ] = sum(last) / len(last) >= LEARNED_REWARD
-    print_report(tally, samples_lost, backoffs=backoffs)
+        name, ok = learned_check(tally.reports)
+        tally.checks[name] = ok
+    print_report(tally, samples_lost, backoffs=backoffs, async_columns=args.async_mode)
     if args.json_out:
         write_json_report(args.json_out, tally, samples_lost, first_step, restored_samples)
     if args.keep_serving:
@@ -471,7 +475,7 @@ def build_policy(args: argparse.Namespace, dp_cfg):
         f"{args.generations} generations per step, {args.steps} steps"
     )
     if args.async_mode:
-        print(f"  async: generating continuously, at most {args.max_staleness} versions stale")
+        print(f"  async: generating continuously, at most {versions(args.max_staleness)} stale")
     else:
         print("  synchronous: each step's rollouts after the previous step's refit")
     # The demo inspects what the driver shipped and received (at most one step's worth).
@@ -749,7 +753,7 @@ def checkpoint_if_due(run: Run, tally: Tally, k: int) -> None:
 def add_run_checks(tally: Tally, samples_lost: int, per_step: int, max_staleness: int) -> None:
     """The pass/fail checks over the whole run (after the step-0 one)."""
     checks, reports = tally.checks, tally.reports
-    checks[f"no trained sample was more than {max_staleness} versions stale"] = all(
+    checks[f"no trained sample was more than {versions(max_staleness)} stale"] = all(
         r.lag_max <= max_staleness for r in reports
     )
     checks["reference logprobs equal a direct computation, every step"] = (
@@ -765,8 +769,22 @@ def add_run_checks(tally: Tally, samples_lost: int, per_step: int, max_staleness
     )
 
 
-def print_report(tally: Tally, samples_lost: int, backoffs: int) -> None:
-    """The per-step table, the checks and the summary (80 columns)."""
+def learned_check(reports: list[StepReport]) -> tuple[str, bool]:
+    """--learn's check, naming the mean it measured: (its line, whether it passed)."""
+    last = [r.mean_reward for r in reports[-LEARNED_OVER:]]
+    mean = sum(last) / len(last) if last else float("nan")
+    name = (
+        f"it learned: the last {LEARNED_OVER} steps' mean reward {mean:.3f} >= "
+        f"{LEARNED_REWARD} (random: 0.5)"
+    )
+    return name, mean >= LEARNED_REWARD
+
+
+def print_report(
+    tally: Tally, samples_lost: int, backoffs: int, async_columns: bool = False
+) -> None:
+    """The per-step table, the checks and the summary (80 columns); the async-only
+    columns (lag, stale, admission) for an --async run."""
     lines = report_lines(
         tally.reports,
         tally.checks,
@@ -775,6 +793,7 @@ def print_report(tally: Tally, samples_lost: int, backoffs: int) -> None:
         samples_lost=samples_lost,
         backoffs=backoffs,
         with_table=False,  # its rows went out as each step finished
+        async_columns=async_columns,
     )
     print("\n".join(lines))
 

@@ -26,7 +26,14 @@ import time
 import pytest
 import torch
 
-from policy_workers.demo import fit, group_advantages, parse_args
+from policy_workers.demo import (
+    Tally,
+    add_run_checks,
+    fit,
+    group_advantages,
+    learned_check,
+    parse_args,
+)
 from policy_workers.demo_checkpoint import RUN_FLAGS
 from policy_workers.demo_report import (
     LEGEND,
@@ -216,6 +223,50 @@ def test_summary_says_when_logprobs_do_not_match():
     )
     assert any("DO NOT match" in line for line in lines)
     assert lines[-1].strip() == "Samples lost: 2."
+
+
+def test_a_synchronous_run_prints_no_async_columns_and_the_legend_names_every_column():
+    """A synchronous run printed thirty rows of all-zero lag / stale / admit columns; the
+    legend said nothing of reward, loss and KL."""
+    reports = [_report(0, 1_000), _report(1, 2_000)]
+
+    def printed(async_columns: bool) -> str:
+        lines = report_lines(
+            reports,
+            {},
+            max_logprob_diff=0.0,
+            tolerance=1e-5,
+            samples_lost=0,
+            backoffs=0,
+            async_columns=async_columns,
+        )
+        assert max(len(line) for line in lines) <= WIDTH
+        return "\n".join(lines)
+
+    sync, run_async = printed(False), printed(True)
+    for async_only in ("lag max", "lag mean", "stale dropped", "admit waits", "lag:"):
+        assert async_only not in sync, async_only
+        assert async_only in run_async, async_only
+    legend = " ".join(LEGEND)
+    for column in ("loss:", "kl:", "reward:"):
+        assert column in legend, column
+
+
+def test_the_learn_check_prints_the_mean_it_measured_and_says_version_right():
+    reports = [_report(k, 1_000) for k in range(12)]
+    for k, r in enumerate(reports):
+        r.mean_reward = 0.9 if k >= 2 else 0.1  # the last 10: 0.9
+    name, passed = learned_check(reports)
+    assert passed
+    assert "0.900 >= 0.7" in name
+    assert len(f"[PASS] {name}") <= WIDTH
+    reports[-1].mean_reward = 0.0  # the mean falls to 0.81
+    assert "0.810" in learned_check(reports)[0]
+    tally = Tally(reports=reports)
+    add_run_checks(tally, samples_lost=0, per_step=reports[0].samples, max_staleness=1)
+    assert "no trained sample was more than 1 version stale" in tally.checks
+    add_run_checks(tally, samples_lost=0, per_step=reports[0].samples, max_staleness=2)
+    assert "no trained sample was more than 2 versions stale" in tally.checks
 
 
 def test_group_advantages_are_normalised_within_each_group():
@@ -473,7 +524,9 @@ def test_the_learn_configuration_learns_the_parity_task(tmp_path):
     assert len(rewards) == LEARN_STEPS
     assert rewards[0] < 0.6  # it starts as a random policy
     assert sum(rewards[-LEARNED_OVER:]) / LEARNED_OVER >= LEARNED_REWARD
-    assert any(line.startswith("[PASS] it learned: mean reward") for line in lines)
+    assert any(
+        line.startswith("[PASS] it learned: the last 10 steps' mean reward") for line in lines
+    )
     print(f"\n--learn mean rewards: {[round(r, 2) for r in rewards]}")
 
 
@@ -492,7 +545,7 @@ def test_async_with_max_staleness_0_trains_exactly_what_the_synchronous_demo_tra
         [s[k] for k in keys] for s in sync["steps"]
     ]
     assert [s["lag_max"] for s in async0["steps"]] == [0, 0]
-    assert async0["checks"]["no trained sample was more than 0 versions stale"]
+    assert async0["checks"]["no trained sample was more than 0 versions stale"]  # plural
     assert "  async: generating continuously, at most 0 versions stale" in lines
 
 
@@ -503,7 +556,7 @@ def test_async_with_max_staleness_1_never_trains_a_sample_more_than_1_version_st
     lags = [s["lag_max"] for s in report["steps"]]
     assert len(lags) == 2  # --small: 2 steps
     assert max(lags) <= 1, lags
-    assert "[PASS] no trained sample was more than 1 versions stale" in lines
+    assert "[PASS] no trained sample was more than 1 version stale" in lines
     print(
         f"\n--async --max-staleness 1: lag max per step {lags}, stale dropped "
         f"{[s['stale_dropped'] for s in report['steps']]}"
