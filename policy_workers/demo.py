@@ -423,44 +423,37 @@ def build_policy(args: argparse.Namespace, dp_cfg):
 
     Returns (model config, policy, the recorder of what the driver ships and receives).
     """
-    from policy_workers.config import (
-        DynamicBatchingConfig,
-        LossConfig,
-        ModelConfig,
-        OptimizerConfig,
-        PolicyConfig,
-        SequencePackingConfig,
-    )
+    from policy_workers import config as cfg
     from policy_workers.recording import DispatchRecorder
     from policy_workers.tq_policy import TQPolicy
 
     per_step = args.prompts_per_step * args.generations
     max_len = args.prompt_len + args.max_new_tokens
-    model_cfg = ModelConfig(
+    model_cfg = cfg.ModelConfig(
         model_path=args.model_path,
         vocab_size=args.vocab_size,
         max_position_embeddings=max(512, max_len),
     )
     mb_tokens = max(args.mb_tokens, max_len)
-    policy_cfg = PolicyConfig(
+    policy_cfg = cfg.PolicyConfig(
         dp=args.dp,
         tp=args.tp,
         model=model_cfg,
-        optimizer=OptimizerConfig(lr=args.lr),
+        optimizer=cfg.OptimizerConfig(lr=args.lr),
         # The decoupled PPO objective: samples of an older policy (--async) are weighted
         # by pi_prox / pi_behav; on-policy that weight is 1 up to the engines' numerics.
-        loss=LossConfig(
+        loss=cfg.LossConfig(
             reference_policy_kl_penalty=args.kl_penalty, use_importance_sampling_correction=True
         ),
         data_plane=dp_cfg,
         train_global_batch_size=per_step // args.minibatches,
         train_micro_batch_size=max(1, per_step // args.minibatches // args.dp // 2),
-        dynamic_batching=DynamicBatchingConfig(
+        dynamic_batching=cfg.DynamicBatchingConfig(
             enabled=args.packing == "dynamic",
             train_mb_tokens=mb_tokens,
             logprob_mb_tokens=mb_tokens,
         ),
-        sequence_packing=SequencePackingConfig(
+        sequence_packing=cfg.SequencePackingConfig(
             enabled=args.packing == "sequence",
             train_mb_tokens=mb_tokens,
             logprob_mb_tokens=mb_tokens,
@@ -788,12 +781,12 @@ def print_report(
     lines = report_lines(
         tally.reports,
         tally.checks,
+        async_columns,
         max_logprob_diff=tally.max_ref_diff,
         tolerance=TOLERANCE,
         samples_lost=samples_lost,
         backoffs=backoffs,
         with_table=False,  # its rows went out as each step finished
-        async_columns=async_columns,
     )
     print("\n".join(lines))
 

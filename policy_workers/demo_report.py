@@ -181,13 +181,13 @@ def summary_lines(
 def report_lines(
     reports: list[StepReport],
     checks: dict[str, bool],
+    async_columns: bool = False,
     *,
     max_logprob_diff: float,
     tolerance: float,
     samples_lost: int,
     backoffs: int,
     with_table: bool = True,
-    async_columns: bool = False,
 ) -> list[str]:
     """Everything after the run; ``with_table=False`` when the rows went out live;
     ``async_columns`` for an --async run (how off-policy each batch was)."""

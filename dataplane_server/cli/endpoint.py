@@ -46,6 +46,15 @@ def endpoint_options() -> argparse.ArgumentParser:
     return common
 
 
+def partition_command(sub, endpoint_options, name: str, help: str, run) -> argparse.ArgumentParser:
+    """The parser of a client command about one partition (its first argument), run by
+    ``run(endpoint, args)``; the command adds its own arguments to what this returns."""
+    p = sub.add_parser(name, parents=[endpoint_options], help=help)
+    p.add_argument("partition")
+    p.set_defaults(endpoint_cmd=run)
+    return p
+
+
 class AdminEndpoint:
     """A channel + stub to one admin endpoint, with the token and a short deadline."""
 

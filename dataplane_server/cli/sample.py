@@ -7,7 +7,7 @@ import json
 from dataplane_server.admin_pb import admin_pb2
 from dataplane_server.cli.argtypes import positive_int
 from dataplane_server.cli.convert import to_builtin
-from dataplane_server.cli.render import emit_json, joined, say, table
+from dataplane_server.cli.render import emit_json, joined, say, table_of
 
 
 def register(sub, endpoint_options) -> None:
@@ -44,14 +44,13 @@ def run(ep, args) -> None:
     say(f"tags         {json.dumps(s['tags']) if s['tags'] else '-'}")
     if got["previews"]:
         say()
-        rows = [
-            [
-                p["name"],
-                p["dtype"],
-                p["layout"],
-                str(p["shape"]),
-                joined(p["values"] or [], 70) + (" ..." if p["truncated"] else ""),
-            ]
+        shown = [
+            {
+                **p,
+                "shape": str(p["shape"]),
+                "values": joined(p["values"] or [], 70) + (" ..." if p["truncated"] else ""),
+            }
             for p in got["previews"]
         ]
-        say(table(["FIELD", "DTYPE", "LAYOUT", "SHAPE", "VALUES"], rows))
+        columns = {"FIELD": "name", "DTYPE": "dtype", "LAYOUT": "layout"}
+        say(table_of({**columns, "SHAPE": "shape", "VALUES": "values"}, shown))

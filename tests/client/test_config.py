@@ -191,27 +191,25 @@ def test_file_errors_are_config_errors(tmp_path):
 def test_a_json_file_must_be_json_and_yaml_is_read_only_from_yaml_names(tmp_path):
     """A .json with a trailing comma was read as YAML (which takes it) and the service
     started; now a .json is strict JSON, and a file named neither way is refused."""
-    trailing = tmp_path / "trailing.json"
-    trailing.write_text('{"name": "x", "admin_port": 50051,}')
-    with pytest.raises(ConfigError, match="not valid JSON") as e:
-        DataPlaneConfig.from_file(trailing)
-    assert str(trailing) in str(e.value)
-    yaml_in_json = tmp_path / "yaml.json"
-    yaml_in_json.write_text("name: x\n")
-    with pytest.raises(ConfigError, match="not valid JSON"):
-        DataPlaneConfig.from_file(yaml_in_json)
-    good = tmp_path / "good.json"
-    good.write_text('{"name": "from-json", "admin_port": 50051}')
-    assert DataPlaneConfig.from_file(good).name == "from-json"
-    for suffix in (".yml", ".YAML"):
-        path = tmp_path / f"cfg{suffix}"
-        path.write_text("name: from-yaml\n")
-        assert DataPlaneConfig.from_file(path).name == "from-yaml"
-    other = tmp_path / "dataplane.conf"
-    other.write_text("name: x\n")
-    with pytest.raises(ConfigError, match=r"\.yaml, \.yml \(YAML\) or \.json") as e:
-        DataPlaneConfig.from_file(other)
-    assert "'.conf'" in str(e.value)
+    refused = {
+        "trailing.json": ('{"name": "x", "admin_port": 50051,}', "not valid JSON"),
+        "yaml.json": ("name: x\n", "not valid JSON"),
+        "dataplane.conf": ("name: x\n", r"\.yaml, \.yml \(YAML\) or \.json \(JSON\), got '\.conf'"),
+    }
+    for name, (text, match) in refused.items():
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=match) as e:
+            DataPlaneConfig.from_file(path)
+        assert str(path) in str(e.value)  # the typed error names the file
+    read = {
+        "good.json": '{"name": "loaded"}',
+        "cfg.yml": "name: loaded\n",
+        "c.YAML": "name: loaded",
+    }
+    for name, text in read.items():
+        (tmp_path / name).write_text(text)
+        assert DataPlaneConfig.from_file(tmp_path / name).name == "loaded"
 
 
 def test_every_field_has_a_description():

@@ -230,16 +230,10 @@ def test_a_synchronous_run_prints_no_async_columns_and_the_legend_names_every_co
     legend said nothing of reward, loss and KL."""
     reports = [_report(0, 1_000), _report(1, 2_000)]
 
+    figures = {"max_logprob_diff": 0.0, "tolerance": 1e-5, "samples_lost": 0, "backoffs": 0}
+
     def printed(async_columns: bool) -> str:
-        lines = report_lines(
-            reports,
-            {},
-            max_logprob_diff=0.0,
-            tolerance=1e-5,
-            samples_lost=0,
-            backoffs=0,
-            async_columns=async_columns,
-        )
+        lines = report_lines(reports, {}, async_columns, **figures)
         assert max(len(line) for line in lines) <= WIDTH
         return "\n".join(lines)
 
