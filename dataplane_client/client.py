@@ -64,6 +64,7 @@ from dataplane_client.transport.bulk import SharedMemoryUnavailable, StagedRegio
 from dataplane_client.transport.call_batcher import CallBatcher
 from dataplane_client.transport.claim_batcher import ClaimBatcher
 from dataplane_client.transport.loopback import join_address
+from dataplane_client.transport.ray_auth import refused_without_token, token_mode
 from dataplane_client.wire import arguments, routes
 from dataplane_client.wire.config import DataPlaneConfig
 from dataplane_client.wire.errors import (
@@ -1058,9 +1059,16 @@ def _auth_failure(exc: BaseException) -> str | None:
         mark = next((m for m in _AUTH_FAILURE_MARKS if m in text), None)
         if mark is not None:
             line = next(x for x in text.splitlines() if mark in x)
-            return line.strip()[-200:]
+            return _in_words(line[line.index(mark) :].strip())
         cause = cause.__cause__ or cause.__context__
     return None
+
+
+def _in_words(text: str, limit: int = 200) -> str:
+    """``text`` up to ``limit`` characters, cut after a whole word (marked "...")."""
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def warm_read_path() -> None:
@@ -1078,17 +1086,28 @@ def warm_read_path() -> None:
 
 
 def _join_ray(address: str) -> None:
-    """``ray.init(address)``, its failures as ServiceUnavailable saying what to do."""
+    """``ray.init(address)``, its failures as ServiceUnavailable saying what to do. A GCS
+    that refuses a process without token auth is asked first (``ray_auth``): one call,
+    rather than Ray's 20 retries."""
     try:
         # 'auto' resolved and a loopback cluster kept on loopback, as `dataplane serve` does
-        ray.init(address=join_address(address), log_to_driver=False)
+        resolved = join_address(address)
+        said = refused_without_token(resolved)
+        if said is None:
+            ray.init(address=resolved, log_to_driver=False)
     except (AuthenticationError, ConnectionError, RuntimeError) as e:
         said = _auth_failure(e)
-        if said is not None:
-            raise ServiceUnavailable(
-                f"Ray token authentication failed joining {address!r}: a cluster with token "
-                "authentication needs RAY_AUTH_MODE=token set before this process imports "
-                "ray, and the cluster's token in RAY_AUTH_TOKEN, in the file "
-                f"RAY_AUTH_TOKEN_PATH names, or in ~/.ray/auth_token (Ray said: {said})"
-            ) from None
-        raise ServiceUnavailable(f"cannot reach a Ray cluster at {address!r}: {e}") from None
+        if said is None:
+            raise ServiceUnavailable(f"cannot reach a Ray cluster at {address!r}: {e}") from None
+    if said is not None:
+        how = (
+            "and give it"
+            if token_mode()
+            else "this process is not in token mode: set RAY_AUTH_MODE=token before it "
+            "imports ray, and give it"
+        )
+        raise ServiceUnavailable(
+            f"Ray token authentication failed joining {address!r}: the cluster needs a token "
+            f"(RAY_AUTH_MODE=token); {how} the cluster's token in RAY_AUTH_TOKEN, in the file "
+            f"RAY_AUTH_TOKEN_PATH names, or in ~/.ray/auth_token (Ray said: {said})"
+        )

@@ -356,7 +356,8 @@ class DataPlaneService(DataPlaneClient):
         ``claim_policy`` overrides the partition's for this claim (``policy_options``:
         its options, over the partition's when it is the partition's own policy).
         ``where`` keeps only samples whose numeric tags pass every comparison (e.g.
-        ``"reward_std > 0"``); ``max_staleness`` tightens a versioned partition's window.
+        ``"reward_std > 0"``); ``max_staleness`` tightens a versioned partition's window
+        (a looser one than its bound for the task is InvalidBatch).
         On Ray, concurrent claims of one client (threads and coroutines alike) share one
         controller call (``ClaimBatcher``); each still gets its own answer, error and
         timeout.

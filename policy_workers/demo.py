@@ -1,4 +1,4 @@
-"""`dataplane demo`: an end-to-end GRPO data flow on an embedded local default.
+"""`dataplane demo`: train a tiny model with GRPO end to end through the data plane, on a local Ray.
 
 Reads top to bottom, like a training recipe:
 
@@ -29,17 +29,29 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import pickle
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from policy_workers.demo_report import (
+    WIDTH,
+    StepReport,
+    header_line,
+    report_lines,
+    row_line,
+    versions,
+)
 
-from policy_workers.demo_report import WIDTH, StepReport, header_line, report_lines, row_line
+if TYPE_CHECKING:
+    import torch
+
+# Torch, transformers and Ray are imported inside the functions that use them, after the
+# arguments are parsed: `dataplane demo --help` imports none of them.
 
 TOLERANCE = 1e-5  # logprobs through the data plane vs a direct computation (float32)
 # --learn: its steps, and the mean reward its last LEARNED_OVER steps must reach. A random
@@ -151,12 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     samples_lost = len(steps) * run.per_step - len(tally.seen)
     add_run_checks(tally, samples_lost, run.per_step, args.max_staleness)
     if args.learn:
-        last = [r.mean_reward for r in tally.reports[-LEARNED_OVER:]]
-        tally.checks[
-            f"it learned: mean reward of the last {LEARNED_OVER} steps >= {LEARNED_REWARD} "
-            f"(random: 0.5)"
-        ] = sum(last) / len(last) >= LEARNED_REWARD
-    print_report(tally, samples_lost, backoffs=backoffs)
+        name, ok = learned_check(tally.reports)
+        tally.checks[name] = ok
+    print_report(tally, samples_lost, backoffs=backoffs, async_columns=args.async_mode)
     if args.json_out:
         write_json_report(args.json_out, tally, samples_lost, first_step, restored_samples)
     if args.keep_serving:
@@ -179,20 +188,58 @@ def set_environment_before_ray() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="dataplane demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--prompts-per-step", type=int, default=4)
+DESCRIPTION = (
+    "Train a tiny transformers policy with GRPO end to end through the data plane: it "
+    "starts a local Ray on loopback, the data-plane service, DP x TP policy workers and "
+    "rollout actors, prints a table per step beside what the classic driver path would have "
+    "moved, then pass/fail checks and a summary, and exits with 1 if a check fails."
+)
+
+
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Each option's help ends with its default, unless it has none (None, an off switch)
+    or its help already says what it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dataplane demo", description=DESCRIPTION, formatter_class=_HelpWithDefaults
+    )
+    p.add_argument("--steps", type=int, default=3, help="training steps")
+    p.add_argument(
+        "--prompts-per-step",
+        type=int,
+        default=4,
+        help="prompts per step; each is completed --generations times",
+    )
     p.add_argument(
         "--generations", type=int, default=4, help="completions per prompt (GRPO group size)"
     )
-    p.add_argument("--prompt-len", type=int, default=8)
-    p.add_argument("--min-new-tokens", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--rollout-actors", type=int, default=2)
-    p.add_argument("--packing", choices=["none", "dynamic", "sequence"], default="sequence")
+    p.add_argument("--prompt-len", type=int, default=8, help="tokens per prompt")
+    p.add_argument(
+        "--min-new-tokens", type=int, default=8, help="fewest tokens a completion generates"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=32, help="most tokens a completion generates"
+    )
+    p.add_argument("--dp", type=int, default=2, help="data-parallel policy replicas")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per replica")
+    p.add_argument(
+        "--rollout-actors", type=int, default=2, help="actors generating the completions"
+    )
+    p.add_argument(
+        "--packing",
+        choices=["none", "dynamic", "sequence"],
+        default="sequence",
+        help="a rank's microbatches: padded to a fixed size (none), sized by --mb-tokens "
+        "(dynamic), or sequences packed into rows of --mb-tokens (sequence)",
+    )
     p.add_argument(
         "--mb-tokens", type=int, default=256, help="tokens per microbatch (dynamic/sequence)"
     )
@@ -246,7 +293,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--json", dest="json_out", default=None, help="also write the report as JSON here"
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (they are drawn only when stderr is a terminal)",
+    )
     p.add_argument(
         "--checkpoint-dir",
         default=None,
@@ -264,6 +315,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="continue a saved run: DIR is a DIR/step-<n> or a --checkpoint-dir (its "
         "latest); the run's flags come from the checkpoint",
     )
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.small and args.learn:
         p.error("--small and --learn are two configurations: choose one")
@@ -367,44 +423,37 @@ def build_policy(args: argparse.Namespace, dp_cfg):
 
     Returns (model config, policy, the recorder of what the driver ships and receives).
     """
-    from policy_workers.config import (
-        DynamicBatchingConfig,
-        LossConfig,
-        ModelConfig,
-        OptimizerConfig,
-        PolicyConfig,
-        SequencePackingConfig,
-    )
+    from policy_workers import config as cfg
     from policy_workers.recording import DispatchRecorder
     from policy_workers.tq_policy import TQPolicy
 
     per_step = args.prompts_per_step * args.generations
     max_len = args.prompt_len + args.max_new_tokens
-    model_cfg = ModelConfig(
+    model_cfg = cfg.ModelConfig(
         model_path=args.model_path,
         vocab_size=args.vocab_size,
         max_position_embeddings=max(512, max_len),
     )
     mb_tokens = max(args.mb_tokens, max_len)
-    policy_cfg = PolicyConfig(
+    policy_cfg = cfg.PolicyConfig(
         dp=args.dp,
         tp=args.tp,
         model=model_cfg,
-        optimizer=OptimizerConfig(lr=args.lr),
+        optimizer=cfg.OptimizerConfig(lr=args.lr),
         # The decoupled PPO objective: samples of an older policy (--async) are weighted
         # by pi_prox / pi_behav; on-policy that weight is 1 up to the engines' numerics.
-        loss=LossConfig(
+        loss=cfg.LossConfig(
             reference_policy_kl_penalty=args.kl_penalty, use_importance_sampling_correction=True
         ),
         data_plane=dp_cfg,
         train_global_batch_size=per_step // args.minibatches,
         train_micro_batch_size=max(1, per_step // args.minibatches // args.dp // 2),
-        dynamic_batching=DynamicBatchingConfig(
+        dynamic_batching=cfg.DynamicBatchingConfig(
             enabled=args.packing == "dynamic",
             train_mb_tokens=mb_tokens,
             logprob_mb_tokens=mb_tokens,
         ),
-        sequence_packing=SequencePackingConfig(
+        sequence_packing=cfg.SequencePackingConfig(
             enabled=args.packing == "sequence",
             train_mb_tokens=mb_tokens,
             logprob_mb_tokens=mb_tokens,
@@ -419,7 +468,7 @@ def build_policy(args: argparse.Namespace, dp_cfg):
         f"{args.generations} generations per step, {args.steps} steps"
     )
     if args.async_mode:
-        print(f"  async: generating continuously, at most {args.max_staleness} versions stale")
+        print(f"  async: generating continuously, at most {versions(args.max_staleness)} stale")
     else:
         print("  synchronous: each step's rollouts after the previous step's refit")
     # The demo inspects what the driver shipped and received (at most one step's worth).
@@ -656,6 +705,8 @@ def bytes_through_the_driver(run: Run, tally: Tally) -> int:
 def check_reference_logprobs(run: Run, tally: Tally, k: int, meta) -> None:
     """The data plane's reference logprobs equal a direct computation on one sample (not
     part of the data path, so not counted); at step 0 the policy's logprobs do too."""
+    import torch
+
     from dataplane_client.batching.materialize import materialize
     from policy_workers.model import reference_logprobs
 
@@ -695,7 +746,7 @@ def checkpoint_if_due(run: Run, tally: Tally, k: int) -> None:
 def add_run_checks(tally: Tally, samples_lost: int, per_step: int, max_staleness: int) -> None:
     """The pass/fail checks over the whole run (after the step-0 one)."""
     checks, reports = tally.checks, tally.reports
-    checks[f"no trained sample was more than {max_staleness} versions stale"] = all(
+    checks[f"no trained sample was more than {versions(max_staleness)} stale"] = all(
         r.lag_max <= max_staleness for r in reports
     )
     checks["reference logprobs equal a direct computation, every step"] = (
@@ -707,15 +758,30 @@ def add_run_checks(tally: Tally, samples_lost: int, per_step: int, max_staleness
     )
     checks["the driver received no tensor from the workers"] = not tally.tensors_received
     checks["loss, grad norm and KL are finite"] = all(
-        torch.isfinite(torch.tensor([r.loss, r.grad_norm, r.kl])).all() for r in reports
+        math.isfinite(x) for r in reports for x in (r.loss, r.grad_norm, r.kl)
     )
 
 
-def print_report(tally: Tally, samples_lost: int, backoffs: int) -> None:
-    """The per-step table, the checks and the summary (80 columns)."""
+def learned_check(reports: list[StepReport]) -> tuple[str, bool]:
+    """--learn's check, naming the mean it measured: (its line, whether it passed)."""
+    last = [r.mean_reward for r in reports[-LEARNED_OVER:]]
+    mean = sum(last) / len(last) if last else float("nan")
+    name = (
+        f"it learned: the last {LEARNED_OVER} steps' mean reward {mean:.3f} >= "
+        f"{LEARNED_REWARD} (random: 0.5)"
+    )
+    return name, mean >= LEARNED_REWARD
+
+
+def print_report(
+    tally: Tally, samples_lost: int, backoffs: int, async_columns: bool = False
+) -> None:
+    """The per-step table, the checks and the summary (80 columns); the async-only
+    columns (lag, stale, admission) for an --async run."""
     lines = report_lines(
         tally.reports,
         tally.checks,
+        async_columns,
         max_logprob_diff=tally.max_ref_diff,
         tolerance=TOLERANCE,
         samples_lost=samples_lost,
@@ -779,6 +845,8 @@ def version_lag(meta, version: int) -> dict[str, Any]:
 
 def group_advantages(rewards: torch.Tensor, group_ids: list[str]) -> torch.Tensor:
     """GRPO: each reward minus its group's mean, over the group's std (0 when the group agrees)."""
+    import torch
+
     adv = torch.zeros_like(rewards)
     for gid in dict.fromkeys(group_ids):
         idx = torch.tensor([i for i, g in enumerate(group_ids) if g == gid])

@@ -10,31 +10,44 @@ from dataclasses import dataclass, field
 
 WIDTH = 80  # a default terminal: nothing printed here is wider
 
-# (header, width, format of the value); columns are separated by one space.
-_COLUMNS = (
-    ("step", 4, "{:d}"),
-    ("samples", 7, "{:d}"),
-    ("tokens", 6, "{:d}"),
-    ("classic KB", 10, "{:.1f}"),
-    ("driver KB", 9, "{:.1f}"),
-    ("wait s", 6, "{:.2f}"),
-    ("pass s", 6, "{:.2f}"),
-    ("loss", 8, "{:.4f}"),
-    ("kl", 7, "{:.1e}"),
-    ("reward", 6, "{:.3f}"),
-)
+# Every column of the two tables: TABLE HEADER WIDTH FORMAT ("_" in a header is a space).
+# "step" is the per-step table; "loop" the training loop's, whose "async" columns (how
+# off-policy each batch was) print only for --async: a synchronous run is on-policy.
+_SPEC = """
+step  step           4  d
+step  samples        7  d
+step  tokens         6  d
+step  classic_KB    10  .1f
+step  driver_KB      9  .1f
+step  wait_s         6  .2f
+step  pass_s         6  .2f
+step  loss           8  .4f
+step  kl             7  .1e
+step  reward         6  .3f
+loop  step           4  d
+loop  refit_s        7  .3f
+loop  step_s         6  .2f
+loop  samples/s      9  .1f
+async lag_max        7  d
+async lag_mean       8  .2f
+async stale_dropped 13  d
+async admit_waits   11  d
+"""
 
-# The training loop: weight refit, throughput and how off-policy each batch was.
-_LOOP_COLUMNS = (
-    ("step", 4, "{:d}"),
-    ("refit s", 7, "{:.3f}"),
-    ("step s", 6, "{:.2f}"),
-    ("samples/s", 9, "{:.1f}"),
-    ("lag max", 7, "{:d}"),
-    ("lag mean", 8, "{:.2f}"),
-    ("stale dropped", 13, "{:d}"),
-    ("admit waits", 11, "{:d}"),
-)
+
+def _columns(table: str) -> tuple[tuple[str, int, str], ...]:
+    """(header, width, format of the value) of one table's columns, separated by one space."""
+    rows = (line.split() for line in _SPEC.strip().splitlines())
+    return tuple(
+        (name.replace("_", " "), int(width), "{:" + fmt + "}")
+        for t, name, width, fmt in rows
+        if t == table
+    )
+
+
+_COLUMNS = _columns("step")
+_LOOP_COLUMNS = _columns("loop")
+_ASYNC_COLUMNS = _columns("async")
 
 LEGEND = (
     "classic KB: tensors the classic driver would have gathered and scattered this",
@@ -44,14 +57,23 @@ LEGEND = (
     "  sample and classic KB grows with tokens, so a run as small as --small can",
     "  show driver KB above classic KB; the summary counts the tensors alone.",
     "wait s: waiting for rollouts; pass s: logprob passes, advantages, train step.",
+    "loss: the train step's (clipped policy gradient + KL penalty); kl: its mean",
+    "  per-token KL(policy || reference); reward: the step's mean reward, the share",
+    "  of generated tokens with the parity of the prompt's last token (random: 0.5).",
 )
 
-LOOP_LEGEND = (
-    "refit s: the new weights into every rollout actor; step s: wait + pass + refit.",
+LOOP_LEGEND = ("refit s: the new weights into every rollout actor; step s: wait + pass + refit.",)
+
+ASYNC_LEGEND = (
     "lag: policy versions between a trained sample's generation and its training",
     "  step (0 = on-policy). stale dropped: samples the store dropped as too stale;",
     "  admit waits: rollout starts that waited for the store's admission.",
 )
+
+
+def versions(n: int) -> str:
+    """'1 version', '2 versions'."""
+    return f"{n} version" if n == 1 else f"{n} versions"
 
 
 @dataclass
@@ -117,8 +139,10 @@ def table_lines(reports: list[StepReport]) -> list[str]:
     return [header_line(), *map(row_line, reports)]
 
 
-def loop_table_lines(reports: list[StepReport]) -> list[str]:
-    lines = [_row([name for name, _, _ in _LOOP_COLUMNS], _LOOP_COLUMNS)]
+def loop_table_lines(reports: list[StepReport], async_columns: bool = False) -> list[str]:
+    """The training loop's table; the lag, stale and admission columns only for --async."""
+    columns = _LOOP_COLUMNS + (_ASYNC_COLUMNS if async_columns else ())
+    lines = [_row([name for name, _, _ in columns], columns)]
     for r in reports:
         values = (
             r.step,
@@ -130,7 +154,7 @@ def loop_table_lines(reports: list[StepReport]) -> list[str]:
             r.stale_dropped,
             r.admission_waits,
         )
-        lines.append(_formatted(values, _LOOP_COLUMNS))
+        lines.append(_formatted(values[: len(columns)], columns))
     return lines
 
 
@@ -157,6 +181,7 @@ def summary_lines(
 def report_lines(
     reports: list[StepReport],
     checks: dict[str, bool],
+    async_columns: bool = False,
     *,
     max_logprob_diff: float,
     tolerance: float,
@@ -164,10 +189,12 @@ def report_lines(
     backoffs: int,
     with_table: bool = True,
 ) -> list[str]:
-    """Everything after the run; ``with_table=False`` when the rows went out live."""
+    """Everything after the run; ``with_table=False`` when the rows went out live;
+    ``async_columns`` for an --async run (how off-policy each batch was)."""
     lines = ["", *table_lines(reports)] if with_table else []
     lines += ["", *LEGEND, ""]
-    lines += [*loop_table_lines(reports), "", *LOOP_LEGEND, ""]
+    lines += [*loop_table_lines(reports, async_columns), "", *LOOP_LEGEND]
+    lines += [*(ASYNC_LEGEND if async_columns else ()), ""]
     lines.append(f"rollout back-offs on a full store: {backoffs}")
     lines += [f"[{'PASS' if ok else 'FAIL'}] {name}" for name, ok in checks.items()]
     lines += ["", *summary_lines(reports, max_logprob_diff, tolerance, samples_lost)]

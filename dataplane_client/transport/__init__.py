@@ -1,2 +1,2 @@
 """The Ray transport: the bulk-data seam to the units, batched calls and claims, put
-admission, placement, actor states, loopback."""
+admission, placement, actor states, loopback, Ray token-auth probe."""

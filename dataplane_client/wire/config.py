@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import json
 import os
 import re
 from decimal import Decimal
@@ -294,14 +295,22 @@ class DataPlaneConfig(BaseModel):
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> DataPlaneConfig:
-        """A YAML or JSON file (JSON is YAML) of field: value; the environment overrides it."""
+        """A file of field: value: a ``.json`` name as strict JSON (a trailing comma is an
+        error, not YAML's reading of it), any other (``.yaml``, or a Kubernetes ConfigMap
+        key with no suffix) as YAML; the environment overrides it."""
+        name = os.fspath(path)
+        suffix = os.path.splitext(name)[1].lower()
         try:
             with open(path) as f:
-                raw = yaml.safe_load(f)
+                raw = json.load(f) if suffix == ".json" else yaml.safe_load(f)
         except OSError as exc:
-            raise ConfigError(f"cannot read config file {os.fspath(path)!r}: {exc}") from None
+            raise ConfigError(f"cannot read config file {name!r}: {exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {name!r} is not valid JSON: {exc}") from None
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {os.fspath(path)!r} is not valid YAML: {exc}") from None
+            raise ConfigError(f"config file {name!r} is not valid YAML: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {name!r} is not UTF-8 text: {exc}") from None
         if raw is None:  # an empty file (or only comments): likely the wrong file
             raise ConfigError(
                 f"config file {os.fspath(path)!r} is empty: give at least one key, or no "

@@ -429,7 +429,9 @@ class PartitionDescription:
 @dataclass(frozen=True)
 class SampleStatus:
     """One sample as the admin endpoint shows it; ``redeliveries`` counts, over
-    every leased task, the times it was handed out again after a lease expired."""
+    every leased task, the times it was handed out again after a lease expired.
+    ``leased_by``: task -> lease id of the claim holding it (unexpired, unacknowledged);
+    ``status``: lost, pending, leased, consumed or ready, the first that holds."""
 
     sample_id: str
     fields: list[str]
@@ -439,6 +441,8 @@ class SampleStatus:
     tags: dict[str, Any]
     lost: bool
     redeliveries: int = 0
+    leased_by: dict[str, int] = field(default_factory=dict)
+    status: str = "ready"
 
 
 @dataclass(frozen=True)

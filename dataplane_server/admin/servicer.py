@@ -64,6 +64,7 @@ STATUS_FILTERS = {
     admin_pb2.SAMPLE_STATUS_PENDING: "pending",
     admin_pb2.SAMPLE_STATUS_CONSUMED: "consumed",
     admin_pb2.SAMPLE_STATUS_LOST: "lost",
+    admin_pb2.SAMPLE_STATUS_LEASED: "leased",
 }
 _NOT_FOUND = (errors.UnknownPartition, errors.SamplesNotFound, errors.FieldNotProduced)
 
@@ -161,7 +162,12 @@ def _proto(cls, message: Any, **overrides: Any):
 
 
 def sample_message(sample: messages.SampleStatus) -> admin_pb2.SampleInfo:
-    return _proto(admin_pb2.SampleInfo, sample, tags=_struct(sample.tags))
+    return _proto(
+        admin_pb2.SampleInfo,
+        sample,
+        tags=_struct(sample.tags),
+        status=admin_pb2.SampleStatus.Value(f"SAMPLE_STATUS_{sample.status.upper()}"),
+    )
 
 
 def preview_message(name: str, raw: dict) -> admin_pb2.FieldPreview:

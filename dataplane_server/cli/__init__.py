@@ -18,7 +18,8 @@ channel, what an RPC error means), ``convert`` (protobuf -> builtins),
 ``DATAPLANE_ADMIN_ADDRESS`` / ``DATAPLANE_ADMIN_TOKEN`` when --address / --token
 are not given, print tables (``--json`` for scripts), and exit with 1 on a
 refused request, 2 on a usage error, 3 when the endpoint cannot be reached or
-a watch stream drops, 4 when the token is missing or wrong.
+a watch stream drops, 4 when the token is missing or wrong, and quietly with 141
+(128 + SIGPIPE) when the reader of their output goes away (`| head`).
 """
 
 # E402: grpc must be imported after GRPC_VERBOSITY is set, so imports follow code here.
@@ -56,7 +57,7 @@ from dataplane_server.cli import (
     watch,
 )
 from dataplane_server.cli.endpoint import AdminEndpoint, endpoint_options
-from dataplane_server.cli.exits import EPILOG, EXIT_OK, CliError
+from dataplane_server.cli.exits import EPILOG, EXIT_OK, EXIT_PIPE, CliError
 
 CLIENT_COMMANDS = (
     status,
@@ -120,6 +121,23 @@ def _run_endpoint_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (`dataplane status | head -3`): nothing more can be
+    shown, which is no error worth a traceback. stdout is pointed at /dev/null so the
+    interpreter's last flush at exit does not fail on the closed pipe again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, added = build_parser()
     try:

@@ -18,33 +18,39 @@ from dataplane_server.cli.render import emit_json, say
 DEFAULT_TIMEOUT_S = 600.0
 
 
+# action -> (RPC, its request, what it does, what it says when done)
+ACTIONS = {
+    "save": (
+        "SaveCheckpoint",
+        admin_pb2.SaveCheckpointRequest,
+        "write every partition, sample and cursor to DIR (must not exist)",
+        "saved checkpoint {directory}",
+    ),
+    "restore": (
+        "RestoreCheckpoint",
+        admin_pb2.RestoreCheckpointRequest,
+        "load DIR into this service, which must hold no partition",
+        "restored {restored_samples} samples from {directory}",
+    ),
+}
+
+
 def register(sub, endpoint_options) -> None:
     p = sub.add_parser(
         "checkpoint",
         help="save the whole store to a directory, or restore it into an empty service",
     )
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    for name, run, text in (
-        ("save", _save, "write every partition, sample and cursor to DIR (must not exist)"),
-        ("restore", _restore, "load DIR into this service, which must hold no partition"),
-    ):
+    for name, (_, _, text, _) in ACTIONS.items():
         a = actions.add_parser(name, parents=[endpoint_options], help=f"{text} (needs the token)")
         a.add_argument("directory", metavar="DIR", help="path on the service's nodes")
         # Instead of the 5 s other commands wait: this moves the whole store.
         a.set_defaults(endpoint_cmd=run, default_timeout=DEFAULT_TIMEOUT_S)
 
 
-def _save(ep, args) -> None:
-    request = admin_pb2.SaveCheckpointRequest(directory=os.path.abspath(args.directory))
-    got = to_builtin(ep.call("SaveCheckpoint", request))
+def run(ep, args) -> None:
+    method, request, _, done = ACTIONS[args.action]
+    got = to_builtin(ep.call(method, request(directory=os.path.abspath(args.directory))))
     if args.json:
         return emit_json(got)
-    say(f"saved checkpoint {got['directory']}")
-
-
-def _restore(ep, args) -> None:
-    request = admin_pb2.RestoreCheckpointRequest(directory=os.path.abspath(args.directory))
-    got = to_builtin(ep.call("RestoreCheckpoint", request))
-    if args.json:
-        return emit_json(got)
-    say(f"restored {got['restored_samples']} samples from {got['directory']}")
+    say(done.format(**got))

@@ -9,18 +9,14 @@ from __future__ import annotations
 
 from dataplane_server.admin_pb import admin_pb2
 from dataplane_server.cli.convert import to_builtin
+from dataplane_server.cli.endpoint import partition_command
 from dataplane_server.cli.render import emit_json, say
 
 
 def register(sub, endpoint_options) -> None:
-    p = sub.add_parser(
-        "clear",
-        parents=[endpoint_options],
-        help="drop samples of a partition; no ids = all of it, deleting it (needs the token)",
-    )
-    p.add_argument("partition")
+    help = "drop samples of a partition; no ids = all of it, deleting it (needs the token)"
+    p = partition_command(sub, endpoint_options, "clear", help, run)
     p.add_argument("sample_ids", nargs="*", metavar="ID", help="samples to drop (default: all)")
-    p.set_defaults(endpoint_cmd=run)
 
 
 def run(ep, args) -> None:

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from dataplane_server.admin_pb import admin_pb2
 from dataplane_server.cli.convert import to_builtin
+from dataplane_server.cli.endpoint import partition_command
 from dataplane_server.cli.render import emit_json, human_bytes, say
 
 
 def register(sub, endpoint_options) -> None:
-    p = sub.add_parser(
-        "delete",
-        parents=[endpoint_options],
-        help="delete a partition: samples, bytes and declaration (needs the token)",
-    )
-    p.add_argument("partition")
-    p.set_defaults(endpoint_cmd=run)
+    help = "delete a partition: samples, bytes and declaration (needs the token)"
+    partition_command(sub, endpoint_options, "delete", help, run)
 
 
 def run(ep, args) -> None:

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from dataplane_server.admin_pb import admin_pb2
 from dataplane_server.cli.convert import to_builtin
-from dataplane_server.cli.render import emit_json, human_bytes, human_time, say, table
+from dataplane_server.cli.endpoint import partition_command
+from dataplane_server.cli.render import emit_json, human_bytes, human_time, say, table, table_of
 
 
 def register(sub, endpoint_options) -> None:
-    p = sub.add_parser(
-        "describe",
-        parents=[endpoint_options],
-        help="fields, consumption, claims, bytes of a partition",
-    )
-    p.add_argument("partition")
-    p.set_defaults(endpoint_cmd=run)
+    help = "fields, consumption, claims, bytes of a partition"
+    partition_command(sub, endpoint_options, "describe", help, run)
 
 
 def _lease(c: dict) -> str:
@@ -40,19 +36,20 @@ def run(ep, args) -> None:
     say(table(["FIELD", "DTYPE", "LAYOUT", "TRAILING_SHAPE", "PRODUCED"], fields))
     if d["consumption"]:
         say()
-        rows = [
-            [
-                c["task"],
-                c["consumed"],
-                c["total"],
-                "yes" if c["done"] else "no",
-                _lease(c),
-                c["leased"],
-                c["redeliveries"],
-            ]
+        tasks = [
+            {**c, "done": "yes" if c["done"] else "no", "lease": _lease(c)}
             for c in d["consumption"]
         ]
-        say(table(["TASK", "CONSUMED", "OF", "DONE", "LEASE", "LEASED", "REDELIVERED"], rows))
+        columns = {
+            "TASK": "task",
+            "CONSUMED": "consumed",
+            "OF": "total",
+            "DONE": "done",
+            "LEASE": "lease",
+            "LEASED": "leased",
+            "REDELIVERED": "redeliveries",
+        }
+        say(table_of(columns, tasks))
     if d["bytes_per_unit"]:
         say()
         rows = [[b["unit"], human_bytes(b["bytes"])] for b in d["bytes_per_unit"]]

@@ -46,6 +46,15 @@ def endpoint_options() -> argparse.ArgumentParser:
     return common
 
 
+def partition_command(sub, endpoint_options, name: str, help: str, run) -> argparse.ArgumentParser:
+    """The parser of a client command about one partition (its first argument), run by
+    ``run(endpoint, args)``; the command adds its own arguments to what this returns."""
+    p = sub.add_parser(name, parents=[endpoint_options], help=help)
+    p.add_argument("partition")
+    p.set_defaults(endpoint_cmd=run)
+    return p
+
+
 class AdminEndpoint:
     """A channel + stub to one admin endpoint, with the token and a short deadline."""
 
@@ -55,7 +64,7 @@ class AdminEndpoint:
             raise CliError(
                 f"no admin address: pass --address HOST:PORT or set {ADDRESS_ENV}", EXIT_USAGE
             )
-        self.address: str = address
+        self.address: str = checked_address(address)
         # A command that moves a lot sets default_timeout (set_defaults on its own parser:
         # changing --timeout's default there would change it for every command sharing it).
         self.timeout = (
@@ -126,6 +135,20 @@ class AdminEndpoint:
                 f"(see --tls-server-name): {details}"
             )
         return f"cannot reach the admin endpoint at {self.address}: {details}"
+
+
+def checked_address(address: str) -> str:
+    """HOST:PORT with a port gRPC can dial, or a usage error naming what was given
+    (gRPC would wrap 99999 to another port, and read a bare name as a DNS lookup)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host.strip("[]"):
+        raise CliError(f"admin address {address!r} is not HOST:PORT", EXIT_USAGE)
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        raise CliError(
+            f"admin address {address!r}: the port must be a number from 1 to 65535, got {port!r}",
+            EXIT_USAGE,
+        )
+    return address
 
 
 def _read_ca(path: str) -> bytes:

@@ -51,6 +51,11 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([line(headers)] + [line(r) for r in cells])
 
 
+def table_of(columns: dict[str, str], records: Sequence[dict[str, Any]]) -> str:
+    """``table`` of dicts: ``columns`` maps each header to the key its cells are read at."""
+    return table(list(columns), [[r[key] for key in columns.values()] for r in records])
+
+
 def say(text: str = "") -> None:
     # Flushed: `watch` and `serve` are read line by line through pipes.
     print(text, flush=True)

@@ -7,7 +7,7 @@ import json
 from dataplane_server.admin_pb import admin_pb2
 from dataplane_server.cli.argtypes import positive_int
 from dataplane_server.cli.convert import to_builtin
-from dataplane_server.cli.render import emit_json, joined, say, table
+from dataplane_server.cli.render import emit_json, joined, say, table_of
 
 
 def register(sub, endpoint_options) -> None:
@@ -35,6 +35,8 @@ def run(ep, args) -> None:
         return emit_json(got)
     s = got["sample"]
     say(f"sample       {s['sample_id']} (partition {got['partition_id']})")
+    held = ", ".join(f"{t}: lease {n}" for t, n in sorted(s["leased_by"].items()))
+    say(f"status       {s['status']}" + (f" ({held})" if held else ""))
     say(f"unit         {s['unit']}" + ("  LOST" if s["lost"] else ""))
     say(f"seq length   {s['sequence_length']}")
     say(f"consumed by  {joined(s['consumed_by'])}")
@@ -42,14 +44,13 @@ def run(ep, args) -> None:
     say(f"tags         {json.dumps(s['tags']) if s['tags'] else '-'}")
     if got["previews"]:
         say()
-        rows = [
-            [
-                p["name"],
-                p["dtype"],
-                p["layout"],
-                str(p["shape"]),
-                joined(p["values"] or [], 70) + (" ..." if p["truncated"] else ""),
-            ]
+        shown = [
+            {
+                **p,
+                "shape": str(p["shape"]),
+                "values": joined(p["values"] or [], 70) + (" ..." if p["truncated"] else ""),
+            }
             for p in got["previews"]
         ]
-        say(table(["FIELD", "DTYPE", "LAYOUT", "SHAPE", "VALUES"], rows))
+        columns = {"FIELD": "name", "DTYPE": "dtype", "LAYOUT": "layout"}
+        say(table_of({**columns, "SHAPE": "shape", "VALUES": "values"}, shown))

@@ -35,7 +35,11 @@ DEFAULT_JOIN_TIMEOUT_S = 60.0
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="run the service until SIGTERM/SIGINT, then drain")
-    p.add_argument("--config", metavar="FILE", help="YAML or JSON DataPlaneConfig")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="DataPlaneConfig: a .yaml / .yml (YAML) or .json (JSON) file",
+    )
     p.add_argument(
         "--address",
         "--ray-address",

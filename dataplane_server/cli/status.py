@@ -23,24 +23,27 @@ def register(sub, endpoint_options) -> None:
     p.set_defaults(endpoint_cmd=run)
 
 
-def _stored_bytes(ep) -> str:
+def _stored_bytes(ep) -> int | None:
     """What `partitions` and `watch` show: the samples' own bytes ("allocated", from
     GetServiceInfo, is the units' memory set aside for them in whole chunks, which
-    capacity limits). Partitions are a read the admin token guards; status is not."""
+    capacity limits). Partitions are a read the admin token guards; status is not:
+    None when the token is missing."""
     try:
         parts = to_builtin(ep.call("ListPartitions", admin_pb2.ListPartitionsRequest()))
     except grpc.RpcError as exc:
         if exc.code() != grpc.StatusCode.UNAUTHENTICATED:
             raise
-        return "? (needs the token)"
-    return human_bytes(sum(p["bytes"] for p in parts.get("partitions", [])))
+        return None
+    return sum(p["bytes"] for p in parts.get("partitions", []))
 
 
 def run(ep, args) -> None:
     info = to_builtin(ep.call("GetServiceInfo", admin_pb2.GetServiceInfoRequest()))
+    stored_bytes = _stored_bytes(ep)
     if args.json:
-        return emit_json(info)
-    stored = _stored_bytes(ep)
+        # Both figures by name (the message's own "bytes" is the allocated one).
+        return emit_json({**info, "stored_bytes": stored_bytes, "allocated_bytes": info["bytes"]})
+    stored = "? (needs the token)" if stored_bytes is None else human_bytes(stored_bytes)
     say(f"service    {info['name']} (namespace {info['namespace']}), version {info['version']}")
     say(
         f"uptime     {human_duration(info['uptime_s'])} (since {human_time(info['started_at'])})"

@@ -167,6 +167,7 @@ def _internal(p: dict) -> dict:
     answers.restore(p.get("answers", ()))
     return {
         "declaration": p["declaration"],
+        "created_at": p.get("created_at"),
         "tasks": tasks,
         "answers": answers,
         "staleness": staleness_journal.folded(p.get("staleness")),
@@ -177,6 +178,7 @@ def _internal(p: dict) -> dict:
 def _external(p: dict) -> dict:
     return {
         "declaration": p["declaration"],
+        "created_at": p.get("created_at"),
         "tasks": {
             task: {
                 "consumed": sorted(t["consumed"]),
@@ -211,6 +213,7 @@ def _replay(state: dict, record: list) -> None:
     if op == "register":
         state[pid] = {
             "declaration": rest[0],
+            "created_at": None,
             "tasks": {},
             "answers": ClaimAnswers(),
             "staleness": staleness_journal.folded(None),

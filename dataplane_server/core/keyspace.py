@@ -912,6 +912,14 @@ class KeySpace:
         policy = self.claim_policy(
             part, request.claim_policy, request.policy_options, request.where, request.max_staleness
         )
+        declared = part.versions.spec.bound(task) if part.versions is not None else None
+        loose = request.max_staleness
+        if loose is not None and declared is not None and loose > declared:
+            raise InvalidBatch(  # a claim may only tighten the partition's bound
+                f"max_staleness {loose} of this claim is looser than the partition's bound "
+                f"of {declared} for task {task!r}: a claim may only tighten it",
+                partition_id=part.partition_id,
+            )
         return part, task, policy
 
     def _pick(
@@ -1418,6 +1426,7 @@ class KeySpace:
         return {
             pid: {
                 "declaration": p.declaration.to_record(),
+                "created_at": p.created_at,
                 "tasks": self.export_consumption(p),
                 "answers": p.answers.export(),
                 "staleness": None if p.versions is None else p.versions.export(),

@@ -144,6 +144,8 @@ def rebuild(
             if dropped:
                 removed.setdefault(pid, {})[unit] = dropped
         part = keys.rebuild_partition(pid, Declaration.from_record(p["declaration"]), stored)
+        if p.get("created_at"):  # a checkpoint's or snapshot's; a replayed register has none
+            part.created_at = float(p["created_at"])
         keys.restore_consumption(part, p["tasks"])
         part.answers.restore(p.get("answers", ()))
         if part.versions is not None:

@@ -23,9 +23,9 @@ from dataplane_client.wire.messages import (
     UnitSnapshot,
     UnitStatus,
 )
-from dataplane_server.core.keyspace import KeySpace, Partition
+from dataplane_server.core.keyspace import NO_LEASE, KeySpace, Partition
 
-STATUS_FILTERS = (None, "", "ready", "pending", "consumed", "lost")
+STATUS_FILTERS = (None, "", "ready", "pending", "leased", "consumed", "lost")
 MAX_PAGE = 10_000
 
 
@@ -143,7 +143,50 @@ def staleness_info(keys: KeySpace, part: Partition) -> StalenessInfo | None:
     )
 
 
-def _status_of(ks: KeySpace, part: Partition, row: int) -> SampleStatus:
+class _Rows:
+    """Per row of a partition: the facts a sample's status is made of."""
+
+    def __init__(self, ks: KeySpace, part: Partition):
+        n = part.n_rows
+        self.alive = np.asarray(ks.unit_alive, dtype=bool)[part.unit[:n]]
+        self.all_produced = np.ones(n, dtype=bool)
+        for f in part.declaration.fields or list(part.schema):
+            col = part.produced.get(f)
+            self.all_produced &= col[:n] if col is not None else False
+        self.any_consumed = np.zeros(n, dtype=bool)
+        self.any_leased = np.zeros(n, dtype=bool)
+        self.holders: dict[str, np.ndarray] = {}  # leased task -> lease id per row (0: none)
+        now = ks.clock()
+        for task in part.tasks:
+            consumed = part.column(part.consumed, task)[:n]
+            self.any_consumed |= consumed
+            if task in part.declaration.task_leases:
+                held = part.column(part.lease_until, task, np.float64, 0.0)[:n] > now
+                held &= ~consumed
+                self.any_leased |= held
+                holder = part.column(part.holder, task, np.int64, NO_LEASE)[:n]
+                self.holders[task] = np.where(held, holder, NO_LEASE)
+        self.masks = {
+            "lost": ~self.alive,
+            "pending": self.alive & ~self.all_produced,
+            "leased": self.alive & self.all_produced & self.any_leased,
+            "consumed": self.any_consumed,
+            "ready": self.alive & self.all_produced & ~self.any_consumed & ~self.any_leased,
+        }
+
+    def status(self, row: int) -> str:
+        # The first that holds; "consumed" by one task may still be leased by another.
+        return next(
+            name
+            for name in ("lost", "pending", "leased", "consumed", "ready")
+            if self.masks[name][row]
+        )
+
+    def leased_by(self, row: int) -> dict[str, int]:
+        return {t: int(h[row]) for t, h in self.holders.items() if h[row] != NO_LEASE}
+
+
+def _status_of(ks: KeySpace, part: Partition, row: int, rows: _Rows) -> SampleStatus:
     return SampleStatus(
         sample_id=part.ids[row] or "",
         fields=part.fields_of(row),
@@ -153,6 +196,8 @@ def _status_of(ks: KeySpace, part: Partition, row: int) -> SampleStatus:
         tags=part.tags_of([row])[0],
         lost=not ks.unit_alive[part.unit[row]],
         redeliveries=ks.redeliveries_of(part, row),
+        leased_by=rows.leased_by(row),
+        status=rows.status(row),
     )
 
 
@@ -162,31 +207,17 @@ def list_samples(
     part = ks.partition(partition_id)
     if status not in STATUS_FILTERS:
         raise InvalidBatch(
-            f"unknown status filter {status!r}; use ready, pending, consumed or lost"
+            f"unknown status filter {status!r}; use ready, pending, leased, consumed or lost"
         )
-    n = part.n_rows
-    mask = part.live[:n].copy()
-    alive = np.asarray(ks.unit_alive, dtype=bool)[part.unit[:n]]
-    all_produced = np.ones(n, dtype=bool)
-    for f in part.declaration.fields or list(part.schema):
-        col = part.produced.get(f)
-        all_produced &= col[:n] if col is not None else False
-    any_consumed = np.zeros(n, dtype=bool)
-    for task in part.tasks:
-        any_consumed |= part.column(part.consumed, task)[:n]
-    masks = {
-        "lost": ~alive,
-        "consumed": any_consumed,
-        "ready": alive & all_produced & ~any_consumed,
-        "pending": alive & ~all_produced,
-    }
+    facts = _Rows(ks, part)
+    mask = part.live[: part.n_rows].copy()
     if status:
-        mask &= masks[status]
+        mask &= facts.masks[status]
     rows = np.nonzero(mask)[0]
     offset, limit = max(0, int(offset)), max(1, min(int(limit), MAX_PAGE))
     page = rows[offset : offset + limit]
     return SamplePage(
-        samples=[_status_of(ks, part, int(r)) for r in page],
+        samples=[_status_of(ks, part, int(r), facts) for r in page],
         total=len(rows),
         next_offset=offset + limit if offset + limit < len(rows) else None,
     )
@@ -197,4 +228,4 @@ def sample_status(ks: KeySpace, partition_id: str, sample_id: str) -> SampleStat
     row = part.row_of.get(sample_id)
     if row is None:
         raise SamplesNotFound("unknown sample", ids=[sample_id], partition_id=partition_id)
-    return _status_of(ks, part, row)
+    return _status_of(ks, part, row, _Rows(ks, part))

@@ -188,6 +188,31 @@ def test_file_errors_are_config_errors(tmp_path):
         DataPlaneConfig.from_file(typo)
 
 
+def test_a_json_file_must_be_json_and_other_names_are_yaml(tmp_path):
+    """A .json with a trailing comma was read as YAML (which takes it) and the service
+    started; now a .json is strict JSON, and any other name is YAML."""
+    refused = {
+        "trailing.json": ('{"name": "x", "admin_port": 50051,}', "not valid JSON"),
+        "yaml.json": ("name: x\n", "not valid JSON"),
+        "bad.conf": ("name: [x\n", "not valid YAML"),
+    }
+    for name, (text, match) in refused.items():
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=match) as e:
+            DataPlaneConfig.from_file(path)
+        assert str(path) in str(e.value)  # the typed error names the file
+    read = {
+        "good.json": '{"name": "loaded"}',
+        "cfg.yml": "name: loaded\n",
+        "c.YAML": "name: loaded",
+        "dataplane": "name: loaded\n",  # a ConfigMap key mounted as a file
+    }
+    for name, text in read.items():
+        (tmp_path / name).write_text(text)
+        assert DataPlaneConfig.from_file(tmp_path / name).name == "loaded"
+
+
 def test_every_field_has_a_description():
     for name, info in DataPlaneConfig.model_fields.items():
         assert info.description, name

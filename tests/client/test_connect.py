@@ -84,3 +84,44 @@ def test_a_token_refused_inside_a_connection_error_is_one_line_saying_what_to_se
     assert out.startswith("UNAVAILABLE Ray token authentication failed"), out
     assert "RAY_AUTH_MODE=token" in out
     assert "\n" not in out
+
+
+TIMED = """
+import sys, time
+from dataplane_client import connect
+from dataplane_client.wire.errors import ServiceUnavailable
+
+t = time.monotonic()
+try:
+    connect("dp", "ns", address=sys.argv[1])
+except ServiceUnavailable as e:
+    print(f"{time.monotonic() - t:.2f}", e)
+"""
+
+
+@pytest.mark.slow
+def test_joining_a_token_cluster_without_token_mode_says_so_at_once_in_whole_words(service):
+    """Without RAY_AUTH_MODE=token a join was refused only after Ray's 20 retries (25 s,
+    20 InvalidAuthToken lines on stderr), and the quoted Ray text began mid-word ("te
+    clusters, ..."). The GCS is asked first: one line, within 5 s, nothing from Ray."""
+    import ray
+
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        pytest.skip("the session's Ray runs without token auth")
+    address = ray.get_runtime_context().gcs_address
+    drop = ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    done = subprocess.run(
+        [sys.executable, "-c", TIMED, address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k not in drop},
+    )
+    assert done.stdout.count("\n") == 1, (done.stdout, done.stderr)
+    took, message = done.stdout.strip().split(" ", 1)
+    assert float(took) < 5.0, done.stdout
+    assert message.startswith("Ray token authentication failed"), message
+    assert "set RAY_AUTH_MODE=token" in message  # this process is not in token mode
+    said = message.split("(Ray said: ", 1)[1]
+    assert said.startswith("InvalidAuthToken: "), said  # whole words, from the start
+    assert "InvalidAuthToken" not in done.stderr, done.stderr

@@ -187,8 +187,12 @@ def test_a_claim_may_tighten_the_window_but_not_widen_it(dp):
     dp.set_policy_version(pid, 2)
     tight = dp.claim_meta(pid, "train", ["x"], 3, blocking=False, max_staleness=0)
     assert tight.sample_ids == ["c"]
-    wide = dp.claim_meta(pid, "train", ["x"], 3, blocking=False, max_staleness=9)
-    assert wide.sample_ids == ["a", "b"]
+    # A looser bound was silently ignored (the partition's applied): it is refused, naming
+    # both, and hands out nothing.
+    with pytest.raises(InvalidBatch, match=r"max_staleness 9 .*bound of 2 .*'train'"):
+        dp.claim_meta(pid, "train", ["x"], 3, blocking=False, max_staleness=9)
+    same = dp.claim_meta(pid, "train", ["x"], 3, blocking=False, max_staleness=2)
+    assert same.sample_ids == ["a", "b"]
 
 
 # ---- where ------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ def test_restore_into_a_fresh_service_gives_back_every_sample_and_cursor(two_ser
     src.put_samples(ids, "p", fields, tags=[{"step": i % 3} for i in range(30)])
     taken = src.claim_meta("p", "t", ["input_ids"], 7).sample_ids
     held = src.claim_meta("p", "u", ["input_ids"], 4)
+    created = src.describe_partition("p").created_at
     path = src.checkpoint(str(tmp_path / "ck"))
     assert sorted(os.listdir(path)) == [
         "manifest.json",
@@ -68,6 +69,7 @@ def test_restore_into_a_fresh_service_gives_back_every_sample_and_cursor(two_ser
         "unit-1.bin",
     ]
     assert dst.restore(path) == 30
+    assert dst.describe_partition("p").created_at == created  # not the restore's time
     got = dst.get_samples(ids, "p", ["input_ids", "logprobs", "mask"])
     for i, row in enumerate(got["input_ids"].unbind()):
         assert torch.equal(row, fields["input_ids"][i])

@@ -150,6 +150,45 @@ def test_samples_paging_and_status_filter(addr, part):
     assert [s["sample_id"] for s in pending["samples"]] == ["e"]
 
 
+def test_samples_shows_leased_samples_as_leased_with_their_holder(addr, client):
+    """Claimed under a lease and not acknowledged: `samples` listed them as ready, with no
+    holder; they are leased, by the claim that holds them, until acknowledged."""
+    pid = f"cli-lease-{uuid.uuid4().hex[:8]}"
+    client.register_partition(
+        pid, fields=["x"], consumer_tasks=["train"], task_leases={"train": 600.0}
+    )
+    client.put_samples(["a", "b", "c"], pid, {"x": torch.zeros(3, 2)})
+    held = client.claim_meta(pid, "train", ["x"], 2)
+    lease = held.extra_info["lease_id"]
+
+    def listed(*status: str) -> dict[str, dict]:
+        page = json.loads(ok(dataplane("samples", pid, *status, "--json", "--address", addr)))
+        return {s["sample_id"]: s for s in page["samples"]}
+
+    every = listed()
+    for sid in held.sample_ids:
+        assert every[sid]["status"] == "leased"
+        assert every[sid]["leased_by"] == {"train": lease}
+    (free,) = set("abc") - set(held.sample_ids)
+    assert (every[free]["status"], every[free]["leased_by"]) == ("ready", {})
+    assert set(listed("--status", "ready")) == {free}
+    assert set(listed("--status", "leased")) == set(held.sample_ids)
+    table = ok(dataplane("samples", pid, "--address", addr))
+    assert "STATUS" in table.splitlines()[0]
+    assert "HELD_BY" in table.splitlines()[0]
+    row = next(line for line in table.splitlines() if line.startswith(held.sample_ids[0]))
+    assert "leased" in row
+    assert f"train:{lease}" in row
+    one = ok(dataplane("sample", pid, held.sample_ids[0], "--address", addr))
+    assert f"leased (train: lease {lease})" in one
+    client.ack(held)
+    after = listed()
+    assert {every_id: s["status"] for every_id, s in after.items()} == {
+        **dict.fromkeys(held.sample_ids, "consumed"),
+        free: "ready",
+    }
+
+
 def test_sample_preview(addr, part):
     out = ok(dataplane("sample", part, "c", "--max-elems", "3", "--address", addr))
     assert "input_ids" in out
@@ -279,6 +318,9 @@ def test_wrong_or_missing_token(client, admin_server):
     # Service info holds no sample data: it answers without the token (the stored
     # bytes come from the partitions, a guarded read: the token shows them).
     assert "? (needs the token) stored" in ok(dataplane("status", *at))
+    tokenless = json.loads(ok(dataplane("status", "--json", *at)))
+    assert tokenless["stored_bytes"] is None
+    assert tokenless["allocated_bytes"] == tokenless["bytes"]
     for command in (["partitions"], ["samples", pid], ["sample", pid, "a"], ["clear", pid]):
         for token in ([], ["--token", "wrong"]):
             proc = dataplane(*command, *token, *at)
@@ -336,6 +378,8 @@ def test_status_partitions_watch_and_metrics_agree_on_stored_bytes(addr, part, s
     info = json.loads(ok(dataplane("status", "--json", "--address", addr)))
     allocated = info["bytes"]
     assert 0 < stored <= allocated
+    # --json names both figures (it once had only the allocated one, as "bytes")
+    assert (info["stored_bytes"], info["allocated_bytes"]) == (stored, allocated)
     status = ok(dataplane("status", "--address", addr))
     holds = next(line for line in status.splitlines() if line.startswith("holds"))
     assert f"{human_bytes(stored)} stored, {human_bytes(allocated)} allocated" in holds
@@ -351,3 +395,26 @@ def test_status_partitions_watch_and_metrics_agree_on_stored_bytes(addr, part, s
     assert sum(s.value for s in families["dataplane_partition_stored_bytes"].samples) == stored
     assert sum(s.value for s in families["dataplane_unit_stored_bytes"].samples) == stored
     assert sum(s.value for s in families["dataplane_unit_allocated_bytes"].samples) == allocated
+
+
+def test_a_reader_that_goes_away_ends_the_cli_quietly(addr, part):
+    """`dataplane status | head -3`: the reader closes the pipe; the CLI ends without a
+    BrokenPipeError traceback, with the shell's exit code for SIGPIPE (128 + 13). The
+    read end is closed before the child writes, so its first write meets a closed pipe."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAPLANE_ADMIN_")}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "dataplane_server", "status", "--address", addr],
+            cwd=REPO,
+            env=env,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141, proc.stderr
+    assert proc.stderr == ""

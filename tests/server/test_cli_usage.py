@@ -67,6 +67,24 @@ def test_no_address_is_a_usage_error():
     assert "DATAPLANE_ADMIN_ADDRESS" in err
 
 
+@pytest.mark.parametrize(
+    ("address", "named"),
+    [
+        ("127.0.0.1:99999", "'99999'"),  # gRPC wrapped it to port 34463 and said so
+        ("127.0.0.1:0", "'0'"),
+        ("nonsense", "'nonsense' is not HOST:PORT"),  # was a DNS error, exit 3
+        (":5000", "':5000' is not HOST:PORT"),
+        ("127.0.0.1:http", "'http'"),
+    ],
+)
+def test_an_address_that_is_not_host_and_port_is_a_usage_error_naming_it(address, named):
+    err = one_line_error(dataplane("status", "--address", address, "--timeout", "2"), 2)
+    assert address in err
+    assert named in err
+    env_err = one_line_error(dataplane("status", env={"DATAPLANE_ADMIN_ADDRESS": address}), 2)
+    assert address in env_err
+
+
 def test_missing_tls_ca_file_is_a_usage_error(tmp_path):
     missing = tmp_path / "no-such-ca.pem"
     err = one_line_error(
@@ -153,6 +171,15 @@ def test_serve_with_a_bad_config_key_is_one_line_and_exit_2(tmp_path):
     err = one_line_error(dataplane("serve", "--config", str(config)), 2)
     assert err.startswith("dataplane: error: config error:")
     assert "admin_prot" in err
+
+
+@pytest.mark.slow  # a fresh interpreter that imports Ray
+def test_serve_with_a_json_config_that_is_not_json_is_one_line_and_exit_2(tmp_path):
+    config = tmp_path / "dataplane.json"
+    config.write_text('{"name": "x",}')  # a trailing comma: YAML reads it, JSON does not
+    err = one_line_error(dataplane("serve", "--config", str(config)), 2)
+    assert "not valid JSON" in err
+    assert str(config) in err
 
 
 @pytest.mark.slow  # a fresh interpreter that imports Ray
