@@ -56,6 +56,16 @@ def test_dashboard_covers_what_an_operator_needs():
         "claim wait": "dataplane_claim_wait_seconds_bucket",
         "errors": "dataplane_errors_total",
         "lost samples": "dataplane_units_lost_total",
+        "controller restarts": "dataplane_controller_restarts_total",
+        "recovery time": "dataplane_recovery_seconds_bucket",
+        "checkpoints": "dataplane_checkpoints_total",
+        "restores": "dataplane_restores_total",
+        "journal errors": "dataplane_journal_write_errors_total",
+        "policy version": "dataplane_partition_policy_version",
+        "stale drops": "dataplane_partition_stale_dropped_samples",
+        "filtered samples": "dataplane_partition_filtered_samples",
+        "rollout admission waits": "dataplane_admission_waits_total",
+        "rollouts in flight": "dataplane_partition_rollouts_in_flight",
     }
     missing = [topic for topic, expr in needed.items() if expr not in text]
     assert not missing
