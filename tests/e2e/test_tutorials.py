@@ -9,6 +9,7 @@ has a test here, and the README links them in order.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import runpy
@@ -46,6 +47,22 @@ def test_the_readme_links_the_tutorials_in_order():
     assert linked == [f"docs/tutorials/{n}" for n in sorted(RUN_HERE + RUN_APART)]
     index = (TUTORIALS / "README.md").read_text()
     assert re.findall(r"\]\((\d\d_\w+\.py)\)", index) == sorted(RUN_HERE + RUN_APART)
+
+
+def test_the_tutorial_index_names_only_code_that_exists(monkeypatch):
+    # The check README.md and docs/architecture.md pass (tests/project/test_doc_names.py),
+    # run on docs/tutorials/README.md.
+    spec = importlib.util.spec_from_file_location(
+        "tutorial_doc_names", ROOT / "tests" / "project" / "test_doc_names.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    checker = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, checker)  # its dataclasses look it up there
+    spec.loader.exec_module(checker)
+    text = (TUTORIALS / "README.md").read_text()
+    assert len(checker.code_spans(text)) > 10  # it read the spans
+    assert checker.stale_names(checker.repo_index(), text) == []
 
 
 def test_02_a_claim_policy_of_your_own(capsys):
