@@ -109,6 +109,7 @@ def main() -> None:
                 timeout_s=60.0,
             )
             batch = client.get_data(meta)
+            # VERSION-ARG: each claimed sample's version, read back from its tag.
             step_lags = [version - t["weight_version"] for t in meta.tags]
             assert max(step_lags) <= MAX_STALENESS, step_lags  # the store's promise
             lags += step_lags
