@@ -1,6 +1,7 @@
 """Tutorial 01: the data path, put -> claim -> shard per rank -> get -> write back -> clear.
 
-Run it: ``.venv/bin/python docs/tutorials/01_data_path.py`` (a few seconds on 2 cores).
+Run it: ``.venv/bin/python docs/tutorials/01_data_path.py`` (about 20 s on 2 cores, most of
+it starting Ray).
 
 A rollout writes each sample's fields once into the store, keyed by sample id. The
 driver claims *keys only* (a ``KVBatchMeta``: ids, fields, no tensors) and splits them

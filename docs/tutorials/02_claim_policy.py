@@ -1,6 +1,6 @@
 """Tutorial 02: a claim policy of your own, in one class.
 
-Run it: ``.venv/bin/python docs/tutorials/02_claim_policy.py`` (no Ray; a second or two).
+Run it: ``.venv/bin/python docs/tutorials/02_claim_policy.py`` (no Ray; a few seconds).
 
 A claim policy decides which of a partition's *ready* samples a claim hands out, and
 in which order. The key space works out what is ready (produced, not consumed or

@@ -1,6 +1,7 @@
 """Tutorial 04: an async-RL loop: a rollout actor and a trainer sharing one store.
 
-Run it: ``.venv/bin/python docs/tutorials/04_async_rl.py`` (seconds once Ray is up).
+Run it: ``.venv/bin/python docs/tutorials/04_async_rl.py`` (about 30 s on 2 cores, most of
+it starting Ray).
 
 A rollout actor generates continuously while the trainer trains; the store keeps the
 two honest. What each call does:
