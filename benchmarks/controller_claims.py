@@ -299,12 +299,14 @@ def _ms(x: float) -> float:
 
 
 def _report(section: Section, data: dict[str, Any]) -> None:
-    c = data["claims"]
+    c, w = data["claims"], data["wake"]
     rows = []
     for label, xs in (
         ("claim_meta, 1 claimer", c["solo_s"]),
         (f"claim_meta, {c['claimers']} concurrent claimers", c["crowd_s"]),
         (f"no-op controller call, {c['claimers']} concurrent callers", c["noop_crowd_s"]),
+        ("wake-up: claim return - put return", w["after_put_return_s"]),
+        ("the put that wakes it (stage + commit)", w["put_s"]),
     ):
         rows.append(
             [
@@ -316,27 +318,6 @@ def _report(section: Section, data: dict[str, Any]) -> None:
                 _ms(max(xs)),
             ]
         )
-    w = data["wake"]
-    rows.append(
-        [
-            "wake-up: claim return - put return",
-            len(w["after_put_return_s"]),
-            _ms(percentile(w["after_put_return_s"], 50)),
-            _ms(percentile(w["after_put_return_s"], 90)),
-            _ms(percentile(w["after_put_return_s"], 99)),
-            _ms(max(w["after_put_return_s"])),
-        ]
-    )
-    rows.append(
-        [
-            "the put that wakes it (stage + commit)",
-            len(w["put_s"]),
-            _ms(percentile(w["put_s"], 50)),
-            _ms(percentile(w["put_s"], 90)),
-            _ms(percentile(w["put_s"], 99)),
-            _ms(max(w["put_s"])),
-        ]
-    )
     section.tables.append(
         Table(
             f"latency, ms (claims of {c['batch']} samples from a partition of {c['samples_in_partition']:,})",

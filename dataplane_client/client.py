@@ -473,15 +473,6 @@ class RayDataPlaneClient(DataPlaneService):
         self._codecs.pop(partition_id, None)
         self._codecs_asked.pop(partition_id, None)
 
-    def _remember(
-        self,
-        partition_id: str,
-        sample_ids: Sequence[str],
-        units: Iterable[int],
-        generations: Any = -1,
-    ) -> None:
-        self._routes.remember(partition_id, sample_ids, units, generations)
-
     def _forget(self, partition_id: str, sample_ids: Sequence[str] | None) -> None:
         arguments.partition_name(partition_id)  # a typed error before any dict lookup
         if sample_ids is None:
@@ -520,6 +511,7 @@ class RayDataPlaneClient(DataPlaneService):
         codecs = dataclasses.replace(
             arguments.field_codecs(spec.enums, spec.object_fields),
             group_fields=frozenset(spec.group_fields),
+            version_tag=None if spec.staleness is None else spec.staleness.version_tag,
         )
         self._forget(spec.partition_id, None)
         _one((yield [self._open_controller().register_partition.remote(spec)]))
@@ -677,7 +669,7 @@ class RayDataPlaneClient(DataPlaneService):
                     units[position[s]] = u
                     replicas[position[s]] = result.rerouted_replicas.get(s, -1)
                 continue
-            self._remember(partition_id, sample_ids, units, result.generation)
+            self._routes.remember(partition_id, sample_ids, units, result.generation)
             return KVBatchMeta(
                 partition_id=partition_id,
                 sample_ids=sample_ids,
@@ -693,22 +685,28 @@ class RayDataPlaneClient(DataPlaneService):
 
     def _commits(self) -> CallBatcher:
         """This client's commit batcher: the commits of concurrent puts go to the controller
-        together, one ``commit_many`` per round trip. Made on first use under
-        ``_batcher_lock`` (see ``_claims``); ServiceUnavailable once closed."""
-        batcher = self._commit_batcher
-        if batcher is not None:
-            return batcher
+        together, one ``commit_many`` per round trip (``_made_once``); ServiceUnavailable
+        once closed."""
+        return self._made_once(
+            "_commit_batcher",
+            lambda controller: CallBatcher(
+                lambda requests: _get_sync(controller.commit_many.remote(requests, self._load())),
+                "dataplane-commits",
+                _MAX_COMMIT_BATCH,
+            ),
+        )
+
+    def _made_once(self, attribute: str, make: Callable[[Any], Any]) -> Any:
+        """The batcher kept in ``attribute``, made from the controller's handle on first
+        use under ``_batcher_lock``: concurrent first callers share one (each batcher
+        starts a sender thread, and only the kept one is closed)."""
+        made = getattr(self, attribute)
+        if made is not None:
+            return made
         with self._batcher_lock:
-            if self._commit_batcher is None:
-                controller = self._open_controller()
-                self._commit_batcher = CallBatcher(
-                    lambda requests: _get_sync(
-                        controller.commit_many.remote(requests, self._load())
-                    ),
-                    "dataplane-commits",
-                    _MAX_COMMIT_BATCH,
-                )
-            return self._commit_batcher
+            if getattr(self, attribute) is None:
+                setattr(self, attribute, make(self._open_controller()))
+            return getattr(self, attribute)
 
     def _load(self) -> WriterLoad:
         """Our put admission figures, for the service's metrics (``writer_loads``)."""
@@ -802,7 +800,7 @@ class RayDataPlaneClient(DataPlaneService):
             self._codecs[partition_id] = codecs
         assert codecs is not None
         if learn:
-            self._remember(partition_id, sample_ids, units, gens)
+            self._routes.remember(partition_id, sample_ids, units, gens)
         return to_tensordict(decoded, len(sample_ids), enums=codecs.enums, device=device)
 
     def _get_flow(
@@ -824,7 +822,7 @@ class RayDataPlaneClient(DataPlaneService):
             # dropped it already (no KeyError), or cached the new ones (asked again).
             self._drop_codecs(partition_id)
         units = np.asarray(where.units, dtype=np.int64)
-        self._remember(
+        self._routes.remember(
             partition_id,
             sample_ids,
             units,
@@ -878,19 +876,14 @@ class RayDataPlaneClient(DataPlaneService):
     # ---- claims and consumption ---------------------------------------------------
     def _claims(self) -> ClaimBatcher:
         """This client's claim batcher (made on first use, so a client that never claims
-        starts no thread). Made under ``_batcher_lock``, so concurrent first claims share
-        one (each batcher starts a sender thread, and only the kept one is closed); once
-        closed, the closed batcher stays and refuses claims with ServiceUnavailable."""
-        batcher = self._batcher
-        if batcher is not None:
-            return batcher
-        with self._batcher_lock:
-            if self._batcher is None:
-                controller = self._open_controller()
-                self._batcher = ClaimBatcher(
-                    lambda requests: _get_sync(controller.claim_many.remote(requests))
-                )
-            return self._batcher
+        starts no thread; ``_made_once``); once closed, the closed batcher stays and
+        refuses claims with ServiceUnavailable."""
+        return self._made_once(
+            "_batcher",
+            lambda controller: ClaimBatcher(
+                lambda requests: _get_sync(controller.claim_many.remote(requests))
+            ),
+        )
 
     def _claim_meta(self, request: ClaimRequest) -> Flow:
         """The claim goes to the controller with this client's concurrent ones (the claim

@@ -404,6 +404,8 @@ class DataPlaneService(DataPlaneClient):
         fields: Any = None,
         tags: Sequence[dict] | None = None,
         overwrite: bool = False,
+        *,
+        version: int | Sequence[int] | None = None,
     ) -> KVBatchMeta:
         """Write fields of samples (new samples, or new fields of existing ones); returns
         a meta covering ``sample_ids``.
@@ -412,9 +414,15 @@ class DataPlaneService(DataPlaneClient):
         row per id. Each write flips the produced bit of (sample, field), the signal that
         a stage is done. A non-tensor leaf raises ``NonTensorField`` (a ``TypeError``)
         saying "non-tensor"; strings travel through ``enums``. ``overwrite`` (ours)
-        replaces fields already produced.
+        replaces fields already produced. ``version`` (ours, async RL): the policy version
+        the samples were generated under, one int for all or one per sample; a versioned
+        partition keeps it as its version column (readers see it in ``meta.tags`` under
+        the partition's ``StalenessSpec.version_tag``); an unversioned one keeps it as a
+        plain ``weight_version`` tag.
         """
-        return checked(prepare.put_arguments(sample_ids, partition_id, fields, tags, overwrite))
+        return checked(
+            prepare.put_arguments(sample_ids, partition_id, fields, tags, overwrite, version)
+        )
 
     put_samples_async = awaitable(put_samples)
 

@@ -41,22 +41,29 @@ class ModelConfig:
 
 
 @dataclass
-class DynamicBatchingConfig:
-    """Microbatches of variable size holding at most ``*_mb_tokens`` padded tokens."""
+class _MicrobatchTokens:
+    """What dynamic batching and sequence packing share: a token budget per microbatch."""
 
     enabled: bool = False
     train_mb_tokens: int = 256
     logprob_mb_tokens: int = 256
+
+    def mb_tokens(self, kind: Literal["train", "logprob"]) -> int:
+        """The token budget of one microbatch of a train or logprob pass."""
+        return self.train_mb_tokens if kind == "train" else self.logprob_mb_tokens
+
+
+@dataclass
+class DynamicBatchingConfig(_MicrobatchTokens):
+    """Microbatches of variable size holding at most ``*_mb_tokens`` padded tokens."""
+
     sequence_length_round: int = 8
 
 
 @dataclass
-class SequencePackingConfig:
+class SequencePackingConfig(_MicrobatchTokens):
     """Sequences packed into bins of at most ``*_mb_tokens`` tokens (one row per bin)."""
 
-    enabled: bool = False
-    train_mb_tokens: int = 256
-    logprob_mb_tokens: int = 256
     algorithm: str = "modified_first_fit_decreasing"
 
 
@@ -159,9 +166,7 @@ class PolicyConfig:
         if not db.enabled:
             return None
         return {
-            "max_tokens_per_microbatch": db.train_mb_tokens
-            if kind == "train"
-            else db.logprob_mb_tokens,
+            "max_tokens_per_microbatch": db.mb_tokens(kind),
             "sequence_length_round": db.sequence_length_round,
             "input_key": "input_ids",
             "input_lengths_key": "input_lengths",
@@ -178,9 +183,7 @@ class PolicyConfig:
         if not sp.enabled:
             return None
         return {
-            "max_tokens_per_microbatch": sp.train_mb_tokens
-            if kind == "train"
-            else sp.logprob_mb_tokens,
+            "max_tokens_per_microbatch": sp.mb_tokens(kind),
             "input_key": "input_ids",
             "input_lengths_key": "input_lengths",
             "algorithm": sp.algorithm,

@@ -5,8 +5,9 @@ the trainer's after every training step (``load_weights``, see
 ``policy_workers.refit``), each load numbered with the policy version it holds.
 It samples ``generations`` completions per prompt with ``generate()``, scores
 them with a verifiable reward, and writes every finished group with
-``put_samples_async`` at once, not batched at the end, tagged with the version
-that generated it (``weight_version``) and the prompt's index. Before each
+``put_samples_async`` at once, not batched at the end, with the version that
+generated it (``version=``, read back as the ``weight_version`` tag) and the
+prompt's index. Before each
 write it looks at the service's fill level and backs off while the store is
 nearly full.
 
@@ -183,13 +184,14 @@ class RolloutActor:
             "group_id": f"prompt{prompt_index}",
             "prompt": prompt_index,
             "actor": self.index,
-            WEIGHT_VERSION: version,
         }
         tags = [tag] * self.cfg.generations
         for attempt in range(self.cfg.max_put_attempts):
             await self._wait_for_room()
             try:
-                await self.client.put_samples_async(ids, partition_id, fields, tags=tags)
+                await self.client.put_samples_async(
+                    ids, partition_id, fields, tags=tags, version=version
+                )
                 break
             except CapacityExceeded:
                 # Another writer took the room first (or one unit is full): pace, look again.

@@ -15,6 +15,11 @@ def unit_pid(handle, index: int = 0) -> int:
     return ray.get(handle.units[index].ping.remote()).pid
 
 
+def unit_bytes(handle, index: int = 0) -> int:
+    """The bytes the unit counts as held (its metrics' figure), staged ones included."""
+    return ray.get(handle.units[index].metrics_snapshot.remote()).bytes
+
+
 def open_fds(pid: int) -> list[str]:
     return os.listdir(f"/proc/{pid}/fd")
 

@@ -32,6 +32,7 @@ pass). :func:`round_robin_assign` is the naive baseline it is measured against.
 from __future__ import annotations
 
 import bisect
+import functools
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -160,59 +161,56 @@ def _fit_bin_count(
 
 
 # ---- algorithms ---------------------------------------------------------------
-def first_fit_decreasing(
-    lengths: Sequence[int],
-    capacity: int,
-    *,
-    min_bin_count: int = 0,
-    bin_count_multiple: int = 1,
-    seed: int = 0,
-) -> list[list[int]]:
+def _algorithm(pack: Callable[[list[int], int, int], list[list[int]]]) -> PackFn:
+    """An algorithm's public form (the module docstring's signature and guarantees) around
+    its core ``pack(lens, capacity, seed)``, which bins checked lengths: the lengths and
+    constraints are checked first, the bin count fitted after (``_fit_bin_count``)."""
+
+    @functools.wraps(pack, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
+    def algorithm(
+        lengths: Sequence[int],
+        capacity: int,
+        *,
+        min_bin_count: int = 0,
+        bin_count_multiple: int = 1,
+        seed: int = 0,
+    ) -> list[list[int]]:
+        lens = _validate(lengths, capacity, min_bin_count, bin_count_multiple)
+        bins = pack(lens, capacity, seed)
+        return _fit_bin_count(bins, lens, min_bin_count, bin_count_multiple)
+
+    del algorithm.__wrapped__  # its signature is the public one, not the core's
+    return algorithm
+
+
+@_algorithm
+def first_fit_decreasing(lens: list[int], capacity: int, seed: int) -> list[list[int]]:
     """Longest item first, each into the first bin with room (FFD).
 
     >>> first_fit_decreasing([3, 7, 2, 5, 1], 8)
     [[1, 4], [3, 0], [2]]
     """
     del seed  # deterministic
-    lens = _validate(lengths, capacity, min_bin_count, bin_count_multiple)
     order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-    return _fit_bin_count(
-        _first_fit(order, lens, capacity), lens, min_bin_count, bin_count_multiple
-    )
+    return _first_fit(order, lens, capacity)
 
 
-def first_fit_shuffle(
-    lengths: Sequence[int],
-    capacity: int,
-    *,
-    min_bin_count: int = 0,
-    bin_count_multiple: int = 1,
-    seed: int = 0,
-) -> list[list[int]]:
+@_algorithm
+def first_fit_shuffle(lens: list[int], capacity: int, seed: int) -> list[list[int]]:
     """First fit over the items in a seeded random order (same seed, same bins)."""
-    lens = _validate(lengths, capacity, min_bin_count, bin_count_multiple)
     order = list(range(len(lens)))
     random.Random(seed).shuffle(order)
-    return _fit_bin_count(
-        _first_fit(order, lens, capacity), lens, min_bin_count, bin_count_multiple
-    )
+    return _first_fit(order, lens, capacity)
 
 
-def concatenative(
-    lengths: Sequence[int],
-    capacity: int,
-    *,
-    min_bin_count: int = 0,
-    bin_count_multiple: int = 1,
-    seed: int = 0,
-) -> list[list[int]]:
+@_algorithm
+def concatenative(lens: list[int], capacity: int, seed: int) -> list[list[int]]:
     """Fill bins in input order: close the current bin when the next item does not fit.
 
     >>> concatenative([3, 4, 2, 5, 1], 8)
     [[0, 1], [2, 3, 4]]
     """
     del seed  # deterministic
-    lens = _validate(lengths, capacity, min_bin_count, bin_count_multiple)
     bins: list[list[int]] = []
     free = -1
     for i, x in enumerate(lens):
@@ -221,7 +219,7 @@ def concatenative(
             free = capacity
         bins[-1].append(i)
         free -= x
-    return _fit_bin_count(bins, lens, min_bin_count, bin_count_multiple)
+    return bins
 
 
 def _pop_largest_fitting(pool: list[tuple[int, int]], room: int) -> tuple[int, int]:
@@ -236,14 +234,8 @@ def _pop_largest_fitting(pool: list[tuple[int, int]], room: int) -> tuple[int, i
     return pool.pop(k)
 
 
-def modified_first_fit_decreasing(
-    lengths: Sequence[int],
-    capacity: int,
-    *,
-    min_bin_count: int = 0,
-    bin_count_multiple: int = 1,
-    seed: int = 0,
-) -> list[list[int]]:
+@_algorithm
+def modified_first_fit_decreasing(lens: list[int], capacity: int, seed: int) -> list[list[int]]:
     """Johnson & Garey's MFFD (worst case 71/60 OPT + 1).
 
     Items are classed by size s against capacity C: large (s > C/2), medium
@@ -263,7 +255,6 @@ def modified_first_fit_decreasing(
     [[0, 1, 3], [4, 2, 5]]
     """
     del seed  # deterministic
-    lens = _validate(lengths, capacity, min_bin_count, bin_count_multiple)
     c = capacity
     large, medium, small, tiny = [], [], [], []
     for i, x in enumerate(lens):
@@ -319,7 +310,7 @@ def modified_first_fit_decreasing(
     # 5. FFD for the rest, into new bins (nothing left fits the large bins)
     rest = [i for _, i in sorted(pool, key=lambda p: (-p[0], p[1]))]
     bins.extend(_first_fit(rest, lens, c))
-    return _fit_bin_count(bins, lens, min_bin_count, bin_count_multiple)
+    return bins
 
 
 class PackingAlgorithm(str, Enum):

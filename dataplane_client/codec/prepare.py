@@ -18,7 +18,7 @@ from dataplane_client.codec.tensordict_io import as_field_mapping
 from dataplane_client.wire import arguments, group_fields
 from dataplane_client.wire.encoded import DENSE, JAGGED, EncodedField
 from dataplane_client.wire.errors import InvalidBatch
-from dataplane_client.wire.messages import FieldCodecs
+from dataplane_client.wire.messages import DEFAULT_VERSION_TAG, FieldCodecs
 from dataplane_client.wire.meta import KVBatchMeta
 
 
@@ -62,10 +62,16 @@ class PutArguments:
     fields: Mapping[str, Any]
     tags: list[dict] | None
     overwrite: bool
+    versions: list[int] | None = None  # the policy version of each sample (``version=``)
 
 
 def put_arguments(
-    sample_ids: Any, partition_id: Any, fields: Any, tags: Any, overwrite: Any
+    sample_ids: Any,
+    partition_id: Any,
+    fields: Any,
+    tags: Any,
+    overwrite: Any,
+    version: Any = None,
 ) -> PutArguments:
     """A put's arguments checked, each error naming its argument (the fields a TensorDict,
     dict or BatchedDataDict): all that is checked before the partition's codecs are known."""
@@ -74,14 +80,38 @@ def put_arguments(
     tag_list = arguments.tag_list(tags, len(ids), partition_id=partition_id)
     if not isinstance(overwrite, bool):
         raise InvalidBatch(f"overwrite must be a bool, got {overwrite!r}")
+    versions = arguments.version_list(version, len(ids), partition_id=partition_id)
     mapping = as_field_mapping(fields)
     arguments.name_list(list(mapping), "fields", allow_empty=True)  # names: non-empty UTF-8 str
-    return PutArguments(ids, partition_id, mapping, tag_list, overwrite)
+    return PutArguments(ids, partition_id, mapping, tag_list, overwrite, versions)
+
+
+def versioned_tags(put: PutArguments, version_tag: str | None) -> list[dict] | None:
+    """The put's tags with each sample's ``version=`` under the partition's version tag
+    (``DEFAULT_VERSION_TAG`` for a partition without a StalenessSpec, where it is a plain
+    tag): the form the key space keeps (a versioned partition's typed column) and the
+    units keep for rebuilds."""
+    if put.versions is None:
+        return put.tags
+    version_tag = version_tag or DEFAULT_VERSION_TAG
+    tags = put.tags or [{} for _ in put.versions]
+    out = []
+    for sid, tag, version in zip(put.sample_ids, tags, put.versions):
+        given = tag.get(version_tag, version)
+        if given != version or isinstance(given, bool):
+            raise InvalidBatch(
+                f"sample {sid!r}: version={version} but its tags say "
+                f"{version_tag}={given!r}; give the version once",
+                partition_id=put.partition_id,
+            )
+        out.append({**tag, version_tag: version})
+    return out
 
 
 def write(put: PutArguments, codecs: FieldCodecs) -> Write:
     """A checked put's fields encoded with the partition's codecs (``encode_fields``)."""
     ids, partition_id = put.sample_ids, put.partition_id
+    tags = versioned_tags(put, codecs.version_tag)
     encoded = encode_fields(
         put.fields,
         num_rows=len(ids),
@@ -89,8 +119,8 @@ def write(put: PutArguments, codecs: FieldCodecs) -> Write:
         object_fields=codecs.object_fields,
     )
     lengths = sequence_lengths(encoded)  # per sample, before group fields are shared
-    shared = group_fields.share(ids, put.tags, encoded, codecs.group_fields, partition_id)
-    return Write(ids, shared.encoded, lengths, put.tags, put.overwrite, shared.index, shared.groups)
+    shared = group_fields.share(ids, tags, encoded, codecs.group_fields, partition_id)
+    return Write(ids, shared.encoded, lengths, tags, put.overwrite, shared.index, shared.groups)
 
 
 def read_fields(meta: KVBatchMeta, select_fields: Sequence[str] | None) -> list[str]:

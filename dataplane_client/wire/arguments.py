@@ -8,6 +8,7 @@ rest of the code relies on (a list, an int, a float).
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -225,6 +226,32 @@ def lease_ack(meta: Any) -> tuple[str, str, list[str], int]:
     task = name(meta.task_name, "meta.task_name")
     ids = id_list(meta.sample_ids, "meta.sample_ids", partition_id=partition_id)
     return partition_id, task, ids, count(lease_id, "meta.extra_info['lease_id']", minimum=1)
+
+
+def version_list(version: Any, n: int, *, partition_id: str | None = None) -> list[int] | None:
+    """A put's ``version=``: one int for every sample, or a sequence of one per sample."""
+    if version is None:
+        return None
+    one = isinstance(version, numbers.Integral) and not isinstance(version, bool)
+    versions = [version] * n if one else version
+    if isinstance(versions, (str, bytes)) or not isinstance(versions, Sequence):
+        raise InvalidBatch(
+            f"version must be an int or a list of one int per sample, got {version!r}",
+            partition_id=partition_id,
+        )
+    if len(versions) != n:
+        raise InvalidBatch(
+            f"{len(versions)} versions for {n} sample ids", partition_id=partition_id
+        )
+    out = []
+    for i, v in enumerate(versions):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise InvalidBatch(
+                f"version[{i}] must be an int (a policy version), got {v!r}",
+                partition_id=partition_id,
+            )
+        out.append(int(v))
+    return out
 
 
 def tag_list(tags: Any, n: int, *, partition_id: str | None = None) -> list[dict] | None:

@@ -69,6 +69,10 @@ class Routing:
     stage_ttl_s: float = 30.0  # a put's deadline, from its admission (put_deadline)
 
 
+# The tag a put's ``version=`` is kept under, unless a StalenessSpec names another.
+DEFAULT_VERSION_TAG = "weight_version"
+
+
 @dataclass(frozen=True)
 class FieldCodecs:
     """How a partition's non-tensor fields travel, declared at registration.
@@ -83,6 +87,9 @@ class FieldCodecs:
     # Fields whose value is one per GRPO group (``group_fields``): a put sends and the
     # units store each group's value once (``dataplane_client.wire.group_fields``).
     group_fields: frozenset[str] = frozenset()
+    # A versioned partition's ``StalenessSpec.version_tag``: the typed column a put's
+    # ``version=`` fills (``dataplane_client.codec.prepare.write``). None: not versioned.
+    version_tag: str | None = None
 
     @functools.cached_property
     def key(self) -> str:
@@ -93,6 +100,8 @@ class FieldCodecs:
         declared: list = [words, sorted(self.object_fields)]
         if self.group_fields:  # without them the key is what it always was
             declared.append(sorted(self.group_fields))
+        if self.version_tag is not None:  # likewise: unversioned keys are unchanged
+            declared.append(["version_tag", self.version_tag])
         blob = json.dumps(declared, ensure_ascii=False)
         return hashlib.blake2b(blob.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
@@ -186,8 +195,9 @@ class PartitionSpec:
 class StalenessSpec:
     """A partition's async-RL options (opt in: a partition without one behaves as before).
 
-    ``version_tag`` names the integer tag every put carries: the policy version the
-    sample was generated under (kept as an int64 column). ``max_staleness``
+    Every put says the policy version its samples were generated under
+    (``put_samples(..., version=v)``), kept as an int64 column and read back in
+    ``meta.tags`` under ``version_tag`` (a put may also give that tag itself). ``max_staleness``
     bounds, per task (a dict) or for every task (an int), how many versions
     behind the current one (``set_policy_version``) a claimed sample may be; a
     GRPO group is as old as its oldest member. ``stale_samples``: "drop"
@@ -200,7 +210,7 @@ class StalenessSpec:
     evicts whole unclaimed groups of the oldest version instead of failing.
     """
 
-    version_tag: str = "weight_version"
+    version_tag: str = DEFAULT_VERSION_TAG
     max_staleness: Any = None  # int (every task) | {task: int} | None (no bound)
     stale_samples: str = "drop"
     admission_batch: Any = None

@@ -123,6 +123,7 @@ class Declaration:
             enums=dict(self.enums),
             object_fields=self.object_fields,
             group_fields=self.group_fields,
+            version_tag=None if self.staleness is None else self.staleness.version_tag,
         )
 
     @property
@@ -222,6 +223,8 @@ class Partition:
         self.schema: dict[str, tuple] = {}  # field -> (layout, dtype, trailing shape)
         self.row_of: dict[str, int] = {}
         self.ids: list[str | None] = []
+        # Each row's tags but its declared numeric ones, which live in ``tag_values``
+        # alone (a version is kept once, as a number); ``tags_of`` joins the two.
         self.tags: list[dict | None] = []
         # Groups as int codes (one per distinct group_id): row -> code (-1: none), and per
         # code its live rows, so a policy finds complete groups with vector operations.
@@ -415,6 +418,22 @@ class Partition:
     def fields_of(self, row: int) -> list[str]:
         return [f for f, col in self.produced.items() if len(col) > row and col[row]]
 
+    def tags_of(self, rows: list[int]) -> list[dict]:
+        """Each row's tags as written (its numeric tags read back from their columns);
+        a cleared row (-1) has none."""
+        out = [dict(self.tags[r] or {}) if r >= 0 else {} for r in rows]
+        if not self.tag_values or not rows:
+            return out
+        at = np.asarray(rows, dtype=np.int64)
+        live = at >= 0
+        for name, column in self.tag_values.items():
+            present = np.zeros(len(rows), dtype=bool)
+            present[live] = self.tag_present[name][at[live]]
+            values = column[at[present]].tolist()
+            for i, value in zip(np.nonzero(present)[0].tolist(), values):
+                out[i][name] = value
+        return out
+
 
 @dataclass(frozen=True, eq=False)  # a plan is itself: compared by identity
 class CommitPlan:
@@ -500,15 +519,22 @@ def _check_numeric_tags(part: Partition, req: CommitRequest) -> None:
 
 def _check_new_samples_tagged(part: Partition, req: CommitRequest, old: np.ndarray) -> None:
     """A new sample of a grouped partition needs its group_id, of a versioned one its version."""
-    needed = [("group_id", "partition has group_size")] if part.group_size is not None else []
+    needed = [("group_id", "partition has group_size", "a group_id tag")]
+    needed = needed if part.group_size is not None else []
     if part.version_tag is not None:
-        needed.append((part.version_tag, "partition is versioned (StalenessSpec)"))
+        needed.append(
+            (
+                part.version_tag,
+                "partition is versioned (StalenessSpec)",
+                f"its policy version (put_samples(..., version=v); read as tag {part.version_tag})",
+            )
+        )
     tags = req.tags or [{}] * len(req.sample_ids)
-    for tag, why in needed:
+    for tag, why, what in needed:
         missing = [s for i, s in enumerate(req.sample_ids) if not old[i] and tag not in tags[i]]
         if missing:
             raise InvalidBatch(
-                f"{why}: every new sample needs a {tag} tag",
+                f"{why}: every new sample needs {what}",
                 ids=missing,
                 partition_id=req.partition_id,
             )
@@ -741,12 +767,14 @@ class KeySpace:
 
     @staticmethod
     def _merge_tags(part: Partition, row: int, tag: dict) -> None:
-        merged = part.tags[row] = {**(part.tags[row] or {}), **tag}
-        gid = merged.get("group_id")
+        gid = tag.get("group_id")
         if gid is not None:
             part.set_group(row, gid)
         if part.tag_values:
             part.set_numeric_tags(row, tag)
+            tag = {k: v for k, v in tag.items() if k not in part.tag_values}
+        if tag:
+            part.tags[row] = {**(part.tags[row] or {}), **tag}
 
     # ---- reads --------------------------------------------------------------------
     def locate(self, partition_id: str, sample_ids: list[str], fields: list[str]) -> Location:
@@ -1060,7 +1088,7 @@ class KeySpace:
         live = rows >= 0
         lengths = np.full(len(rows), -1, dtype=np.int64)
         lengths[live] = part.seq_len[rows[live]]
-        tags = [(part.tags[r] or {}) if r >= 0 else {} for r in rows.tolist()]
+        tags = part.tags_of(rows.tolist())
         extra: dict[str, Any] = {} if answer.dp_rank is None else {"dp_rank": answer.dp_rank}
         if answer.lease_id is not None:
             extra["lease_id"] = answer.lease_id

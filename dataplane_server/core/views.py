@@ -150,7 +150,7 @@ def _status_of(ks: KeySpace, part: Partition, row: int) -> SampleStatus:
         sequence_length=int(part.seq_len[row]),
         unit=int(part.unit[row]),
         consumed_by=[t for t, col in part.consumed.items() if len(col) > row and col[row]],
-        tags=part.tags[row] or {},
+        tags=part.tags_of([row])[0],
         lost=not ks.unit_alive[part.unit[row]],
         redeliveries=ks.redeliveries_of(part, row),
     )

@@ -5,13 +5,13 @@ Speed is not asserted (a shared machine); what is: the round ran in a fresh proc
 this checkout and the JSON holds its start and each controller restart.
 """
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from bench_run import run_benchmark
 
 from benchmarks.common import linked_checkout
 from benchmarks.service_start import RESTARTS
@@ -21,17 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_one_round_reports_a_start_and_each_restart(tmp_path):
-    out = tmp_path / "start.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.service_start", "--rounds", "1", "--out", str(out)],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    report, _ = run_benchmark(
+        "benchmarks.service_start", "--rounds", "1", out=tmp_path / "start.json", timeout=300
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    [only] = json.loads(out.read_text())["rounds"]["this"]
+    [only] = report["rounds"]["this"]
     assert only["code"] == str(ROOT / "dataplane_client" / "__init__.py")
     assert only["start_s"] > 0
     assert len(only["restart_s"]) == RESTARTS

@@ -3,16 +3,11 @@
 A smoke test only: it never asserts on speed (the machine is shared and noisy).
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from bench_run import run_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("store", "driver", "controller", "scale", "staleness")
 
 pytestmark = pytest.mark.slow  # one full --quick run of the harness, minutes here
@@ -35,28 +30,7 @@ def _numbers(obj):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "results.json"
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.run",
-            "--quick",
-            "--repeats",
-            "1",
-            "--sizes",
-            "256K",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=420,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text()), proc.stdout
+    return run_benchmark("benchmarks.run", "--quick", "--repeats", "1", "--sizes", "256K", out=out)
 
 
 @pytest.mark.timeout(450)

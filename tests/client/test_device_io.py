@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from dataplane_client import KVBatchMeta
 from dataplane_client.codec import devices
 from dataplane_client.codec import fields as codec
 from dataplane_client.wire import encoded, shm
@@ -66,6 +67,15 @@ def _fields(rows: int = ROWS, width: int = 3) -> dict:
     }
 
 
+def _put_one(client, name: str) -> tuple[dict, str, KVBatchMeta]:
+    """Field ``name`` of `_fields` alone, put as ROWS samples into a partition of its own:
+    (the fields put, the partition, the put's meta)."""
+    fields = {name: _fields()[name]}
+    pid = f"dev-{uuid.uuid4().hex[:8]}"
+    client.register_partition(pid, fields=[name], consumer_tasks=[])
+    return fields, pid, client.put_samples([f"s{i}" for i in range(ROWS)], pid, fields)
+
+
 def _register(client, fields: dict) -> str:
     pid = f"dev-{uuid.uuid4().hex[:8]}"
     client.register_partition(
@@ -76,6 +86,15 @@ def _register(client, fields: dict) -> str:
         object_fields=["note"],
     )
     return pid
+
+
+def _put_all(client) -> tuple[dict, str, list[str], KVBatchMeta]:
+    """Every field of `_fields` put as ROWS samples into a partition of its own:
+    (the fields put, the partition, the ids, the put's meta)."""
+    fields = _fields()
+    pid = _register(client, fields)
+    ids = [f"s{i}" for i in range(ROWS)]
+    return fields, pid, ids, client.put_samples(ids, pid, fields)
 
 
 def _bits(t: torch.Tensor) -> tuple:
@@ -125,10 +144,7 @@ def test_cuda_without_cuda_is_invalid_batch(asked):
 
 
 def test_bad_device_on_get_is_refused_before_anything_is_read(any_client):
-    fields = _fields()
-    pid = _register(any_client, fields)
-    ids = [f"s{i}" for i in range(ROWS)]
-    meta = any_client.put_samples(ids, pid, fields)
+    fields, pid, ids, meta = _put_all(any_client)
     for call in (
         lambda: any_client.get_data(meta, device="cuda:x"),
         lambda: any_client.get_samples(ids, pid, ["f32"], device=7),
@@ -143,10 +159,7 @@ def test_bad_device_on_get_is_refused_before_anything_is_read(any_client):
 
 
 def test_read_to_cpu_device_equals_host_read_bit_for_bit(any_client):
-    fields = _fields()
-    pid = _register(any_client, fields)
-    ids = [f"s{i}" for i in range(ROWS)]
-    meta = any_client.put_samples(ids, pid, fields)
+    fields, pid, ids, meta = _put_all(any_client)
     shuffled = [ids[i] for i in np.random.default_rng(3).permutation(ROWS)]
     host = any_client.get_samples(shuffled, pid, list(fields))
     on_cpu = any_client.get_samples(shuffled, pid, list(fields), device="cpu")
@@ -163,10 +176,7 @@ def test_read_to_cpu_device_equals_host_read_bit_for_bit(any_client):
 
 def test_device_read_owns_its_bytes(client):
     """A device read is a copy: changing it changes neither the store nor a later read."""
-    fields = {"big": _fields()["big"]}
-    pid = f"dev-{uuid.uuid4().hex[:8]}"
-    client.register_partition(pid, fields=["big"], consumer_tasks=[])
-    meta = client.put_samples([f"s{i}" for i in range(ROWS)], pid, fields)
+    fields, pid, meta = _put_one(client, "big")
     got = client.get_data(meta, device="cpu")["big"]
     got.zero_()
     assert torch.equal(client.get_data(meta, device="cpu")["big"], fields["big"])
@@ -176,10 +186,7 @@ def test_device_read_owns_its_bytes(client):
 def test_async_twins_take_the_device(client):
     import asyncio
 
-    fields = {"f32": _fields()["f32"]}
-    pid = f"dev-{uuid.uuid4().hex[:8]}"
-    client.register_partition(pid, fields=["f32"], consumer_tasks=[])
-    meta = client.put_samples([f"s{i}" for i in range(ROWS)], pid, fields)
+    fields, pid, meta = _put_one(client, "f32")
     got = asyncio.run(client.get_data_async(meta, device="cpu"))
     assert got.device == torch.device("cpu")
     assert torch.equal(got["f32"], fields["f32"])
@@ -290,10 +297,8 @@ def test_a_device_read_pins_the_chunk_mapping_once(client, monkeypatch):
     registrar = RecordingRegistrar()
     monkeypatch.setattr(shm.write_maps, "registrar", None)  # restored after the test
     shm.write_maps.pin_with(registrar)
-    big = _fields()["big"]
-    pid = f"dev-{uuid.uuid4().hex[:8]}"
-    client.register_partition(pid, fields=["big"], consumer_tasks=[])
-    meta = client.put_samples([f"s{i}" for i in range(ROWS)], pid, {"big": big})
+    fields, pid, meta = _put_one(client, "big")
+    big = fields["big"]
     shm.write_maps.forget([], prefix="")  # the put's kept mappings gone: the read maps anew
     assert shm.write_maps.pinned_bytes() == 0
     before = len(registrar.registered)

@@ -335,6 +335,33 @@ def _lease_meta_bad(s) -> dict:
     }
 
 
+def _register_args(pid: str) -> dict:
+    """Well-formed keyword arguments of register_partition: every one given."""
+    return {
+        "partition_id": pid,
+        "fields": ["a"],
+        "num_samples": None,
+        "consumer_tasks": ["t"],
+        "grpo_group_size": None,
+        "enums": None,
+        "object_fields": (),
+        "task_leases": None,
+    }
+
+
+def _claim_args(pid: str, *, blocking: bool) -> dict:
+    """Well-formed keyword arguments of claim_meta: every one given."""
+    return {
+        "partition_id": pid,
+        "task_name": "train",
+        "required_fields": ["tokens"],
+        "batch_size": 2,
+        "dp_rank": None,
+        "blocking": blocking,
+        "timeout_s": 0.2,
+    }
+
+
 def _without(pool: dict, *labels: str) -> dict:
     return {k: v for k, v in pool.items() if k not in labels}
 
@@ -351,16 +378,7 @@ def _verbs(s) -> dict:
     fresh = f"fresh-{uuid.uuid4().hex[:6]}"
     return {
         "register_partition": (
-            {
-                "partition_id": fresh,
-                "fields": ["a"],
-                "num_samples": None,
-                "consumer_tasks": ["t"],
-                "grpo_group_size": None,
-                "enums": None,
-                "object_fields": (),
-                "task_leases": None,
-            },
+            _register_args(fresh),
             {
                 "partition_id": PARTITION_BAD,
                 "fields": _without(NAMES_BAD, "empty"),  # no fields: well-formed
@@ -435,15 +453,7 @@ def _verbs(s) -> dict:
             {},
         ),
         "claim_meta": (
-            {
-                "partition_id": pid,
-                "task_name": "train",
-                "required_fields": ["tokens"],
-                "batch_size": 2,
-                "dp_rank": None,
-                "blocking": True,
-                "timeout_s": 0.2,
-            },
+            _claim_args(pid, blocking=True),
             {
                 "partition_id": PARTITION_BAD | PARTITION_UNKNOWN,
                 "task_name": TASK_BAD,
@@ -507,22 +517,23 @@ def _untyped(exc: BaseException | None) -> bool:
     return exc is not None and not (isinstance(exc, DataPlaneError) and isinstance(exc, BUILTINS))
 
 
-@pytest.mark.parametrize(
-    "verb",
-    [
-        "register_partition",
-        "put_samples",
-        "get_samples",
-        "get_data",
-        "claim_meta",
-        "ack",
-        "consumption_detail",
-        "check_consumption_status",
-        "clear_samples",
-        "delete_partition",
-        "reset_consumption",
-    ],
-)
+# The verbs both clients have.
+VERBS = [
+    "register_partition",
+    "put_samples",
+    "get_samples",
+    "get_data",
+    "claim_meta",
+    "ack",
+    "reset_consumption",
+    "check_consumption_status",
+    "consumption_detail",
+    "clear_samples",
+    "delete_partition",
+]
+
+
+@pytest.mark.parametrize("verb", VERBS)
 @SETTINGS
 @given(data=st.data())
 def test_malformed_arguments_get_typed_errors_and_leave_the_store_unchanged(store, verb, data):
@@ -574,6 +585,20 @@ def test_the_fuzzed_store_still_serves_well_formed_calls(store):
 class _Named:
     def __init__(self, value, needle: str):
         self.value, self.needle = value, needle
+
+
+def _mapping_wrong(needle: str, key: str, entries: dict) -> dict:
+    """Wrong values for a mapping argument keyed like `key`, each named by `needle`: not a
+    mapping at all (int, str, bytes, NaN, bool, list), then `entries`' wrong contents."""
+    not_a_mapping = {
+        "int": 5,
+        "str": key,
+        "bytes": key.encode(),
+        "float-nan": NAN,
+        "bool": True,
+        "list": [key],
+    }
+    return {k: _Named(v, needle) for k, v in {**not_a_mapping, **entries}.items()}
 
 
 STR_WRONG = {
@@ -669,31 +694,17 @@ def _wrong(s) -> dict:
     return {
         "register_partition": (
             # The existing partition: a refused re-register must leave it as it was.
-            {
-                "partition_id": pid,
-                "fields": ["a"],
-                "num_samples": None,
-                "consumer_tasks": ["t"],
-                "grpo_group_size": None,
-                "enums": None,
-                "object_fields": (),
-                "task_leases": None,
-            },
+            _register_args(pid),
             {
                 "partition_id": PARTITION_WRONG,
                 "fields": NAMES_WRONG,
                 "num_samples": _without(INT_WRONG, "none"),
                 "consumer_tasks": NAMES_WRONG,
                 "grpo_group_size": _without(INT_WRONG, "none"),
-                "enums": {
-                    k: _Named(v, "enum")
-                    for k, v in {
-                        "int": 5,
-                        "str": "f",
-                        "bytes": b"f",
-                        "float-nan": NAN,
-                        "bool": True,
-                        "list": ["f"],
+                "enums": _mapping_wrong(
+                    "enum",
+                    "f",
+                    {
                         "word-str": {"f": "abc"},
                         "words-none": {"f": None},
                         "word-int": {"f": ["a", 1]},
@@ -701,18 +712,13 @@ def _wrong(s) -> dict:
                         "field-int": {1: ["a"]},
                         "surrogate-word": {"f": ["a", "b" + SURROGATE]},
                         "surrogate-field": {"f" + SURROGATE: ["a"]},
-                    }.items()
-                },
+                    },
+                ),
                 "object_fields": _without(NAMES_WRONG, "none"),  # None: no object fields
-                "task_leases": {
-                    k: _Named(v, "lease")
-                    for k, v in {
-                        "int": 5,
-                        "str": "t",
-                        "bytes": b"t",
-                        "float-nan": NAN,
-                        "bool": True,
-                        "list": ["t"],
+                "task_leases": _mapping_wrong(
+                    "lease",
+                    "t",
+                    {
                         "lease-str": {"t": "1"},
                         "lease-none": {"t": None},
                         "lease-nan": {"t": NAN},
@@ -720,8 +726,8 @@ def _wrong(s) -> dict:
                         "key-int": {1: 1.0},
                         "key-bytes": {b"t": 1.0},
                         "surrogate-key": {"t" + SURROGATE: 1.0},
-                    }.items()
-                },
+                    },
+                ),
             },
         ),
         "put_samples": (
@@ -786,15 +792,7 @@ def _wrong(s) -> dict:
             },
         ),
         "claim_meta": (
-            {
-                "partition_id": pid,
-                "task_name": "train",
-                "required_fields": ["tokens"],
-                "batch_size": 2,
-                "dp_rank": None,
-                "blocking": False,
-                "timeout_s": 0.2,
-            },
+            _claim_args(pid, blocking=False),
             {
                 "partition_id": PARTITION_WRONG,
                 "task_name": STR_WRONG,
@@ -868,22 +866,7 @@ def _wrong(s) -> dict:
     }
 
 
-WRONG_VERBS = [
-    "register_partition",
-    "put_samples",
-    "get_samples",
-    "get_data",
-    "claim_meta",
-    "ack",
-    "reset_consumption",
-    "check_consumption_status",
-    "consumption_detail",
-    "clear_samples",
-    "delete_partition",
-    "describe_partition",
-    "checkpoint",
-    "restore",
-]
+WRONG_VERBS = [*VERBS, "describe_partition", "checkpoint", "restore"]
 
 
 def _call(c, verb: str, awaited: bool, kwargs: dict) -> BaseException | None:

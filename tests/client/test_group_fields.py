@@ -159,9 +159,9 @@ def test_a_partition_without_group_fields_stores_each_members_copy(dp):
 # ---- the unit's side, without Ray -------------------------------------------------------
 
 
-@pytest.fixture
-def store():
-    s = UnitStore(
+def _unit_store() -> UnitStore:
+    """A unit's store alone: 64 MiB in process memory, no waits, no warm reserve."""
+    return UnitStore(
         index=0,
         capacity_bytes=64 << 20,
         use_shm=False,
@@ -169,6 +169,11 @@ def store():
         warm_reserve_bytes=0,
         stage_ttl_s=30.0,
     )
+
+
+@pytest.fixture
+def store():
+    s = _unit_store()
     yield s
     s.close()
 
@@ -195,14 +200,7 @@ def test_a_unit_dump_and_load_keep_one_copy_per_group(store, tmp_path):
     held = store.partition_bytes()["p"]
     assert held == 2 * _prompt(0).nbytes + _responses_bytes(range(8))
     dumped = store.dump(str(tmp_path))
-    fresh = UnitStore(
-        index=0,
-        capacity_bytes=64 << 20,
-        use_shm=False,
-        put_wait_timeout_s=0.0,
-        warm_reserve_bytes=0,
-        stage_ttl_s=30.0,
-    )
+    fresh = _unit_store()
     try:
         assert fresh.load(str(tmp_path), dumped) == 8
         assert fresh.partition_bytes()["p"] == held

@@ -11,24 +11,14 @@ import threading
 import time
 import warnings
 
-import pytest
 import ray
 import torch
 
-from dataplane_client import DataPlaneConfig
 from dataplane_client.client import _run_sync
 from dataplane_client.wire.encoded import EncodedField
 from dataplane_client.wire.errors import SamplesNotFound
 from dataplane_client.wire.messages import SharedRows, read_request, unpack_read_answer
-from dataplane_server import start
 from dataplane_server.core.unit.store import INLINE_READ_BYTES
-
-
-@pytest.fixture(scope="module")
-def unit(ray_session):
-    handle = start(DataPlaneConfig(name="dp-inline", num_storage_units=1, admin_enabled=False))
-    yield handle
-    handle.shutdown()
 
 
 def _read_leases(handle) -> int:

@@ -14,10 +14,8 @@ import ray
 import torch
 from polling import wait_until
 
-from dataplane_client import DataPlaneConfig
 from dataplane_client.wire import shm
 from dataplane_client.wire.messages import read_request, unpack_read_answer
-from dataplane_server import start
 
 ROWS = 8
 ROW_FLOATS = 128 * 1024  # 512 KiB a row, 4 MiB a write: a chunk of its own, not a slab
@@ -49,13 +47,6 @@ def _mappings(name_prefix: str, perms: str = "rw-p") -> set[int]:
             if mode.startswith(perms) and path.startswith(f"/memfd:{name_prefix}"):
                 found.add(int(span.split("-")[0], 16))
     return found
-
-
-@pytest.fixture(scope="module")
-def unit(ray_session):
-    handle = start(DataPlaneConfig(name="dp-kept-reads", num_storage_units=1, admin_enabled=False))
-    yield handle
-    handle.shutdown()
 
 
 @pytest.fixture

@@ -21,16 +21,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from keyspace_commits import commit
 
 from dataplane_client.batching.preshard import shard_meta_for_dp
 from dataplane_client.wire.errors import FieldAlreadyProduced, InvalidBatch, UnknownTask
-from dataplane_client.wire.messages import CommitRequest
 from dataplane_server.core import claim_policies
 from dataplane_server.core.claim_policies import ReadyRows, base
 from dataplane_server.core.claim_policies.seqlen_balanced import balanced_shards, shard_sizes
 from dataplane_server.core.inprocess import InProcessDataPlaneClient
 from dataplane_server.core.journal import Journal
-from dataplane_server.core.keyspace import CommitPlan, Declaration, KeySpace, declaration
+from dataplane_server.core.keyspace import Declaration, KeySpace, declaration
 
 DENSE = ("dense", "float32", ())
 
@@ -42,21 +42,7 @@ def _space() -> KeySpace:
 
 
 def _commit(ks, pid, ids, *, lengths=None, tags=None, field="x"):
-    plan = ks.check_commit(
-        CommitRequest(
-            partition_id=pid,
-            write_id="w",
-            sample_ids=list(ids),
-            units=[0] * len(ids),
-            schemas={field: DENSE},
-            sequence_lengths=lengths,
-            tags=tags,
-            overwrite=False,
-            staged_units=[0],
-        )
-    )
-    assert isinstance(plan, CommitPlan)
-    ks.apply_commit(plan)
+    commit(ks, pid, ids, {field: DENSE}, lengths=lengths, tags=tags)
 
 
 def _shard_sums(lengths: np.ndarray, dp: int) -> np.ndarray:

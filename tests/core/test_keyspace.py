@@ -23,7 +23,12 @@ from dataplane_client.wire.errors import (
     UnknownPartition,
     UnknownTask,
 )
-from dataplane_client.wire.messages import CommitRequest, CommitResult, FieldCodecs
+from dataplane_client.wire.messages import (
+    CommitRequest,
+    CommitResult,
+    FieldCodecs,
+    StalenessSpec,
+)
 from dataplane_server.core.keyspace import CommitPlan, Declaration, KeySpace, declaration
 
 DENSE_F32 = ("dense", "float32", ())
@@ -521,6 +526,14 @@ def test_commits_in_flight_applied_in_any_order_never_leave_a_short_column():
     assert min(done["claim"], done["clear"]) >= 1, done
 
 
+def _check(ks, step, pending: list[CommitPlan]):
+    """A ("check", ids, field) step: its answer, kept in ``pending`` when it is a plan."""
+    plan = ks.check_commit(_request(step[1], fields=(step[2],)))
+    if isinstance(plan, CommitPlan):
+        pending.append(plan)
+    return plan
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps=st.lists(_step, max_size=30))
 @example(steps=[("check", ["s0", "s1"], "x"), ("apply", 0), ("claim", "a", "x"), ("clear", ["s0"])])
@@ -532,10 +545,7 @@ def _commits_in_flight_in_any_order(done: Counter, steps):
     for step in steps:
         try:
             if step[0] == "check":
-                plan = ks.check_commit(_request(step[1], fields=(step[2],)))
-                if isinstance(plan, CommitPlan):
-                    pending.append(plan)
-                    done["check"] += 1
+                done["check"] += isinstance(_check(ks, step, pending), CommitPlan)
             elif step[0] == "apply" and pending:
                 ks.apply_commit(pending.pop(step[1] % len(pending)))
                 done["apply"] += 1
@@ -565,10 +575,7 @@ def _run_steps(steps, *, fresh_lookup: bool):
     for step in steps:
         try:
             if step[0] == "check":
-                plan = ks.check_commit(_request(step[1], fields=(step[2],)))
-                if isinstance(plan, CommitPlan):
-                    pending.append(plan)
-                outcomes.append(type(plan).__name__)
+                outcomes.append(type(_check(ks, step, pending)).__name__)
             elif step[0] == "apply" and pending:
                 if fresh_lookup:
                     part.epoch += 1
@@ -694,3 +701,32 @@ def test_a_chosen_claim_changes_nothing_until_granted():
     assert ks.answered(part, "r2") is None
     ks2, part2 = _restarted(ks, ks.clock, ["a", "b"])
     assert ks2.answered(part2, "r1").sample_ids == ["a", "b"]  # kept across a restart
+
+
+def test_a_numeric_tag_is_kept_once_as_its_column_and_read_back_whole():
+    ks = _space()
+    ks.register(
+        "p",
+        declaration(
+            "p",
+            ["x"],
+            consumer_tasks=["t"],
+            numeric_tags={"score": "float64"},
+            staleness=StalenessSpec(max_staleness=1),
+        ),
+    )
+    part = ks.partition("p")
+    tags = [{"weight_version": 4, "score": 0.5, "note": "a"}, {"weight_version": 5}]
+    _write(ks, ["a", "b"], tags=tags)
+    _write(ks, ["a"], fields=("y",), tags=[{"note": "b"}])
+    # The row's dict holds only what has no column: the version and the score live once.
+    assert part.tags[:2] == [{"note": "b"}, None]
+    assert part.tag_values["weight_version"][:2].tolist() == [4, 5]
+    assert part.tags_of([1, -1, 0]) == [
+        {"weight_version": 5},
+        {},
+        {"note": "b", "weight_version": 4, "score": 0.5},
+    ]
+    meta = ks.claim(part, "t", ["x"], 2, partial_ok=False)
+    assert meta is not None
+    assert [t["weight_version"] for t in meta.tags] == [4, 5]

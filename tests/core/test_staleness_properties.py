@@ -17,10 +17,11 @@ from collections import Counter
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from keyspace_commits import commit
 
-from dataplane_client.wire.messages import CommitRequest, StalenessSpec, TagFilter
+from dataplane_client.wire.messages import StalenessSpec, TagFilter
 from dataplane_server.core import async_rl
-from dataplane_server.core.keyspace import CommitPlan, KeySpace, declaration
+from dataplane_server.core.keyspace import KeySpace, declaration
 
 GROUP = 2
 BOUND = {"train": 1, "eval": 0}  # "log" is unbounded
@@ -59,21 +60,7 @@ def _put(ks, group: int, versions: tuple[int, int]):
     ids = [f"g{group}-{i}" for i in range(GROUP)]
     # A group's score is one value (GRPO: its reward spread); 0 for every third group.
     tags = [{"group_id": group, "weight_version": v, "score": group % 3} for v in versions]
-    plan = ks.check_commit(
-        CommitRequest(
-            partition_id="p",
-            write_id=f"w{group}",
-            sample_ids=ids,
-            units=[0] * GROUP,
-            schemas={"x": FIELD},
-            sequence_lengths=None,
-            tags=tags,
-            overwrite=False,
-            staged_units=[0],
-        )
-    )
-    assert isinstance(plan, CommitPlan)
-    ks.apply_commit(plan)
+    commit(ks, "p", ids, {"x": FIELD}, write_id=f"w{group}", tags=tags)
 
 
 _step = st.one_of(

@@ -10,25 +10,19 @@ corrupt nothing, see no untyped or ``KeyError`` error and keep their goodput.
 
 import asyncio
 import contextlib
-import json
-import os
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import ray
 import ray._private.state as ray_state
 import torch
+from bench_run import run_benchmark
 from polling import wait_until
 
 from dataplane_client import client as client_module
 from dataplane_client.wire import failpoints
 from dataplane_client.wire.errors import FieldAlreadyProduced, Overloaded, SamplesNotFound
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
@@ -192,25 +186,10 @@ def test_4096_concurrent_writers_lose_nothing_and_keep_their_goodput(tmp_path):
     README's table) and more under load; the dip two client bugs caused (0.57x, issue
     27's profile) stays well below it."""
     out = tmp_path / "writers.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.many_writers",
-            "--levels",
-            "1024x1,4096x1,1024x1",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=420,
+    report, _ = run_benchmark(
+        "benchmarks.many_writers", "--levels", "1024x1,4096x1,1024x1", out=out
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    before, at_4096, after = json.loads(out.read_text())["levels"]
+    before, at_4096, after = report["levels"]
     for level in (before, at_4096, after):
         assert level["lost"] == 0, level
         assert level["corrupt"] == 0, level

@@ -32,6 +32,20 @@ def _pid(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
+def _filled(client, prefix: str, ids: list[str], **register) -> str:
+    """A fresh partition (field "x") holding ``ids``, 4 ones each."""
+    pid = _pid(prefix)
+    client.register_partition(pid, fields=["x"], **register)
+    client.put_samples(ids, pid, {"x": torch.ones(len(ids), 4)})
+    return pid
+
+
+def _listed(stub) -> set[str]:
+    """The partitions ListPartitions names."""
+    listed = stub.ListPartitions(admin_pb2.ListPartitionsRequest(), timeout=TIMEOUT).partitions
+    return {p.partition_id for p in listed}
+
+
 def _code(call, *args, **kwargs) -> grpc.StatusCode:
     with pytest.raises(grpc.RpcError) as info:
         call(*args, timeout=TIMEOUT, **kwargs)
@@ -310,15 +324,12 @@ def test_watch_stats_rejects_negative_interval(stub):
 
 
 def test_clear_partition_without_token_on_loopback(stub, client, no_env_token):
-    pid = _pid("admin-clear")
-    client.register_partition(pid, fields=["x"])
-    client.put_samples(["a", "b", "c"], pid, {"x": torch.ones(3, 4)})
+    pid = _filled(client, "admin-clear", ["a", "b", "c"])
     got = stub.ClearPartition(admin_pb2.ClearPartitionRequest(partition_id=pid), timeout=TIMEOUT)
     assert (got.partition_id, got.cleared_samples) == (pid, 3)
     assert got.bytes_freed > 0
     # Clearing a whole partition deletes it (the NeMo-RL contract of clear_samples(None, p)).
-    listed = stub.ListPartitions(admin_pb2.ListPartitionsRequest(), timeout=TIMEOUT).partitions
-    assert pid not in {p.partition_id for p in listed}
+    assert pid not in _listed(stub)
     request = admin_pb2.ListSamplesRequest(partition_id=pid)
     assert _code(stub.ListSamples, request) == grpc.StatusCode.NOT_FOUND
     request = admin_pb2.ClearPartitionRequest(partition_id="no-such-partition")
@@ -326,9 +337,7 @@ def test_clear_partition_without_token_on_loopback(stub, client, no_env_token):
 
 
 def test_clear_partition_with_sample_ids_drops_only_those(stub, client, no_env_token):
-    pid = _pid("admin-clear-ids")
-    client.register_partition(pid, fields=["x"])
-    client.put_samples(["a", "b", "c"], pid, {"x": torch.ones(3, 4)})
+    pid = _filled(client, "admin-clear-ids", ["a", "b", "c"])
     request = admin_pb2.ClearPartitionRequest(partition_id=pid, sample_ids=["a", "c"])
     got = stub.ClearPartition(request, timeout=TIMEOUT)
     assert got.cleared_samples == 2
@@ -342,14 +351,11 @@ def test_clear_partition_with_sample_ids_drops_only_those(stub, client, no_env_t
 
 
 def test_delete_partition(stub, client, no_env_token):
-    pid = _pid("admin-delete")
-    client.register_partition(pid, fields=["x"], consumer_tasks=["train"])
-    client.put_samples(["a", "b"], pid, {"x": torch.ones(2, 4)})
+    pid = _filled(client, "admin-delete", ["a", "b"], consumer_tasks=["train"])
     got = stub.DeletePartition(admin_pb2.DeletePartitionRequest(partition_id=pid), timeout=TIMEOUT)
     assert (got.partition_id, got.deleted_samples) == (pid, 2)
     assert got.bytes_freed > 0
-    listed = stub.ListPartitions(admin_pb2.ListPartitionsRequest(), timeout=TIMEOUT).partitions
-    assert pid not in {p.partition_id for p in listed}
+    assert pid not in _listed(stub)
     again = admin_pb2.DeletePartitionRequest(partition_id=pid)
     assert _code(stub.DeletePartition, again) == grpc.StatusCode.NOT_FOUND
     assert _code(stub.DeletePartition, admin_pb2.DeletePartitionRequest()) == (
@@ -359,11 +365,9 @@ def test_delete_partition(stub, client, no_env_token):
 
 def test_redeliveries_are_shown_per_sample_and_per_task(stub, client):
     """A leased claim that runs out is handed out again; the admin API counts it."""
-    pid = _pid("admin-lease")
-    client.register_partition(
-        pid, fields=["x"], consumer_tasks=["train"], task_leases={"train": 0.3}
+    pid = _filled(
+        client, "admin-lease", ["a", "b"], consumer_tasks=["train"], task_leases={"train": 0.3}
     )
-    client.put_samples(["a", "b"], pid, {"x": torch.ones(2, 4)})
     first = client.claim_meta(pid, "train", ["x"], 1, timeout_s=10)
     assert first is not None
     # Not acknowledged: once the lease runs out the same sample is claimable again.

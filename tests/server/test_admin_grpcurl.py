@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataplane_client.wire.config import DataPlaneConfig
 from dataplane_server.admin_pb import admin_pb2
 
 GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
@@ -45,11 +44,6 @@ def call(address: str, rpc: str, data: dict | None = None, *headers: str) -> dic
     proc = grpcurl(address, f"{SERVICE}/{rpc}", data=data or {}, headers=headers)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
-
-
-@pytest.fixture(scope="module")
-def addr(service):
-    return service.admin_address
 
 
 @pytest.fixture(scope="module")
@@ -111,30 +105,20 @@ def test_a_malformed_argument_is_invalid_argument(addr):
     assert "Code: InvalidArgument" in proc.stderr
 
 
-def test_token_with_any_scheme_case_and_open_service_info(service, client):
-    from dataplane_server.admin.server import AdminServer
-    from dataplane_server.admin.sources import ActorSources
-
-    cfg = DataPlaneConfig(
-        name=service.config.name, namespace=service.config.namespace, admin_token=TOKEN
-    )
-    server = AdminServer(cfg, ActorSources(cfg.name, cfg.namespace))
-    server.start()
+def test_token_with_any_scheme_case_and_open_service_info(service, client, admin_server):
+    server = admin_server(admin_token=TOKEN)
     pid = f"grpcurl-auth-{uuid.uuid4().hex[:8]}"
     client.register_partition(pid, fields=["x"])
     client.put_samples(["a"], pid, {"x": torch.ones(1, 2)})
-    try:
-        # Reflection and service info stay open: grpcurl can discover without the token.
-        assert grpcurl(server.address, "list", SERVICE).returncode == 0
-        assert call(server.address, "GetServiceInfo")["name"] == cfg.name
-        refused = grpcurl(server.address, f"{SERVICE}/ListSamples", data={"partition_id": pid})
-        assert "Code: Unauthenticated" in refused.stderr
-        page = call(
-            server.address, "ListSamples", {"partition_id": pid}, f"authorization: bearer {TOKEN}"
-        )
-        assert [s["sample_id"] for s in page["samples"]] == ["a"]
-    finally:
-        server.stop(grace_s=0)
+    # Reflection and service info stay open: grpcurl can discover without the token.
+    assert grpcurl(server.address, "list", SERVICE).returncode == 0
+    assert call(server.address, "GetServiceInfo")["name"] == service.config.name
+    refused = grpcurl(server.address, f"{SERVICE}/ListSamples", data={"partition_id": pid})
+    assert "Code: Unauthenticated" in refused.stderr
+    page = call(
+        server.address, "ListSamples", {"partition_id": pid}, f"authorization: bearer {TOKEN}"
+    )
+    assert [s["sample_id"] for s in page["samples"]] == ["a"]
 
 
 def test_checkpoint_rpcs_without_a_deadline_succeed_and_say_so(service_factory, tmp_path):

@@ -38,11 +38,12 @@ def _register(dp, *, tasks=("train",), group_size=None, **spec):
 
 
 def _put(dp, pid, ids, version, group=None, reward_std=1.0):
-    tags = [{"weight_version": version, "reward_std": reward_std} for _ in ids]
+    tags = [{"reward_std": reward_std} for _ in ids]
     if group is not None:
         for t in tags:
             t["group_id"] = group
-    dp.put_samples(ids, pid, {"x": torch.arange(len(ids), dtype=torch.float32)}, tags=tags)
+    x = torch.arange(len(ids), dtype=torch.float32)
+    dp.put_samples(ids, pid, {"x": x}, tags=tags, version=version)
 
 
 # ---- versions -------------------------------------------------------------------------
@@ -69,13 +70,55 @@ def test_a_partition_without_versions_refuses_the_version_verbs(dp):
 
 def test_every_put_into_a_versioned_partition_carries_its_version(dp):
     pid = _register(dp)
-    with pytest.raises(InvalidBatch, match="weight_version"):
+    with pytest.raises(InvalidBatch, match=r"version=v\); read as tag weight_version"):
         dp.put_samples(["a"], pid, {"x": torch.zeros(1)}, tags=[{"reward_std": 0.0}])
     with pytest.raises(InvalidBatch, match="fits"):
         dp.put_samples(["a"], pid, {"x": torch.zeros(1)}, tags=[{"weight_version": 1.5}])
     _put(dp, pid, ["a"], 7)
     meta = dp.claim_meta(pid, "train", ["x"], 1)
     assert meta.tags[0]["weight_version"] == 7
+
+
+def test_a_put_says_its_version_as_an_argument_kept_once_as_the_version_column(dp):
+    pid = _pid()
+    spec = StalenessSpec(max_staleness=0, version_tag="policy_step")
+    dp.register_partition(pid, ["x"], None, ["train"], staleness=spec)
+    x = {"x": torch.zeros(3)}
+    dp.put_samples(["a", "b", "c"], pid, x, version=[2, 2, 3])
+    dp.put_samples(["d"], pid, {"x": torch.zeros(1)}, tags=[{"policy_step": 3}], version=3)
+    # The version read back under the partition's tag name, and the column drives the window.
+    dp.set_policy_version(pid, 3)
+    meta = dp.claim_meta(pid, "train", ["x"], 4, blocking=False)
+    assert sorted(meta.sample_ids) == ["c", "d"]
+    assert [t["policy_step"] for t in meta.tags] == [3, 3]
+    assert all(type(t["policy_step"]) is int for t in meta.tags)
+    assert dp.describe_partition(pid).staleness.dropped_stale == {"train": 2}
+
+
+def test_a_bad_version_argument_is_refused_naming_it_and_stores_nothing(dp):
+    """...and an unversioned partition keeps a good one as a plain tag."""
+    pid = _register(dp)
+    plain = _pid()
+    dp.register_partition(plain, ["x"], None, ["train"])
+    one = {"x": torch.zeros(1)}
+    bad = [
+        (pid, dict(version=1.5), "version must be an int or a list.*got 1.5"),
+        (pid, dict(version=True), "version must be an int or a list.*got True"),
+        (pid, dict(version="3"), "version must be an int or a list"),
+        (pid, dict(version=[1.5]), r"version\[0\] must be an int"),
+        (pid, dict(version=[False]), r"version\[0\] must be an int"),
+        (pid, dict(version=[1, 2]), "2 versions for 1 sample ids"),
+        (pid, dict(version=2, tags=[{"weight_version": 1}]), "give the version once"),
+        (plain, dict(version=2, tags=[{"weight_version": 3}]), "give the version once"),
+    ]
+    for target, kwargs, message in bad:
+        with pytest.raises(InvalidBatch, match=message):
+            dp.put_samples(["a"], target, one, **kwargs)
+    assert dp.describe_partition(pid).num_samples == 0
+    assert dp.describe_partition(plain).num_samples == 0
+    # An unversioned partition keeps the version as a plain tag (no window reads it).
+    dp.put_samples(["a"], plain, one, tags=[{"k": 1}], version=2)
+    assert dp.claim_meta(plain, "train", ["x"], 1).tags == [{"k": 1, "weight_version": 2}]
 
 
 def test_a_bad_staleness_spec_is_refused_naming_what_is_wrong(dp):

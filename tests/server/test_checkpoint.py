@@ -16,29 +16,15 @@ import grpc
 import pytest
 import torch
 
-from dataplane_client.wire.config import DataPlaneConfig
 from dataplane_client.wire.errors import CheckpointError, CorruptPayload, InvalidBatch
-from dataplane_server import start
 from dataplane_server.admin_pb import admin_pb2, admin_pb2_grpc
 
 
 @pytest.fixture(scope="module")
-def service_pair(ray_session):
+def service_pair(module_services):
     """Started once for this module (two services cost about 20 s to start here)."""
-    handles = [
-        start(
-            DataPlaneConfig(
-                name=f"ckpt-{uuid.uuid4().hex[:6]}",
-                num_storage_units=2,
-                admin_enabled=False,
-                unit_warm_reserve_bytes=0,
-            )
-        )
-        for _ in range(2)
-    ]
-    yield handles
-    for h in handles:
-        h.shutdown()
+    config = dict(num_storage_units=2, admin_enabled=False, unit_warm_reserve_bytes=0)
+    return [module_services("ckpt", **config) for _ in range(2)]
 
 
 @pytest.fixture

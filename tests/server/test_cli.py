@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_run import run_dataplane
 from prometheus_client.parser import text_string_to_metric_families
 
-from dataplane_client.wire.config import DataPlaneConfig
 from dataplane_client.wire.errors import UnknownPartition
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,17 +31,8 @@ TOKEN = "cli-token"
 
 
 def dataplane(*args: str, address: str | None = None, timeout: float = 60):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAPLANE_ADMIN_")}
-    if address:
-        env["DATAPLANE_ADMIN_ADDRESS"] = address
-    return subprocess.run(
-        [sys.executable, "-m", "dataplane_server", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    env = {"DATAPLANE_ADMIN_ADDRESS": address} if address else None
+    return run_dataplane(*args, env=env, timeout=timeout)
 
 
 class LineReader:
@@ -68,11 +59,6 @@ def ok(proc) -> str:
         f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     )
     return proc.stdout
-
-
-@pytest.fixture(scope="module")
-def addr(service):
-    return service.admin_address
 
 
 @pytest.fixture(scope="module")
@@ -235,13 +221,8 @@ def test_watch_table_fits_80_columns_and_shows_rates(addr, part):
     assert lines[3].split().count("-") == 0
 
 
-def test_watch_exits_3_when_the_stream_drops(service):
-    from dataplane_server.admin.server import AdminServer
-    from dataplane_server.admin.sources import ActorSources
-
-    cfg = DataPlaneConfig(name=service.config.name, namespace=service.config.namespace)
-    server = AdminServer(cfg, ActorSources(cfg.name, cfg.namespace))
-    server.start()
+def test_watch_exits_3_when_the_stream_drops(admin_server):
+    server = admin_server()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DATAPLANE_ADMIN_")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "dataplane_server", "watch", "--interval", "0.1"]
@@ -267,7 +248,6 @@ def test_watch_exits_3_when_the_stream_drops(service):
         proc.wait()
         proc.stdout.close()
         proc.stderr.close()
-        server.stop(grace_s=0)
 
 
 def test_unknown_partition_is_a_one_line_error(addr):
@@ -290,34 +270,24 @@ def test_unreachable_endpoint(tmp_path):
     assert proc.stdout == ""
 
 
-def test_wrong_or_missing_token(service, client):
-    from dataplane_server.admin.server import AdminServer
-    from dataplane_server.admin.sources import ActorSources
-
-    cfg = DataPlaneConfig(
-        name=service.config.name, namespace=service.config.namespace, admin_token=TOKEN
-    )
-    server = AdminServer(cfg, ActorSources(cfg.name, cfg.namespace))
-    server.start()
+def test_wrong_or_missing_token(client, admin_server):
+    server = admin_server(admin_token=TOKEN)
     pid = f"cli-auth-{uuid.uuid4().hex[:8]}"
     client.register_partition(pid, fields=["x"])
     client.put_samples(["a"], pid, {"x": torch.ones(1, 2)})
     at = ("--address", server.address)
-    try:
-        # Service info holds no sample data: it answers without the token (the stored
-        # bytes come from the partitions, a guarded read: the token shows them).
-        assert "? (needs the token) stored" in ok(dataplane("status", *at))
-        for command in (["partitions"], ["samples", pid], ["sample", pid, "a"], ["clear", pid]):
-            for token in ([], ["--token", "wrong"]):
-                proc = dataplane(*command, *token, *at)
-                assert proc.returncode == 4, (command, token, proc.stderr)
-                assert "refused the token" in proc.stderr
-                assert proc.stderr.count("\n") == 1
-        assert client.describe_partition(pid).num_samples == 1
-        got = json.loads(ok(dataplane("clear", pid, "--token", TOKEN, "--json", *at)))
-        assert got["cleared_samples"] == 1
-    finally:
-        server.stop(grace_s=0)
+    # Service info holds no sample data: it answers without the token (the stored
+    # bytes come from the partitions, a guarded read: the token shows them).
+    assert "? (needs the token) stored" in ok(dataplane("status", *at))
+    for command in (["partitions"], ["samples", pid], ["sample", pid, "a"], ["clear", pid]):
+        for token in ([], ["--token", "wrong"]):
+            proc = dataplane(*command, *token, *at)
+            assert proc.returncode == 4, (command, token, proc.stderr)
+            assert "refused the token" in proc.stderr
+            assert proc.stderr.count("\n") == 1
+    assert client.describe_partition(pid).num_samples == 1
+    got = json.loads(ok(dataplane("clear", pid, "--token", TOKEN, "--json", *at)))
+    assert got["cleared_samples"] == 1
 
 
 def test_no_address_given():

@@ -10,38 +10,23 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import subprocess
-import sys
-import uuid
-from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from cli_run import run_dataplane
 
-from dataplane_client.wire.config import DataPlaneConfig
 from dataplane_client.wire.errors import UnknownPartition
-from dataplane_server import start
 from dataplane_server.admin_pb import admin_pb2, admin_pb2_grpc
 
-REPO = Path(__file__).resolve().parents[2]
 TOKEN = "ckpt-token"
 
 
 def dataplane(*args: str, address: str, token: str | None = TOKEN):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAPLANE_ADMIN_")}
-    env["DATAPLANE_ADMIN_ADDRESS"] = address
+    env = {"DATAPLANE_ADMIN_ADDRESS": address}
     if token:
         env["DATAPLANE_ADMIN_TOKEN"] = token
-    return subprocess.run(
-        [sys.executable, "-m", "dataplane_server", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_dataplane(*args, env=env, timeout=300)
 
 
 def ok(proc) -> str:
@@ -62,23 +47,12 @@ PARTITIONS = ("rollouts", "p")  # every partition a test here makes
 
 
 @pytest.fixture(scope="module")
-def started(ray_session):
+def started(module_services):
     """Two services for the module: each start costs seconds here, and no test needs more."""
-    handles = [
-        start(
-            DataPlaneConfig(
-                name=f"cli-ckpt-{uuid.uuid4().hex[:6]}",
-                num_storage_units=2,
-                unit_warm_reserve_bytes=0,
-                metrics_enabled=False,
-                admin_token=TOKEN,
-            )
-        )
-        for _ in range(2)
-    ]
-    yield handles
-    for h in handles:
-        h.shutdown()
+    config = dict(
+        num_storage_units=2, unit_warm_reserve_bytes=0, metrics_enabled=False, admin_token=TOKEN
+    )
+    return [module_services("cli-ckpt", **config) for _ in range(2)]
 
 
 @pytest.fixture

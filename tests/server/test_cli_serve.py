@@ -66,13 +66,17 @@ def start_serve(config: Path, args: list[str], env: dict) -> tuple[subprocess.Po
     return serve, lines
 
 
-def read_until(lines: queue.Queue, prefix: str, seen: list[str]) -> str:
-    """Lines up to the first that starts with ``prefix`` (kept in ``seen``)."""
+def read_until(
+    lines: queue.Queue, prefix: str, seen: list[str], deadline: float | None = None
+) -> str:
+    """Lines up to the first that starts with ``prefix`` (kept in ``seen``): each within
+    START_S, or all of them before ``deadline`` (monotonic) where one is given."""
     while True:
+        wait = START_S if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            line = lines.get(timeout=START_S)
+            line = lines.get(timeout=wait)
         except queue.Empty:
-            pytest.fail(f"no {prefix!r} line within {START_S}s; got:\n" + "\n".join(seen))
+            pytest.fail(f"no {prefix!r} line in time; got:\n" + "\n".join(seen))
         if line is None:
             pytest.fail(f"serve ended before {prefix!r}; got:\n" + "\n".join(seen))
         seen.append(line)
@@ -266,20 +270,6 @@ def serve_config(tmp_path, name: str) -> Path:
     return config
 
 
-def read_within(lines: queue.Queue, prefix: str, seen: list[str], deadline: float) -> str:
-    """The first line starting with ``prefix``, read before ``deadline`` (monotonic)."""
-    while True:
-        try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            pytest.fail(f"no {prefix!r} line in time; got:\n" + "\n".join(seen))
-        if line is None:
-            pytest.fail(f"serve ended before {prefix!r}; got:\n" + "\n".join(seen))
-        seen.append(line)
-        if line.startswith(prefix):
-            return line
-
-
 @pytest.mark.parametrize("how", ["address", "auto"])
 def test_serve_joins_a_loopback_head(loopback_head, tmp_path, how):
     args, env = ["--address", loopback_head], serve_env()
@@ -290,11 +280,11 @@ def test_serve_joins_a_loopback_head(loopback_head, tmp_path, how):
     seen: list[str] = []
     try:
         deadline = time.monotonic() + JOIN_S
-        read_within(lines, "dataplane: serving", seen, deadline)
-        assert read_within(lines, "ray_address=", seen, deadline) == f"ray_address={loopback_head}"
+        read_until(lines, "dataplane: serving", seen, deadline)
+        assert read_until(lines, "ray_address=", seen, deadline) == f"ray_address={loopback_head}"
         serve.send_signal(signal.SIGTERM)
         stopped = time.monotonic()
-        read_within(lines, "dataplane: stopped", seen, stopped + FAIL_S)
+        read_until(lines, "dataplane: stopped", seen, stopped + FAIL_S)
         assert serve.wait(timeout=FAIL_S) == 0
         assert time.monotonic() - stopped < FAIL_S
         assert not [line for line in seen if "dataplane: error" in line], seen

@@ -8,7 +8,6 @@ real ones with only the health service, so no Ray is needed.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from cli_run import run_dataplane as dataplane
 from grpc_health.v1 import health, health_pb2_grpc
 from tls_certs import self_signed
 
@@ -26,19 +26,6 @@ from dataplane_server.cli import watch
 from dataplane_server.cli.serve import connect_snippet, token_auth_hint
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def dataplane(*args: str, env: dict | None = None, timeout: float = 60):
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("DATAPLANE_")}
-    clean.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "dataplane_server", *args],
-        cwd=REPO,
-        env=clean,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def one_line_error(proc, code: int) -> str:

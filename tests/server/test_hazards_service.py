@@ -111,7 +111,7 @@ def test_deleting_a_partition_while_other_threads_use_another_raises_only_typed_
 ):
     c = connect(service.config.name, service.config.namespace)
     # A client that has touched many samples: rebuilding its route cache takes a while.
-    c._remember("filler", [f"f{i}" for i in range(300_000)], [0] * 300_000)
+    c._routes.remember("filler", [f"f{i}" for i in range(300_000)], [0] * 300_000)
     c.register_partition("hz5-b", ["x"], None, [])
     stop = threading.Event()
     untyped: list[str] = []

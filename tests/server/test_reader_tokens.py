@@ -11,20 +11,11 @@ import pytest
 import ray
 import torch
 
-from dataplane_client import DataPlaneConfig
 from dataplane_client.wire import failpoints
 from dataplane_client.wire.errors import InvalidBatch, ReaderUnknown
-from dataplane_server import start
 from dataplane_server.unit.reader_tokens import ReaderTokens
 
 ROWS, ROW_FLOATS = 8, 64 * 1024  # 2 MiB a field: mapped and leased, not inline
-
-
-@pytest.fixture(scope="module")
-def unit(ray_session):
-    handle = start(DataPlaneConfig(name="dp-tokens", num_storage_units=1, admin_enabled=False))
-    yield handle
-    handle.shutdown()
 
 
 def _remembered(handle) -> int:

@@ -15,11 +15,15 @@ import pytest
 import ray
 import torch
 from polling import wait_until
+from unit_memory import unit_bytes
 
 from dataplane_client import DataPlaneConfig, connect
 from dataplane_client.wire import shm
 from dataplane_server import start
 from dataplane_server.core.unit.store import UnitHoldings
+
+# Ray workers cannot import this test module by name: ship its classes by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 ROWS = 8
 ROW_FLOATS = 128 * 1024  # 512 KiB a row, 4 MiB a write: a chunk of its own, not a slab
@@ -80,28 +84,24 @@ def test_a_reader_holding_tensors_sees_its_own_bytes_while_the_memory_is_cleared
     wait_until(lambda: not _holdings(unit).read_leases, 30, "the lease to be released")
 
 
-def reader_class():
-    """A reader actor; this module travels by value (Ray workers cannot import tests)."""
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+@ray.remote
+class Reader:
+    """A reader holding the tensors of its last read."""
 
-    @ray.remote
-    class Reader:
-        def __init__(self, name: str, namespace: str):
-            self.client = connect(name, namespace)
-            self.held = None
+    def __init__(self, name: str, namespace: str):
+        self.client = connect(name, namespace)
+        self.held = None
 
-        def hold(self, partition_id: str, ids: list[str]) -> float:
-            self.held = self.client.get_samples(ids, partition_id, ["x"])["x"]
-            return float(self.held[0, 0])
-
-    return Reader
+    def hold(self, partition_id: str, ids: list[str]) -> float:
+        self.held = self.client.get_samples(ids, partition_id, ["x"])["x"]
+        return float(self.held[0, 0])
 
 
 def test_the_leases_of_a_dead_reader_are_released_and_its_chunk_recycled(unit):
     client = unit.client()
     client.register_partition("p", fields=["x"])
     client.put_samples(_ids("r"), "p", {"x": _rows(5.0)})
-    reader = reader_class().remote(unit.config.name, unit.config.namespace)
+    reader = Reader.remote(unit.config.name, unit.config.namespace)
     assert ray.get(reader.hold.remote("p", _ids("r"))) == 5.0
     # Its second read names its process token by key (the first sent the token itself):
     # the lease that read takes ends with the process all the same.
@@ -117,23 +117,16 @@ def test_the_leases_of_a_dead_reader_are_released_and_its_chunk_recycled(unit):
 # ---- regions leased ahead to a writer for its next put --------------------------------
 
 
-def _unit_bytes(handle) -> int:
-    return ray.get(handle.units[0].metrics_snapshot.remote()).bytes
+@ray.remote
+class Writer:
+    """A writer whose puts go through the region leased to it ahead."""
 
+    def __init__(self, name: str, namespace: str):
+        self.client = connect(name, namespace)
 
-def writer_class():
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-    @ray.remote
-    class Writer:
-        def __init__(self, name: str, namespace: str):
-            self.client = connect(name, namespace)
-
-        def put(self, partition_id: str, ids: list[str], value: float) -> bool:
-            self.client.put_samples(ids, partition_id, {"x": _rows(value)})
-            return self.client._transport._leases[0] is not None  # holds one for its next put
-
-    return Writer
+    def put(self, partition_id: str, ids: list[str], value: float) -> bool:
+        self.client.put_samples(ids, partition_id, {"x": _rows(value)})
+        return self.client._transport._leases[0] is not None  # holds one for its next put
 
 
 def test_puts_through_leased_regions_store_every_write_and_hold_one_lease(unit):
@@ -161,8 +154,8 @@ def test_the_region_leased_to_a_dead_writer_is_reclaimed(unit):
         60,
         "the unit's reserve to make the chunks it asked for",
     )
-    baseline = _unit_bytes(unit)
-    writer = writer_class().remote(unit.config.name, unit.config.namespace)
+    baseline = unit_bytes(unit)
+    writer = Writer.remote(unit.config.name, unit.config.namespace)
     assert ray.get(writer.put.remote("p", _ids("d"), 3.0))
     assert ray.get(writer.put.remote("p", _ids("e"), 4.0))  # the second through the lease
     assert _holdings(unit).write_leases
@@ -170,7 +163,7 @@ def test_the_region_leased_to_a_dead_writer_is_reclaimed(unit):
     wait_until(lambda: not _holdings(unit).write_leases, 60, "the dead writer's lease to go")
     assert torch.equal(client.get_samples(_ids("e"), "p", ["x"])["x"], _rows(4.0))
     client.clear_samples([*_ids("d"), *_ids("e")], "p")
-    assert _unit_bytes(unit) == baseline  # nothing of the writer's is held any more
+    assert unit_bytes(unit) == baseline  # nothing of the writer's is held any more
 
 
 def test_a_lease_gives_way_to_a_write_that_needs_the_room(ray_session):
@@ -186,7 +179,7 @@ def test_a_lease_gives_way_to_a_write_that_needs_the_room(ray_session):
     try:
         client = handle.client()
         client.register_partition("p", fields=["x"])
-        writer = writer_class().remote(handle.config.name, handle.config.namespace)
+        writer = Writer.remote(handle.config.name, handle.config.namespace)
         ray.get(writer.put.remote("p", _ids("a"), 1.0))
         # Prime the reserve with a chunk of the write's size so the next answer grants a lease.
         client.put_samples(_ids("tmp"), "p", {"x": _rows(9.0)})

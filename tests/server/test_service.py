@@ -394,20 +394,30 @@ def test_connect_to_a_missing_service_is_a_typed_error(ray_session):
         connect("no-such-service", "nowhere")
 
 
-def test_capacity_exceeded_and_bounded_wait(ray_session):
+@contextlib.contextmanager
+def _one_full_unit(name: str, put_wait_timeout_s: float):
+    """A service of one 4 KiB unit whose partition "p" holds sample "a" (3,072 bytes of
+    field "x"): no room for another such sample. Yields the handle and a client."""
     handle = start(
         DataPlaneConfig(
-            name="dp-cap",
+            name=name,
             num_storage_units=1,
             unit_capacity_bytes=4096,
             admin_enabled=False,
-            put_wait_timeout_s=0.2,
+            put_wait_timeout_s=put_wait_timeout_s,
         )
     )
     try:
         c = handle.client()
         c.register_partition("p", fields=["x"])
         c.put_samples(["a"], "p", {"x": torch.zeros(1, 768)})  # 3072 bytes
+        yield handle, c
+    finally:
+        handle.shutdown()
+
+
+def test_capacity_exceeded_and_bounded_wait(ray_session):
+    with _one_full_unit("dp-cap", put_wait_timeout_s=0.2) as (_, c):
         with pytest.raises(CapacityExceeded) as e:
             c.put_samples(["b"], "p", {"x": torch.zeros(1, 768)})
         assert e.value.ids == ["b"]
@@ -415,8 +425,6 @@ def test_capacity_exceeded_and_bounded_wait(ray_session):
             c.get_samples(["b"], "p", ["x"])
         c.clear_samples(["a"], "p")
         c.put_samples(["b"], "p", {"x": torch.zeros(1, 768)})  # room again
-    finally:
-        handle.shutdown()
 
 
 def _puts_waiting(handle) -> float:
@@ -425,19 +433,7 @@ def _puts_waiting(handle) -> float:
 
 
 def test_a_waiting_put_proceeds_when_room_is_freed(ray_session):
-    handle = start(
-        DataPlaneConfig(
-            name="dp-wait",
-            num_storage_units=1,
-            unit_capacity_bytes=4096,
-            admin_enabled=False,
-            put_wait_timeout_s=30,
-        )
-    )
-    try:
-        c = handle.client()
-        c.register_partition("p", fields=["x"])
-        c.put_samples(["a"], "p", {"x": torch.zeros(1, 768)})
+    with _one_full_unit("dp-wait", put_wait_timeout_s=30) as (handle, c):
 
         @ray.remote
         def writer():
@@ -454,8 +450,6 @@ def test_a_waiting_put_proceeds_when_room_is_freed(ray_session):
         c.clear_samples(["a"], "p")
         assert ray.get(ref, timeout=30) == ["b"]
         assert c.get_samples(["b"], "p", ["x"])["x"].sum().item() == 768
-    finally:
-        handle.shutdown()
 
 
 def test_clearing_one_gigabyte_returns_unit_memory(ray_session):

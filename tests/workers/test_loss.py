@@ -80,6 +80,17 @@ CONFIGS = {
 }
 
 
+def assert_central_differences(grad, logprobs, loss_of, cells) -> None:
+    """``grad`` at each (row, token) cell equals the central difference of ``loss_of``
+    around ``logprobs`` (steps of 1e-6), to 1e-6."""
+    for i, t in cells:
+        plus, minus = logprobs.clone(), logprobs.clone()
+        plus[i, t] += 1e-6
+        minus[i, t] -= 1e-6
+        numeric = (loss_of(plus) - loss_of(minus)) / 2e-6
+        assert abs(float(grad[i, t]) - numeric) <= 1e-6, (i, t)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("per_token", [False, True], ids=["scalar_adv", "per_token_adv"])
 def test_loss_equals_direct_computation(name, per_token):
@@ -93,14 +104,12 @@ def test_loss_equals_direct_computation(name, per_token):
     assert abs(float(loss.detach()) - direct(logprobs, batch, cfg, n_seqs, n_toks)) <= 1e-6
     # gradient: central differences of the direct computation, a few tokens
     loss.backward()
-    for i, t in [(0, 3), (1, 4), (3, 5), (2, 1)]:
-        plus, minus = logprobs.clone(), logprobs.clone()
-        plus[i, t] += 1e-6
-        minus[i, t] -= 1e-6
-        numeric = (
-            direct(plus, batch, cfg, n_seqs, n_toks) - direct(minus, batch, cfg, n_seqs, n_toks)
-        ) / 2e-6
-        assert abs(float(lp.grad[i, t]) - numeric) <= 1e-6, (i, t)
+    assert_central_differences(
+        lp.grad,
+        logprobs,
+        lambda x: direct(x, batch, cfg, n_seqs, n_toks),
+        [(0, 3), (1, 4), (3, 5), (2, 1)],
+    )
     assert metrics["num_valid_tokens"] == float(valid_token_mask(batch).sum())
 
 
@@ -198,15 +207,12 @@ def test_decoupled_ppo_equals_areal_objective_for_stale_samples(cap):
     kept = weights if cap is None else weights.masked_fill(weights > cap, 0.0)
     assert metrics["behaviour_weight_sum"] == pytest.approx(float((kept * valid).sum()), rel=1e-6)
     loss.backward()
-    for i, t in [(0, 3), (1, 4), (3, 5), (0, 6)]:
-        plus, minus = logprobs.clone(), logprobs.clone()
-        plus[i, t] += 1e-6
-        minus[i, t] -= 1e-6
-        numeric = (
-            decoupled_ppo_direct(plus, batch, 0.2, cap, n_toks)
-            - decoupled_ppo_direct(minus, batch, 0.2, cap, n_toks)
-        ) / 2e-6
-        assert abs(float(lp.grad[i, t]) - numeric) <= 1e-6, (i, t)
+    assert_central_differences(
+        lp.grad,
+        logprobs,
+        lambda x: decoupled_ppo_direct(x, batch, 0.2, cap, n_toks),
+        [(0, 3), (1, 4), (3, 5), (0, 6)],
+    )
 
 
 def test_decoupled_ppo_is_standard_ppo_clip_when_behaviour_is_proximal():
