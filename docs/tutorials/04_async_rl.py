@@ -7,9 +7,10 @@ A rollout actor generates continuously while the trainer trains; the store keeps
 two honest. What each call does:
 
 - ``StalenessSpec(max_staleness=1, admission_batch=8)`` at registration makes the
-  partition versioned: every put carries the policy version that generated it (the
-  ``weight_version`` tag), and no claim hands out a sample (or a GRPO group: as old as
-  its oldest member) more than ``max_staleness`` versions behind the current one.
+  partition versioned: every put says the policy version that generated it
+  (``put_samples(..., version=v)``, kept and read back as the ``weight_version`` tag),
+  and no claim hands out a sample (or a GRPO group: as old as its oldest member) more
+  than ``max_staleness`` versions behind the current one.
   Older ones are dropped and counted (``stale_samples="drop"``, the default).
 - ``admit_rollouts(pid, n, wait=True)`` is the actor asking "may I start ``n`` more
   trajectories?": granted only while samples started but not yet trained stay within
@@ -31,6 +32,7 @@ minus the actor.
 """
 
 import threading
+import time
 
 import ray
 import torch
@@ -66,13 +68,9 @@ class RolloutActor:
             rewards = torch.tensor([1.0] * GROUP if group % 3 == 0 else [1.0, 0.0] * (GROUP // 2))
             reward_std = rewards.std().item()  # 0 for every third group: filtered out
             ids = [f"g{group}-{i}" for i in range(GROUP)]
-            # VERSION-ARG: the policy version travels as the "weight_version" tag for now.
-            tags = [
-                {"weight_version": version, "group_id": group, "reward_std": reward_std}
-                for _ in ids
-            ]
-            tokens = torch.full((GROUP, 6), group)
-            self.client.put_samples(ids, PID, {"tokens": tokens, "rewards": rewards}, tags=tags)
+            tags = [{"group_id": group, "reward_std": reward_std} for _ in ids]
+            fields = {"tokens": torch.full((GROUP, 6), group), "rewards": rewards}
+            self.client.put_samples(ids, PID, fields, tags=tags, version=version)
             self.client.release_rollouts(grant)
             group += 1
         return group
@@ -110,11 +108,12 @@ def main() -> None:
                 timeout_s=60.0,
             )
             batch = client.get_data(meta)
-            # VERSION-ARG: each claimed sample's version, read back from its tag.
+            # Each claimed sample's version comes back as its "weight_version" tag.
             step_lags = [version - t["weight_version"] for t in meta.tags]
             assert max(step_lags) <= MAX_STALENESS, step_lags  # the store's promise
             lags += step_lags
             # ... compute logprobs and advantages, train on `batch`, refit the actors ...
+            time.sleep(0.2)  # stands for that work; meanwhile the actor generates ahead
             reward = batch["rewards"].mean().item()
             client.set_policy_version(PID, version + 1)
             lagged = sorted(set(step_lags))
