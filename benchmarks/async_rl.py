@@ -185,7 +185,13 @@ def plot_rewards(figures: dict[str, dict[str, Any]], opts: Options) -> str | Non
     for name, f in figures.items():
         ax.plot(f["wall_s"], f["rewards"], marker=".", label=name)
     ax.axhline(0.5, color="grey", linestyle=":", label="random policy")
-    ax.set_xlabel("wall-clock seconds since the first step started")
+    # Each point sits at its step's end; the first step starts the rollout actors and waits
+    # for their first generation, so the curves begin seconds after 0, which stays in view.
+    ax.set_xlim(left=0)
+    ax.set_xlabel(
+        "wall-clock seconds since the first step started; a point at each step's end\n"
+        "(the first step includes starting the rollout actors)"
+    )
     ax.set_ylabel("mean reward of the step's batch")
     ax.set_title("dataplane demo --learn: synchronous vs --async")
     ax.legend()

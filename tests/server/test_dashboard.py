@@ -56,6 +56,16 @@ def test_dashboard_covers_what_an_operator_needs():
         "claim wait": "dataplane_claim_wait_seconds_bucket",
         "errors": "dataplane_errors_total",
         "lost samples": "dataplane_units_lost_total",
+        "controller restarts": "dataplane_controller_restarts_total",
+        "recovery time": "dataplane_recovery_seconds_bucket",
+        "checkpoints": "dataplane_checkpoints_total",
+        "restores": "dataplane_restores_total",
+        "journal errors": "dataplane_journal_write_errors_total",
+        "policy version": "dataplane_partition_policy_version",
+        "stale drops": "dataplane_partition_stale_dropped_samples",
+        "filtered samples": "dataplane_partition_filtered_samples",
+        "rollout admission waits": "dataplane_admission_waits_total",
+        "rollouts in flight": "dataplane_partition_rollouts_in_flight",
     }
     missing = [topic for topic, expr in needed.items() if expr not in text]
     assert not missing
@@ -148,6 +158,64 @@ def test_the_claim_wait_panel_shows_zero_on_a_fresh_service_not_no_data(service_
         ],
     }
     path = tmp_path / "fresh-service-test.yaml"
+    path.write_text(yaml.safe_dump(unit))
+    proc = subprocess.run(
+        [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_recovery_checkpoint_and_async_rl_panels_show_a_services_figures(
+    service_factory, tmp_path
+):
+    """A service with one checkpoint saved and a versioned partition at version 2 whose
+    four version-0 samples were dropped as stale: each query of the new panels, evaluated
+    by promtool over its scrape, gives exactly those figures (not "no data")."""
+    import torch
+
+    from dataplane_client import StalenessSpec
+
+    promtool = promtool_or_skip()
+    svc = service_factory("dash-async", num_storage_units=1)
+    client = svc.client()
+    client.register_partition(
+        "p", fields=["x"], consumer_tasks=["train"], staleness=StalenessSpec(max_staleness=1)
+    )
+    client.put_samples([f"s{i}" for i in range(4)], "p", {"x": torch.ones(4, 2)}, version=0)
+    client.set_policy_version("p", 2)  # version 0 is now 2 behind: all four dropped
+    client.checkpoint(str(tmp_path / "ckpt"))
+    with urllib.request.urlopen(f"http://{svc.metrics_address}/metrics", timeout=10) as r:
+        scrape = r.read().decode()
+    expected = {  # panel -> (target index, labels, value)
+        "Controller restarts": [(0, "{}", 0)],
+        "Checkpoints saved / restored": [(0, "{}", 1), (1, "{}", 0)],
+        "Journal write errors": [(0, "{}", 0)],
+        "Async RL: policy version": [(0, 'dataplane_partition_policy_version{partition="p"}', 2)],
+        "Async RL: stale, filtered, evicted": [
+            (0, 'dataplane_partition_stale_dropped_samples{partition="p"}', 4),
+            (1, 'dataplane_partition_filtered_samples{partition="p"}', 0),
+            (2, 'dataplane_partition_evicted_samples{partition="p"}', 0),
+        ],
+    }
+    tests = []
+    for title, rows in expected.items():
+        targets = _panel(title)["targets"]
+        for index, labels, value in rows:
+            tests.append(
+                {
+                    "expr": targets[index]["expr"],
+                    "eval_time": "10m",
+                    "exp_samples": [{"labels": labels, "value": value}],
+                }
+            )
+    unit = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [
+            {"interval": "1m", "input_series": _series_of(scrape), "promql_expr_test": tests}
+        ],
+    }
+    path = tmp_path / "new-panels-test.yaml"
     path.write_text(yaml.safe_dump(unit))
     proc = subprocess.run(
         [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60
