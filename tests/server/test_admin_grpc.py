@@ -323,17 +323,30 @@ def test_watch_stats_rejects_negative_interval(stub):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_clear_partition_without_token_on_loopback(stub, client, no_env_token):
-    pid = _filled(client, "admin-clear", ["a", "b", "c"])
-    got = stub.ClearPartition(admin_pb2.ClearPartitionRequest(partition_id=pid), timeout=TIMEOUT)
-    assert (got.partition_id, got.cleared_samples) == (pid, 3)
+@pytest.mark.parametrize(
+    ("rpc", "request_type", "count"),
+    [
+        ("ClearPartition", admin_pb2.ClearPartitionRequest, "cleared_samples"),
+        ("DeletePartition", admin_pb2.DeletePartitionRequest, "deleted_samples"),
+    ],
+)
+def test_clearing_or_deleting_a_whole_partition_without_token_on_loopback_removes_it(
+    rpc, request_type, count, stub, client, no_env_token
+):
+    pid = _filled(client, f"admin-{rpc}", ["a", "b", "c"], consumer_tasks=["train"])
+    call = getattr(stub, rpc)
+    got = call(request_type(partition_id=pid), timeout=TIMEOUT)
+    assert (got.partition_id, getattr(got, count)) == (pid, 3)
     assert got.bytes_freed > 0
     # Clearing a whole partition deletes it (the NeMo-RL contract of clear_samples(None, p)).
     assert pid not in _listed(stub)
     request = admin_pb2.ListSamplesRequest(partition_id=pid)
     assert _code(stub.ListSamples, request) == grpc.StatusCode.NOT_FOUND
-    request = admin_pb2.ClearPartitionRequest(partition_id="no-such-partition")
-    assert _code(stub.ClearPartition, request) == grpc.StatusCode.NOT_FOUND
+    assert _code(call, request_type(partition_id=pid)) == grpc.StatusCode.NOT_FOUND
+    assert _code(call, request_type(partition_id="no-such-partition")) == (
+        grpc.StatusCode.NOT_FOUND
+    )
+    assert _code(call, request_type()) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_clear_partition_with_sample_ids_drops_only_those(stub, client, no_env_token):
@@ -348,19 +361,6 @@ def test_clear_partition_with_sample_ids_drops_only_those(stub, client, no_env_t
     unknown = admin_pb2.ClearPartitionRequest(partition_id=pid, sample_ids=["zz"])
     assert _code(stub.ClearPartition, unknown) == grpc.StatusCode.NOT_FOUND
     assert client.describe_partition(pid).num_samples == 1
-
-
-def test_delete_partition(stub, client, no_env_token):
-    pid = _filled(client, "admin-delete", ["a", "b"], consumer_tasks=["train"])
-    got = stub.DeletePartition(admin_pb2.DeletePartitionRequest(partition_id=pid), timeout=TIMEOUT)
-    assert (got.partition_id, got.deleted_samples) == (pid, 2)
-    assert got.bytes_freed > 0
-    assert pid not in _listed(stub)
-    again = admin_pb2.DeletePartitionRequest(partition_id=pid)
-    assert _code(stub.DeletePartition, again) == grpc.StatusCode.NOT_FOUND
-    assert _code(stub.DeletePartition, admin_pb2.DeletePartitionRequest()) == (
-        grpc.StatusCode.INVALID_ARGUMENT
-    )
 
 
 def test_redeliveries_are_shown_per_sample_and_per_task(stub, client):

@@ -150,19 +150,7 @@ def test_the_claim_wait_panel_shows_zero_on_a_fresh_service_not_no_data(service_
         for macro, value in _GRAFANA_MACROS.items():
             expr = expr.replace(macro, value)
         tests.append({"expr": expr, "eval_time": "10m", "exp_samples": [{"value": 0}]})
-    unit = {
-        "rule_files": [],
-        "evaluation_interval": "1m",
-        "tests": [
-            {"interval": "1m", "input_series": _series_of(scrape), "promql_expr_test": tests}
-        ],
-    }
-    path = tmp_path / "fresh-service-test.yaml"
-    path.write_text(yaml.safe_dump(unit))
-    proc = subprocess.run(
-        [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _promtool_says(promtool, tmp_path / "fresh-service-test.yaml", scrape, tests)
 
 
 def test_the_recovery_checkpoint_and_async_rl_panels_show_a_services_figures(
@@ -208,6 +196,12 @@ def test_the_recovery_checkpoint_and_async_rl_panels_show_a_services_figures(
                     "exp_samples": [{"labels": labels, "value": value}],
                 }
             )
+    _promtool_says(promtool, tmp_path / "new-panels-test.yaml", scrape, tests)
+
+
+def _promtool_says(promtool: str, path, scrape: str, tests: list[dict]) -> None:
+    """``promtool test rules`` of these query tests over one scrape (taken as a series
+    flat for ten minutes) passes."""
     unit = {
         "rule_files": [],
         "evaluation_interval": "1m",
@@ -215,7 +209,6 @@ def test_the_recovery_checkpoint_and_async_rl_panels_show_a_services_figures(
             {"interval": "1m", "input_series": _series_of(scrape), "promql_expr_test": tests}
         ],
     }
-    path = tmp_path / "new-panels-test.yaml"
     path.write_text(yaml.safe_dump(unit))
     proc = subprocess.run(
         [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60
