@@ -60,6 +60,19 @@ def default_device() -> torch.device:
     )
 
 
+# ModelConfig fields a transformers LlamaConfig / Qwen2Config takes under the same name.
+_HF_CONFIG_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
+
+
 def build_hf_model(cfg: ModelConfig) -> PreTrainedModel:
     """A transformers ``AutoModelForCausalLM``: from ``cfg.model_path`` or tiny from a config."""
     from transformers import AutoModelForCausalLM
@@ -80,17 +93,8 @@ def build_hf_model(cfg: ModelConfig) -> PreTrainedModel:
         config_cls = Qwen2Config
     else:
         raise ValueError(f"unknown tiny model_type {cfg.model_type!r}; use 'llama' or 'qwen2'")
-    hf_cfg = config_cls(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        attention_dropout=0.0,
-    )
+    shape = {name: getattr(cfg, name) for name in _HF_CONFIG_FIELDS}
+    hf_cfg = config_cls(**shape, attention_dropout=0.0)
     hf_cfg._attn_implementation = cfg.attn_implementation
     # Seed a private generator state: identical weights in every process, and the
     # caller's global RNG stream is left as it was.
