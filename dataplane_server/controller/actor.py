@@ -10,7 +10,7 @@ Surviving its own death: Ray restarts the controller with the same arguments
 (the unit handles and a journal directory). Before serving the first call a
 (re)started controller rebuilds its key space (``recovery``); a background
 watch (``liveness``) makes a lost unit's samples lost (terminal) within
-seconds; checkpoints are ``store_checkpoint``'s. This file only awaits, locks,
+seconds; checkpoints are ``controller.checkpoint``'s. This file only awaits, locks,
 calls the key space and talks to units.
 """
 
@@ -48,8 +48,7 @@ from dataplane_client.wire.messages import (
 )
 from dataplane_client.wire.meta import KVBatchMeta
 from dataplane_client.wire.put_deadline import late_commit
-from dataplane_server.controller import checkpoint as store_checkpoint
-from dataplane_server.controller import claim_wait, liveness, publish, unit_lookup
+from dataplane_server.controller import checkpoint, claim_wait, liveness, publish, unit_lookup
 from dataplane_server.controller.async_rl_verbs import AsyncRLVerbs, Changes
 from dataplane_server.controller.inspection import Inspection
 from dataplane_server.controller.verbs import served
@@ -630,7 +629,7 @@ class Controller(Inspection, AsyncRLVerbs):
         directory renamed into place, so a crash mid-save never leaves one that loads.
         Returns the checkpoint's absolute path.
         """
-        path = await store_checkpoint.save(directory, self.units, self._lifecycle, self._keys_now)
+        path = await checkpoint.save(directory, self.units, self._lifecycle, self._keys_now)
         self.stats.inc("checkpoints_total")
         return path
 
@@ -641,7 +640,7 @@ class Controller(Inspection, AsyncRLVerbs):
     async def restore(self, directory: str) -> int:
         """Load a checkpoint into this (empty) service; returns the number of samples."""
         async with self._lifecycle:
-            self.keys, self._next_seq, loaded = await store_checkpoint.restore(
+            self.keys, self._next_seq, loaded = await checkpoint.restore(
                 directory, self.units, self.keys, self.journal
             )
         self.stats.inc("restores_total")
