@@ -442,7 +442,7 @@ class Controller(Inspection, AsyncRLVerbs):
             changed.add(request.partition_id)
         await asyncio.gather(*undo)
         for partition_id in changed:
-            await self._waits.wake(partition_id)
+            self._waits.serve(partition_id)  # new samples: hand them to waiting claims
         return answers
 
     @served

@@ -20,8 +20,9 @@ from dataplane_client.wire.messages import ClaimRequest
 from dataplane_client.wire.meta import KVBatchMeta
 from dataplane_server.core.keyspace import KeySpace, Partition, PolicyCall
 
-# Yields the seconds to wait for a change before trying again; returns the batch.
-Waiting = Generator[float, None, KVBatchMeta]
+# Yields the seconds to wait for a change before trying again, and takes back what the
+# shell claimed for it meanwhile (None: nothing, try again itself); returns the batch.
+Waiting = Generator[float, KVBatchMeta | None, KVBatchMeta]
 
 
 def raise_if_unsatisfiable(keys: KeySpace, part: Partition, task: str) -> None:
@@ -54,7 +55,9 @@ def waiting(
             expiry = keys.next_lease_expiry(part, task)
             if expiry is not None:  # wake when a lease runs out, too
                 remaining = min(remaining, max(expiry - keys.clock(), 0.001))
-            yield remaining
+            handed = yield remaining
+            if handed is not None:  # the shell's serve pass claimed it (controller/claim_wait)
+                return handed
             if keys.partitions.get(part.partition_id) is not part:
                 raise UnknownPartition(
                     "partition deleted while the claim waited", partition_id=part.partition_id
