@@ -322,8 +322,8 @@ class DataPlaneService(DataPlaneClient):
         claims must be acknowledged with ``ack``, and samples whose lease runs
         out are handed out again. ``claim_policy`` names how claims choose
         samples (default ``"sequential"``, or ``"grpo_groups"`` with a group
-        size; also ``"seqlen_balanced"``), ``policy_options`` its options (e.g.
-        ``{"dp_size": 4}``); ``numeric_tags`` declares tags kept as typed
+        size; also ``"seqlen_balanced"`` and ``"token_budget"``), ``policy_options``
+        its options (e.g. ``{"dp_size": 4}``); ``numeric_tags`` declares tags kept as typed
         columns (e.g. ``{"policy_version": "int64"}``); ``staleness`` makes the partition
         versioned (async RL: ``StalenessSpec``); ``group_fields`` names fields whose
         value is one per GRPO group (the ``group_id`` tag): stored once per group, read

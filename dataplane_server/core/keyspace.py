@@ -923,11 +923,20 @@ class KeySpace:
         return part, task, policy
 
     def _pick(
-        self, part: Partition, ready: np.ndarray, batch_size: int, policy: PolicyCall | None
+        self,
+        part: Partition,
+        ready: np.ndarray,
+        batch_size: int,
+        policy: PolicyCall | None,
+        task: str | None = None,
     ) -> np.ndarray:
-        """The ready rows the claim policy hands out, in its order."""
+        """The ready rows the claim policy hands out, in its order (``task``: the claiming
+        task, whose consumed-or-held count a policy may read: ``ReadyRows.taken``)."""
         policy = policy or self.claim_policy(part)
-        view = ReadyRows(rows=ready, group_size=part.group_size, columns=part.columns())
+        taken_of = None if task is None else (lambda: self._consumed_or_held(part, task))
+        view = ReadyRows(
+            rows=ready, group_size=part.group_size, columns=part.columns(), taken_of=taken_of
+        )
         try:
             chosen = np.asarray(policy.policy.choose(view, batch_size, policy.options), np.int64)
         except InvalidBatch as e:
@@ -956,7 +965,7 @@ class KeySpace:
         policy: PolicyCall | None = None,
     ) -> int:
         ready = self.claimable(part, task, required, policy)
-        return len(self._pick(part, ready, batch_size, policy))
+        return len(self._pick(part, ready, batch_size, policy, task))
 
     def choose(
         self,
@@ -988,7 +997,7 @@ class KeySpace:
             )
         if claimable is None:
             claimable = self.claimable(part, task, required, policy)
-        rows = self._pick(part, claimable, batch_size, policy)
+        rows = self._pick(part, claimable, batch_size, policy, task)
         expected = part.declaration.expected_samples
         left = None
         if expected is not None:  # samples of a lost unit will never come: not waited for

@@ -59,6 +59,9 @@ class ReadyRows:
     rows: np.ndarray  # int64
     group_size: int | None
     columns: RowColumns
+    # How many samples of the partition the claiming task has consumed or holds under a
+    # lease (``taken``), asked only when a policy reads it; None: 0.
+    taken_of: Callable[[], int] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -86,6 +89,12 @@ class ReadyRows:
         """Each row's sample id (a ready row is live, so never None in practice)."""
         ids = self.columns.ids
         return [ids[r] for r in self.rows.tolist()]
+
+    @functools.cached_property
+    def taken(self) -> int:
+        """How many of the partition's live samples the claiming task has consumed or holds
+        under a lease, before this claim (``token_budget``'s ``step_end`` counts from it)."""
+        return 0 if self.taken_of is None else int(self.taken_of())
 
     @functools.cached_property
     def versions(self) -> np.ndarray:
@@ -117,9 +126,11 @@ class ReadyRows:
         group_size: int | None = None,
         tags: Mapping[str, Sequence[Any] | np.ndarray] | None = None,
         versions: Sequence[int] | np.ndarray | None = None,
+        taken: int = 0,
     ) -> ReadyRows:
         """Every row ready, from plain columns: for testing a policy without a key space.
-        Groups count their members among these rows; every given tag is present."""
+        Groups count their members among these rows; every given tag is present; the task
+        has consumed or holds ``taken`` other samples."""
         lengths = np.asarray(sequence_lengths, dtype=np.int64)
         n = len(lengths)
         codes = np.full(n, -1, dtype=np.int64) if group is None else np.asarray(group, np.int64)
@@ -139,6 +150,7 @@ class ReadyRows:
                 if versions is None
                 else np.asarray(versions, dtype=np.int64).__getitem__,
             ),
+            taken_of=lambda: taken,
         )
 
 
