@@ -39,8 +39,9 @@ from dataplane_client.batching.preshard import (
 from dataplane_client.wire.config import DataPlaneConfig
 from dataplane_client.wire.meta import KVBatchMeta
 from policy_workers.broadcast import broadcast_batched_data_dict
+from policy_workers.rank_stream import RankStream, StreamStep, replica_share
 from policy_workers.recording import IORecorder
-from policy_workers.sharding import REPLICA_AXES, NamedSharding
+from policy_workers.sharding import DATA_PARALLEL, REPLICA_AXES, NamedSharding
 
 if TYPE_CHECKING:
     from policy_workers.config import PolicyConfig
@@ -69,6 +70,21 @@ def _cut_to_lengths(value: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     torch.cumsum(kept, 0, out=offsets[1:])
     values = cut_rows(value, kept)
     return torch.nested.nested_tensor_from_jagged(values, offsets.to(value.device))
+
+
+def _no_rows(fields: list[str]) -> BatchedDataDict:
+    """A batch of zero rows with ``fields`` (per-token ones ``[0, 1]``): what a rank that
+    pulled nothing trains on."""
+    per_sample = {"input_lengths": torch.long, "sample_mask": torch.float32}
+    out: BatchedDataDict[Any] = BatchedDataDict()
+    for name in dict.fromkeys(fields):
+        if name in per_sample:
+            out[name] = torch.zeros(0, dtype=per_sample[name])
+        else:
+            out[name] = torch.zeros(
+                0, 1, dtype=torch.long if name == "input_ids" else torch.float32
+            )
+    return out
 
 
 class TQWorkerMixin:
@@ -435,6 +451,87 @@ class TQWorkerMixin:
             data, meta, kind="train", batch_size=max(1, gbs // self._dp_world_size())
         )
         return self.train(data, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
+
+    # ---- per-rank streaming pull (policy_workers/rank_stream.py) --------------------------
+    def _rank_stream(self, step: StreamStep) -> RankStream:
+        """This rank's side of a streamed step: the leader pulls, its siblings follow."""
+        leader = self._is_replica_leader()
+        return RankStream(
+            self._require_dp_client() if leader else None,
+            step,
+            dp_rank=int(self._local_coords().get(DATA_PARALLEL, 0)),
+            is_leader=leader,
+            share=replica_share(self._get_replica_group(), self._replica_leader_rank()),
+        )
+
+    def get_logprobs_streamed(
+        self,
+        step: StreamStep,
+        micro_batch_size: int | None = None,
+        overwrite: bool = False,
+        reference: bool = False,
+    ) -> dict[str, Any]:
+        """Pull micro-batches of ``step`` (no driver plan) -> ``get_logprobs`` (or, with
+        ``reference``, the reference policy's) per micro-batch -> after every rank is done,
+        the leader writes ``prev_logprobs`` (``reference_policy_logprobs``) back. Returns
+        what this rank pulled (``StreamReport``, as a dict)."""
+        method, tq_field = (
+            ("get_reference_policy_logprobs", REFERENCE_POLICY_LOGPROBS)
+            if reference
+            else ("get_logprobs", PREV_LOGPROBS)
+        )
+        stream = self._rank_stream(step)
+        results = []
+        for meta in stream.metas():
+            data = self._fetch(self._with_fields(meta, ["input_ids"]))
+            data, meta = self._attach_or_repack_pack_metadata(data, meta, kind="logprob")
+            result = getattr(self, method)(data, micro_batch_size=micro_batch_size)
+            results.append((meta, result, [int(x) for x in data["input_lengths"].tolist()]))
+        self._wait_for_every_rank()
+        for meta, result, lengths in results:
+            self._write_back_result_field(
+                meta,
+                result,
+                result_key="logprobs",
+                tq_field=tq_field,
+                lengths=lengths,
+                overwrite=overwrite,
+            )
+        return stream.report.as_dict()
+
+    def train_streamed(
+        self,
+        step: StreamStep,
+        loss_fn: Any = None,
+        eval_mode: bool = False,
+        mbs: int | None = None,
+    ) -> dict[str, Any]:
+        """Pull the micro-batches of ``step`` (no driver plan), then one ``train`` step on
+        what this rank pulled (the loss normalises over every DP rank's counts, so the
+        split does not change it). Returns ``train``'s metrics plus ``stream``: what this
+        rank pulled."""
+        if loss_fn is None:
+            from policy_workers.loss import ClippedPGLoss
+
+            loss_fn = ClippedPGLoss(self.cfg.loss)
+        wanted = list(getattr(loss_fn, "required_fields", lambda: ["input_ids"])())
+        stream = self._rank_stream(step)
+        parts = [
+            self._fetch(self._with_fields(meta, ["input_ids", *wanted]), dp_aligned_seq_len=False)
+            for meta in stream.metas()
+        ]
+        if parts:
+            data = BatchedDataDict.from_batches(parts, pad_value_dict=self._pad_value_dict())
+        else:  # every sample went to other ranks: train on none, still in every collective
+            data = _no_rows(["input_ids", "input_lengths", *wanted])
+        result = self.train(
+            data,
+            loss_fn=loss_fn,
+            eval_mode=eval_mode,
+            gbs=step.step_samples * self._dp_world_size(),  # one global batch per rank
+            mbs=mbs,
+        )
+        return {**result, "stream": stream.report.as_dict()}
 
     # ---- bookkeeping (tests, the demo) ----------------------------------------------------
     def set_io_recording(

@@ -38,6 +38,7 @@ from dataplane_client.wire.meta import KVBatchMeta
 from policy_workers import checkpoint as ckpt
 from policy_workers.config import DynamicBatchingConfig, PolicyConfig, SequencePackingConfig
 from policy_workers.errors import CheckpointMismatch
+from policy_workers.rank_stream import StreamStep
 from policy_workers.recording import DispatchRecorder
 from policy_workers.sharding import DATA_PARALLEL, REPLICA_AXES, NamedSharding
 from policy_workers.tq_mixin import PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS
@@ -217,6 +218,64 @@ class TQPolicy:
             meta.sample_ids, meta.partition_id, dict(fields), overwrite=overwrite
         )
         return meta.with_fields(list(fields))
+
+    # ---- per-rank streaming pull: no driver plan (policy_workers/rank_stream.py) ------------------
+    @staticmethod
+    def stream_step(
+        partition_id: str,
+        task_name: str,
+        fields: list[str],
+        step_samples: int,
+        token_budget: int,
+        **options: Any,
+    ) -> StreamStep:
+        """The one small message a streamed pass ships to every worker (``StreamStep``:
+        ``max_micro_batch``, ``timeout_s``, ``report_ids`` among ``options``)."""
+        wanted = tuple(dict.fromkeys(f for f in fields if f != "input_lengths"))
+        return StreamStep(partition_id, task_name, wanted, step_samples, token_budget, **options)
+
+    def _stream(self, method: str, step: StreamStep, **kwargs: Any) -> list[Any]:
+        """Every worker runs ``method(step, **kwargs)``; the DP leaders' results, DP order."""
+        results = self.run_on_all_workers(method, step, **kwargs)
+        leaders = [
+            results[self.sharding.get_rank(**{DATA_PARALLEL: dp, **dict.fromkeys(REPLICA_AXES, 0)})]
+            for dp in range(self.dp_size)
+        ]
+        if self.recorder is not None:
+            self.recorder.dispatched([step] * len(results), results)
+        return leaders
+
+    def get_logprobs_streamed(
+        self, step: StreamStep, micro_batch_size: int | None = None, overwrite: bool = False
+    ) -> list[dict[str, Any]]:
+        """Each DP leader pulls micro-batches of ``step`` under its token budget and its
+        replica writes ``prev_logprobs`` back; returns each DP rank's ``StreamReport``."""
+        return self._stream(
+            "get_logprobs_streamed", step, micro_batch_size=micro_batch_size, overwrite=overwrite
+        )
+
+    def get_reference_policy_logprobs_streamed(
+        self, step: StreamStep, micro_batch_size: int | None = None, overwrite: bool = False
+    ) -> list[dict[str, Any]]:
+        """:meth:`get_logprobs_streamed` for ``reference_policy_logprobs``."""
+        return self._stream(
+            "get_logprobs_streamed",
+            step,
+            micro_batch_size=micro_batch_size,
+            overwrite=overwrite,
+            reference=True,
+        )
+
+    def train_streamed(
+        self, step: StreamStep, loss_fn: Any = None, eval_mode: bool = False, mbs: int | None = None
+    ) -> dict[str, Any]:
+        """One train step on ``step``'s samples, each DP leader pulling its own; returns
+        ``train_from_meta``'s metrics plus ``streams``: each DP rank's ``StreamReport``."""
+        mbs = mbs or self.cfg.train_micro_batch_size
+        results = self._stream(
+            "train_streamed", step, loss_fn=loss_fn, eval_mode=eval_mode, mbs=mbs
+        )
+        return {**_aggregate_train_results(results), "streams": [r["stream"] for r in results]}
 
     # ---- classic path (tensors through the driver) -------------------------------------------
     def _shard_data(

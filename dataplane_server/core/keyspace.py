@@ -933,7 +933,7 @@ class KeySpace:
         """The ready rows the claim policy hands out, in its order (``task``: the claiming
         task, whose consumed-or-held count a policy may read: ``ReadyRows.taken``)."""
         policy = policy or self.claim_policy(part)
-        taken_of = None if task is None else (lambda: self._consumed_or_held(part, task))
+        taken_of = None if task is None else (lambda: self.taken(part, task))
         view = ReadyRows(
             rows=ready, group_size=part.group_size, columns=part.columns(), taken_of=taken_of
         )
@@ -1148,6 +1148,15 @@ class KeySpace:
         if task in part.declaration.task_leases:
             done |= part.column(part.lease_until, task, np.float64, 0.0)[:n] > self.clock()
         return int(done.sum())
+
+    def taken(self, part: Partition, task: str) -> int:
+        """Live samples the task has consumed or holds under a lease: ``consumed + leased``
+        of its ``consumption`` (``ReadyRows.taken``)."""
+        n = part.n_rows
+        done = part.column(part.consumed, task)[:n].copy()
+        if task in part.declaration.task_leases:
+            done |= part.column(part.lease_until, task, np.float64, 0.0)[:n] > self.clock()
+        return int((done & part.live[:n]).sum())
 
     def next_lease_expiry(self, part: Partition, task: str) -> float | None:
         """When the earliest lease of the task runs out (None: no lease held)."""

@@ -44,6 +44,7 @@ from policy_workers.config import (
 )
 from policy_workers.loss import ClippedPGLoss, valid_token_mask
 from policy_workers.model import build_hf_model, reference_logprobs
+from policy_workers.rank_stream import StreamStep
 from policy_workers.recording import DispatchRecorder, IORecorder, batch_digest
 from policy_workers.tq_mixin import NotReplicaLeader, TQWorkerMixin, _cut_to_lengths
 from policy_workers.tq_policy import TQPolicy, contains_tensor
@@ -150,9 +151,9 @@ def batch():
     return {"rows": rows, "jagged": jag, "dense": dense, "padded": padded, "ref_lp": ref_lp}
 
 
-def _put(client, batch, fields) -> KVBatchMeta:
+def _put(client, batch, fields, tasks=()) -> KVBatchMeta:
     pid = f"pw-{uuid.uuid4().hex[:8]}"
-    client.register_partition(pid, fields=fields, consumer_tasks=[])
+    client.register_partition(pid, fields=fields, consumer_tasks=list(tasks))
     values = {"input_ids": batch["rows"], **batch["dense"], **batch["jagged"]}
     return client.put_samples([f"s{i}" for i in range(N)], pid, {k: values[k] for k in fields})
 
@@ -355,6 +356,84 @@ def test_reference_policy_is_frozen_through_training(policy, client, batch):
     got = policy.read_from_dataplane(out, ["prev_logprobs", "reference_policy_logprobs"])
     assert (got["reference_policy_logprobs"] - batch["ref_lp"]).abs().max() <= TOL
     assert (got["prev_logprobs"] - batch["ref_lp"]).abs().max() > 1e-3
+
+
+# ---- per-rank streaming pull: no driver plan (policy_workers/rank_stream.py) -----------------------
+BUDGET = 40  # tokens per claim: the eight rows (97 tokens) come in several micro-batches
+
+
+def _pulled_once_and_balanced(reports, ids) -> None:
+    """Every sample pulled by exactly one DP rank, once; totals within the stated bound."""
+    pulled = [i for r in reports for mb in r["sample_ids"] for i in mb]
+    assert sorted(pulled) == sorted(ids)
+    assert all(r["micro_batches"] >= 2 for r in reports)  # pulled in micro-batches
+    totals = [r["tokens"] for r in reports]
+    assert sum(totals) == sum(LENGTHS)
+    assert max(totals) - min(totals) <= max(BUDGET, max(LENGTHS))
+
+
+@pytest.mark.slow
+def test_streamed_logprobs_equal_the_driver_planned_path(policy, client, batch):
+    """Each DP leader pulls its own micro-batches under a token budget; the store then holds
+    the planned path's logprobs; siblings got their leader's batches; only leaders wrote."""
+    _mode(policy, "plain")
+    planned = policy.get_logprobs_from_meta(_put(client, batch, ["input_ids", "input_lengths"]))
+    want = policy.read_from_dataplane(planned, ["prev_logprobs"])["prev_logprobs"]
+    meta = _put(client, batch, ["input_ids", "input_lengths"], tasks=["logprobs", "reference"])
+    policy.run_on_all_workers("set_io_recording", True)
+    policy.recorder.clear()
+
+    fields = ["input_ids", "input_lengths"]
+    step = policy.stream_step(meta.partition_id, "logprobs", fields, N, BUDGET, report_ids=True)
+    reports = policy.get_logprobs_streamed(step)
+    _pulled_once_and_balanced(reports, meta.sample_ids)
+    ref_step = policy.stream_step(meta.partition_id, "reference", fields, N, BUDGET)
+    policy.get_reference_policy_logprobs_streamed(ref_step)
+
+    got = policy.read_from_dataplane(
+        meta.with_fields(["prev_logprobs"]), ["prev_logprobs", "reference_policy_logprobs"]
+    )
+    assert (got["prev_logprobs"] - want).abs().max() <= TOL  # the weights as they are now
+    assert (got["reference_policy_logprobs"] - batch["ref_lp"]).abs().max() <= TOL
+
+    # the driver shipped one StreamStep per worker (no keys) and got small dicts back
+    assert policy.recorder.shipped == [[step] * 4, [ref_step] * 4]
+    assert not contains_tensor(policy.recorder.received)
+    assert len(pickle.dumps(policy.recorder.received[0])) < 4096
+    logs = policy.run_on_all_workers("get_io_log")
+    for dp in range(2):
+        leader, sibling = logs[_rank(policy, dp, 0)], logs[_rank(policy, dp, 1)]
+        fetched = [e["digest"] for e in leader if e["op"] == "fetch"]
+        assert len(fetched) >= 4  # two passes, in micro-batches
+        assert fetched == [e["digest"] for e in sibling if e["op"] == "fetch"]
+        assert not [e for e in sibling if e["op"] == "write"]
+    policy.run_on_all_workers("set_io_recording", False)
+
+
+@pytest.mark.slow
+def test_a_streamed_train_step_equals_the_driver_planned_one(policy, client, batch, reference_step):
+    _mode(policy, "plain")
+    meta = _put(client, batch, TRAIN_FIELDS)
+    planned, planned_params, _ = _train_and_collect(
+        policy, lambda: policy.train_from_meta(meta, gbs=N, mbs=2)
+    )
+    meta = _put(client, batch, TRAIN_FIELDS, tasks=["train"])
+    step = policy.stream_step(meta.partition_id, "train", TRAIN_FIELDS, N, BUDGET, report_ids=True)
+    streamed, params, digests = _train_and_collect(policy, lambda: policy.train_streamed(step))
+    _pulled_once_and_balanced(streamed["streams"], meta.sample_ids)
+    assert streamed["num_steps"] == 1
+    assert abs(streamed["loss"] - planned["loss"]) <= TOL
+    assert abs(streamed["grad_norm"] - planned["grad_norm"]) <= TOL
+    assert abs(streamed["loss"] - reference_step["loss"]) <= TOL
+    for rank in range(4):
+        assert _max_diff(params[rank], planned_params[rank]) <= TOL
+    for tp in range(2):  # DP replicas hold bit-identical weights after the step
+        assert digests[_rank(policy, 0, tp)] == digests[_rank(policy, 1, tp)]
+
+
+def test_a_stream_step_claims_what_is_stored_not_input_lengths():
+    step = TQPolicy.stream_step("p", "t", ["input_ids", "input_lengths", "x"], 4, 10)
+    assert step == StreamStep("p", "t", ("input_ids", "x"), 4, 10)
 
 
 # ---- the mixin's failure paths, without Ray ---------------------------------------------------------
