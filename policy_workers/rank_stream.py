@@ -23,9 +23,10 @@ step's quota is taken. What the driver plan guaranteed, and how it still holds:
   it alone); a rank at ``t < m + b`` claims up to ``m + b - t`` (an item over that:
   refused); a rank at ``t >= m + b`` sits the round out. So a rank ends a round at
   most at ``m + max(b, L)``, the others stay where they were, and the smallest total
-  never goes down. The bound is a worst case: the last rounds' budgets shrink to the
-  rest of the step per rank (not under ``token_budget / 8``), so the ranks' totals end
-  much closer (``benchmarks/rank_pull.py`` measures it).
+  never goes down. The bound is a worst case: the first round probes with
+  ``token_budget / 8`` and the last rounds' budgets shrink to the rest of the step per
+  rank (not under ``token_budget / 8``), so the ranks' totals end much closer
+  (``benchmarks/rank_pull.py`` measures it).
 - **Siblings fed by their leader**: only leaders claim and fetch; each round the
   leader shares its micro-batch's meta with its TP/CP/PP siblings
   (``broadcast_object_list``), and the data goes as the planned path's does
@@ -102,14 +103,18 @@ def tokens_of(meta: KVBatchMeta) -> int:
 
 
 def round_budget(budget: int, step_samples: int, taken: int, tokens: int, ranks: int) -> int:
-    """This round's budget, the same on every rank: the step's whole ``budget`` until the
-    rest of the step, at the mean length taken so far, is less than a budget per rank;
-    then that rest per rank, never under ``budget // TAPER`` (the last rounds' smaller
-    micro-batches even out the ranks' totals; fewer, fuller ones before)."""
-    if not taken or taken >= step_samples:
+    """This round's budget, the same on every rank. The first round (nothing taken yet)
+    probes with ``budget // TAPER``; then the whole ``budget`` until the rest of the
+    step, at the mean length taken so far, is less than a budget per rank; then that
+    rest per rank, never under ``budget // TAPER``. Fewer, fuller micro-batches in the
+    middle of the step; smaller ones where the ranks' totals are evened out."""
+    floor = -(-budget // TAPER)
+    if not taken:
+        return floor
+    if taken >= step_samples:
         return budget
     rest = -(-(step_samples - taken) * tokens // (taken * ranks))
-    return max(-(-budget // TAPER), min(budget, rest))
+    return max(floor, min(budget, rest))
 
 
 def claim_options(totals: Sequence[int], mine: int, budget: int) -> dict[str, Any] | None:

@@ -203,7 +203,7 @@ def test_the_pacing_rule_keeps_ranks_within_one_budget_after_every_round(lengths
 
 
 def test_the_round_budget_tapers_to_the_rest_of_the_step_per_rank():
-    assert round_budget(800, 64, 0, 0, 4) == 800  # nothing taken yet: the whole budget
+    assert round_budget(800, 64, 0, 0, 4) == 100  # nothing taken yet: a probe
     assert round_budget(800, 64, 16, 1600, 4) == 800  # rest 48 x 100 / 4 = 1200 > 800
     assert round_budget(800, 64, 48, 4800, 4) == 400  # rest 16 x 100 / 4
     assert round_budget(800, 64, 63, 6300, 4) == 100  # never under 800 / 8
