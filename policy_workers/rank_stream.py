@@ -234,17 +234,36 @@ class RankStream:
     # ---- the rounds ---------------------------------------------------------------------------
     def metas(self) -> Iterator[KVBatchMeta]:
         """This replica's micro-batches of the step, one per round in which its leader got
-        one (every rank of the replica gets the same meta), until the step is done."""
+        one (every rank of the replica gets the same meta), until the step is done. A
+        leader's failing store call ends the step on every rank at the next round: its
+        replica raises the error, every other rank ``StreamAborted``."""
         step, report = self.step, self.report
-        start = self._taken()[0] if self.is_leader else 0
-        self.step_end = max(row[0] for row in self.gather([start] + [0] * 5)) + step.step_samples
+        start, error = 0, None
+        if self.is_leader:
+            try:
+                start = self._taken()[0]
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                error = e
+        rows = self.gather([start, int(error is not None), report.dp_rank])
+        self._raise_if_failed(error, [(row[1], row[2]) for row in rows])
+        self.step_end = max(row[0] for row in rows) + step.step_samples
         done = expired = False
         got, wait = 1, FIRST_WAIT_S
         progress = self.clock()
         while True:
             rows = self.gather(
-                [int(self.is_leader), report.tokens, report.samples, int(done), got, int(expired)]
+                [
+                    int(self.is_leader),
+                    report.tokens,
+                    report.samples,
+                    int(done),
+                    got,
+                    int(expired),
+                    int(error is not None),
+                    report.dp_rank,
+                ]
             )
+            self._raise_if_failed(error, [(row[6], row[7]) for row in rows])
             leaders = [row for row in rows if row[0]]  # one per DP rank
             if any(row[3] for row in rows):
                 return
@@ -264,7 +283,6 @@ class RankStream:
             report.rounds += 1
             header = None
             if self.is_leader:
-                meta: KVBatchMeta | None = None
                 budget = round_budget(
                     step.token_budget,
                     step.step_samples,
@@ -273,12 +291,8 @@ class RankStream:
                     len(leaders),
                 )
                 options = claim_options([row[1] for row in leaders], report.tokens, budget)
-                found_done = False
-                if options is not None:
-                    meta = self._claim(options) or None
-                    found_done = meta is None and self._step_done()
-                header = (meta, found_done)
-            meta, done = self.share(header)
+                header = self._pull(options)
+            meta, done, error = self.share(header)
             got = 0 if meta is None else len(meta)
             if meta is not None:
                 report.samples += len(meta)
@@ -288,3 +302,30 @@ class RankStream:
                     report.sample_ids.append(list(meta.sample_ids))
                 yield meta
             expired = not got and self.clock() - progress > step.timeout_s
+
+    def _pull(
+        self, options: dict[str, Any] | None
+    ) -> tuple[KVBatchMeta | None, bool, BaseException | None]:
+        """The leader's claim of a round: (its batch or None, the step found done, the
+        error a store call raised: shared with the siblings, raised next round)."""
+        if options is None:
+            return None, False, None
+        try:
+            meta = self._claim(options) or None
+            return meta, meta is None and self._step_done(), None
+        except Exception as e:  # noqa: BLE001 - raised next round, on every rank
+            return None, False, e
+
+    @staticmethod
+    def _raise_if_failed(error: BaseException | None, failed: list[tuple[int, int]]) -> None:
+        """This replica's error, or StreamAborted naming the DP ranks whose leader failed."""
+        if error is not None:
+            raise error
+        ranks = sorted({dp for flag, dp in failed if flag})
+        if ranks:
+            raise StreamAborted(f"streamed step ended: the leader of DP rank(s) {ranks} failed")
+
+
+class StreamAborted(RuntimeError):
+    """A streamed step ended because another DP rank's leader failed (its replica raised
+    that leader's error)."""

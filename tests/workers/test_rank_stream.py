@@ -27,11 +27,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataplane_client.wire.errors import ClaimTimeout, InvalidBatch
+from dataplane_client.wire.errors import ClaimTimeout, InvalidBatch, UnknownTask
 from dataplane_server.core.claim_policies import PartitionTraits, ReadyRows, get
 from dataplane_server.core.inprocess import InProcessDataPlaneClient
 from policy_workers.rank_stream import (
     RankStream,
+    StreamAborted,
     StreamStep,
     claim_options,
     round_budget,
@@ -71,16 +72,18 @@ class Collectives:
         return share
 
 
-def run_step(client, step: StreamStep, dp: int, siblings: int = 1, sleep=None):
+def run_step(client, step: StreamStep, dp: int, siblings: int = 1, sleep=None, errors=None):
     """Every rank's metas of one streamed step: ``{(dp_rank, sibling): [meta, ...]}``;
-    the first error any rank raised is raised."""
+    the first error any rank raised is raised (``errors``: a dict, each rank's error
+    kept there instead). ``client``: one for every leader, or a function of the DP rank."""
     coll = Collectives(dp, siblings)
     got: dict = {}
-    errors: list = []
+    raised: dict = {} if errors is None else errors
 
     def rank(d: int, s: int) -> None:
+        leader_client = client(d) if callable(client) else client
         stream = RankStream(
-            client if s == 0 else None,
+            leader_client if s == 0 else None,
             step,
             dp_rank=d,
             is_leader=s == 0,
@@ -91,8 +94,7 @@ def run_step(client, step: StreamStep, dp: int, siblings: int = 1, sleep=None):
         try:
             got[d, s] = list(stream.metas())
         except Exception as e:  # noqa: BLE001 - handed to the test thread
-            errors.append(e)
-            coll.world.abort()
+            raised[d, s] = e
 
     threads = [
         threading.Thread(target=rank, args=(d, s)) for d in range(dp) for s in range(siblings)
@@ -101,8 +103,8 @@ def run_step(client, step: StreamStep, dp: int, siblings: int = 1, sleep=None):
         t.start()
     for t in threads:
         t.join(60)
-    if errors:
-        raise errors[0]
+    if raised and errors is None:
+        raise next(iter(raised.values()))
     return got
 
 
@@ -230,6 +232,32 @@ def test_a_step_waits_for_samples_still_coming_and_times_out_when_none_come():
     quick = StreamStep("p", "train", ("input_ids",), 4, 100, timeout_s=0.2)
     with pytest.raises(ClaimTimeout, match="no rank got a sample"):
         run_step(client, quick, dp=2)
+
+
+def test_a_leaders_failing_store_call_ends_the_step_on_every_rank():
+    """The failing replica raises its leader's error (siblings too); every other rank
+    StreamAborted naming it, at the same round: nobody is left waiting in a collective."""
+    store = InProcessDataPlaneClient()
+    _partition(store, [5] * 16)
+
+    class Failing:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def claim_meta(self, *args, **kwargs):
+            raise InvalidBatch("this leader's claims fail")
+
+    step = StreamStep("p", "train", ("input_ids",), 16, 12)
+    errors: dict = {}
+    run_step(lambda d: Failing() if d == 1 else store, step, dp=2, siblings=2, errors=errors)
+    assert sorted(errors) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(isinstance(errors[1, s], InvalidBatch) for s in (0, 1))
+    assert all(isinstance(errors[0, s], StreamAborted) for s in (0, 1))
+    assert "DP rank(s) [1]" in str(errors[0, 0])
+    errors.clear()  # an unknown task fails at the start (reading what the task has taken)
+    run_step(store, StreamStep("p", "nope", ("input_ids",), 4, 12), dp=2, siblings=2, errors=errors)
+    assert isinstance(errors[0, 0], UnknownTask)
+    assert isinstance(errors[0, 1], StreamAborted)
 
 
 def test_a_partitions_declared_end_ends_the_step():
