@@ -1,7 +1,8 @@
 """One command for every benchmark: ``python -m benchmarks.run`` (or ``dataplane bench``).
 
 Starts one local Ray on loopback, runs the sections in order (store, driver,
-controller, scale, staleness; opt-in: writers, replication, crossnode, asyncrl, groups),
+controller, scale, staleness; opt-in: writers, replication, crossnode, asyncrl, groups,
+rankpull),
 prints a markdown table per section with the targets judged met or missed, and
 writes every number to JSON. A section that raises does not hide the others; it is
 listed as FAILED in the closing summary table and the JSON (``failed``), and the
@@ -54,6 +55,8 @@ OPT_IN_SECTIONS = {
     "asyncrl": "benchmarks.async_rl",
     # group fields stored once vs per sample (a service of its own)
     "groups": "benchmarks.group_fields",
+    # per-rank streaming pull vs the driver-planned path (four policy workers of its own)
+    "rankpull": "benchmarks.rank_pull",
 }
 RAY_NUM_CPUS = 16  # logical slots: 4 policy workers + TransferQueue's 3 + helpers; 2 real cores
 
