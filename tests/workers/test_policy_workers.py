@@ -431,6 +431,22 @@ def test_a_streamed_train_step_equals_the_driver_planned_one(policy, client, bat
         assert digests[_rank(policy, 0, tp)] == digests[_rank(policy, 1, tp)]
 
 
+@pytest.mark.slow
+def test_a_rank_that_pulled_nothing_still_takes_the_step_with_the_others(policy, client, batch):
+    """A step of one sample: one DP rank pulls it, the other nothing; both train (the empty
+    one on zero rows, in every collective) and the replicas keep identical weights."""
+    _mode(policy, "plain")
+    meta = _put(client, batch, TRAIN_FIELDS, tasks=["train"])
+    step = policy.stream_step(meta.partition_id, "train", TRAIN_FIELDS, 1, BUDGET)
+    result, _, digests = _train_and_collect(policy, lambda: policy.train_streamed(step))
+    assert sorted(r["samples"] for r in result["streams"]) == [0, 1]
+    assert result["num_steps"] == 1
+    assert result["grad_norm"] > 0
+    for tp in range(2):
+        assert digests[_rank(policy, 0, tp)] == digests[_rank(policy, 1, tp)]
+    assert client.consumption_detail(meta.partition_id, ["train"])[0].consumed == 1
+
+
 def test_a_stream_step_claims_what_is_stored_not_input_lengths():
     step = TQPolicy.stream_step("p", "t", ["input_ids", "input_lengths", "x"], 4, 10)
     assert step == StreamStep("p", "t", ("input_ids", "x"), 4, 10)
