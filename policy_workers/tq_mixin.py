@@ -522,6 +522,9 @@ class TQWorkerMixin:
         ]
         if parts:
             data = BatchedDataDict.from_batches(parts, pad_value_dict=self._pad_value_dict())
+            # dynamic batching / packing planned here, over what this rank pulled (one
+            # global batch: the DP all-reduce is once per step, whatever each rank's count)
+            data, _ = self._apply_packing_prep(data, kind="train", batch_size=data.size)
         else:  # every sample went to other ranks: train on none, still in every collective
             data = _no_rows(["input_ids", "input_lengths", *wanted])
         result = self.train(

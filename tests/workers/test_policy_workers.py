@@ -411,8 +411,11 @@ def test_streamed_logprobs_equal_the_driver_planned_path(policy, client, batch):
 
 
 @pytest.mark.slow
-def test_a_streamed_train_step_equals_the_driver_planned_one(policy, client, batch, reference_step):
-    _mode(policy, "plain")
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_streamed_train_step_equals_the_driver_planned_one(
+    policy, client, batch, reference_step, mode
+):
+    _mode(policy, mode)
     meta = _put(client, batch, TRAIN_FIELDS)
     planned, planned_params, _ = _train_and_collect(
         policy, lambda: policy.train_from_meta(meta, gbs=N, mbs=2)
