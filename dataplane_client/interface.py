@@ -490,6 +490,36 @@ class DataPlaneService(DataPlaneClient):
     reset_consumption_async = awaitable(reset_consumption)
 
     @verb
+    def commit_step(self, partition_id: str, task_name: str, step: int) -> None:
+        """The trainer's step-``step`` policy is saved: a run resumed from it later
+        (``rewind_to_step``) gets back exactly the samples the task claimed after this
+        call, and none claimed before. Call it once the checkpoint is durable. Steps only
+        move forward (a lower one is ``InvalidBatch``); the last one again is a no-op."""
+        return checked(
+            arguments.partition_name(partition_id),
+            arguments.name(task_name, "task_name"),
+            arguments.count(step, "step", minimum=0),
+        )
+
+    commit_step_async = awaitable(commit_step)
+
+    @verb
+    def rewind_to_step(self, partition_id: str, task_name: str, step: int | None) -> int:
+        """A trainer resumed from its step-``step`` checkpoint: every sample the task
+        claimed after ``commit_step(step)`` is claimable again (consumed or leased),
+        those claimed up to it stay done, and later steps' commits are forgotten.
+        ``None``: back to before the first commit (every claim handed back). An
+        uncommitted step is ``InvalidBatch`` naming the committed ones. Returns how many
+        samples were handed back (cleared or dropped ones are gone either way)."""
+        return checked(
+            arguments.partition_name(partition_id),
+            arguments.name(task_name, "task_name"),
+            arguments.optional_count(step, "step", minimum=0),
+        )
+
+    rewind_to_step_async = awaitable(rewind_to_step)
+
+    @verb
     def consumption_detail(
         self, partition_id: str, task_names: Sequence[str]
     ) -> list[TaskConsumption]:

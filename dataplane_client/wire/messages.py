@@ -362,6 +362,7 @@ class TaskConsumption:
     lease_s: float | None = None
     redeliveries: int = 0
     lost: int = 0
+    committed_step: int | None = None  # the trainer's last ``commit_step`` (None: none)
 
 
 # ---- controller: admin views ---------------------------------------------------------

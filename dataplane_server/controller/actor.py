@@ -53,7 +53,7 @@ from dataplane_server.controller.async_rl_verbs import AsyncRLVerbs, Changes
 from dataplane_server.controller.inspection import Inspection
 from dataplane_server.controller.verbs import served
 from dataplane_server.controller.writer_loads import WriterLoads
-from dataplane_server.core import recovery, unit_calls
+from dataplane_server.core import recovery, steps, unit_calls
 from dataplane_server.core.claim_wait import raise_if_unsatisfiable
 from dataplane_server.core.journal import Journal
 from dataplane_server.core.keyspace import CommitPlan, KeySpace, Partition, PolicyCall, declare
@@ -586,6 +586,31 @@ class Controller(Inspection, AsyncRLVerbs):
         self.keys.reset_consumption(partition_id, task_name)
         self._compact_if_due()
         await self._waits.wake(partition_id)
+
+    @served
+    def commit_step(self, partition_id: str, task_name: str, step: int) -> None:
+        """The trainer's step ``step`` is saved (``core/steps.py``); journaled first."""
+        task = arguments.name(task_name, "task_name")
+        step = arguments.count(step, "step", minimum=0)
+        part, new = self.keys.check_commit_step(partition_id, task, step)
+        if new:
+            self._log("step", partition_id, task, step)
+            steps.commit(part, task, step)
+            self._compact_if_due()
+
+    @served
+    async def rewind_to_step(self, partition_id: str, task_name: str, step: int | None) -> int:
+        """Hand back what the task claimed after ``step`` (``core/steps.py``); journaled
+        first, then waiting claims may take it."""
+        task = arguments.name(task_name, "task_name")
+        step = arguments.optional_count(step, "step", minimum=0)
+        part, rows = self.keys.rows_to_rewind(partition_id, task, step)
+        self._log("rewind", partition_id, task, step)
+        handed_back = self.keys.rewind(part, task, rows, step)
+        self._compact_if_due()
+        self.changes.notify(partition_id)  # owed again: admission counts them untrained
+        await self._waits.wake(partition_id)
+        return handed_back
 
     @served
     def check_consumption_status(self, partition_id: str, task_names: list[str]) -> bool:

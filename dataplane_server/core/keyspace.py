@@ -54,7 +54,7 @@ from dataplane_client.wire.messages import (
 )
 from dataplane_client.wire.meta import KVBatchMeta
 from dataplane_client.wire.routes import ROUTES_KEY, route_hints
-from dataplane_server.core import claim_policies
+from dataplane_server.core import claim_policies, steps
 from dataplane_server.core.claim_answers import ClaimAnswer, ClaimAnswers, new_lease_id
 from dataplane_server.core.claim_policies import ClaimPolicy, PartitionTraits, ReadyRows, RowColumns
 from dataplane_server.core.columns import grown
@@ -261,6 +261,10 @@ class Partition:
         self.deliveries: dict[str, np.ndarray] = {}  # leased task -> times handed out
         # task -> rows a filtered claim of it refused (versioned partitions: not owed)
         self.filtered: dict[str, np.ndarray] = {}
+        # task -> the claim count of each row's latest claim, and the task's step marks
+        # (core/steps.py: a run resumed from step k trains every sample once)
+        self.claimed_at: dict[str, np.ndarray] = {}
+        self.steps: dict[str, steps.TaskSteps] = {}
         self.answers = ClaimAnswers()  # recent claims' answers, by request id
         self.waiting_claims = 0
         self.epoch = 0  # bumped when rows are added or forgotten: a lookup older than it is stale
@@ -337,6 +341,7 @@ class Partition:
             self.holder,
             self.deliveries,
             self.filtered,
+            self.claimed_at,
             self.tag_values,
             self.tag_present,
         )
@@ -1045,6 +1050,7 @@ class KeySpace:
             deliveries = part.column(part.deliveries, answer.task, np.int32, 0)
             self.redeliveries_total += int((deliveries[rows] > 0).sum())
             deliveries[rows] += 1
+        steps.stamp(part, answer.task, rows)
         part.answers.add(choice.request_id, answer)
         return self.meta_of(part, answer)
 
@@ -1198,7 +1204,38 @@ class KeySpace:
         for table in (part.consumed, part.lease_until, part.holder, part.filtered):
             if task in table:
                 table[task][:] = 0
+        if task in part.claimed_at:
+            part.claimed_at[task][:] = steps.NOT_CLAIMED
+        steps.forget_after(part, task, None)  # a reset run starts its steps anew
         part.answers.forget_task(task)
+
+    # ---- steps: consumption tied to the trainer's saved steps (core/steps.py) ---------
+    def check_commit_step(self, partition_id: str, task: str, step: int) -> tuple[Partition, bool]:
+        """The partition, and whether committing ``step`` records a mark (False: the last
+        step again); a step going back is InvalidBatch. Changes nothing."""
+        part = self.partition(partition_id)
+        self.task_of(part, task)
+        return part, steps.check_commit(part, task, step)
+
+    def rows_to_rewind(
+        self, partition_id: str, task: str, step: int | None
+    ) -> tuple[Partition, np.ndarray]:
+        """The live rows the task claimed after ``step``'s mark (an unknown step is
+        InvalidBatch naming the committed ones). Changes nothing."""
+        part = self.partition(partition_id)
+        self.task_of(part, task)
+        return part, steps.rows_after(part, task, step)
+
+    def rewind(self, part: Partition, task: str, rows: np.ndarray, step: int | None) -> int:
+        """Hand ``rows`` back to the task (claimable again) and forget later steps' marks
+        and its remembered claim answers; returns how many rows."""
+        for table in (part.consumed, part.lease_until, part.holder):
+            if task in table:
+                table[task][rows] = 0
+        part.column(part.claimed_at, task, np.int64, steps.NOT_CLAIMED)[rows] = steps.NOT_CLAIMED
+        steps.forget_after(part, task, step)
+        part.answers.forget_task(task)  # a retry of a rewound claim must not replay it
+        return len(rows)
 
     def consumption(self, part: Partition, task: str) -> TaskConsumption:
         self.task_of(part, task)
@@ -1227,6 +1264,7 @@ class KeySpace:
             lease_s=lease,
             redeliveries=redelivered,
             lost=lost,
+            committed_step=part.steps[task].last if task in part.steps else None,
         )
 
     def redeliveries_of(self, part: Partition, row: int) -> int:
@@ -1442,9 +1480,12 @@ class KeySpace:
         for task in part.tasks:
             consumed = part.column(part.consumed, task)[:n]
             filtered = part.column(part.filtered, task)[:n]
-            state: dict[str, list] = {
+            stamped = part.column(part.claimed_at, task, np.int64, steps.NOT_CLAIMED)[:n]
+            state: dict[str, Any] = {
                 "consumed": [part.ids[r] for r in live if consumed[r]],
                 "filtered": [part.ids[r] for r in live if filtered[r]],
+                "claimed_at": [[part.ids[r], int(stamped[r])] for r in live if stamped[r] > 0],
+                "steps": steps.steps_of(part, task).export(),
             }
             if task in part.declaration.task_leases:
                 until = part.column(part.lease_until, task, np.float64, 0.0)[:n]
@@ -1472,6 +1513,14 @@ class KeySpace:
             part.column(part.consumed, task)[rows[rows >= 0]] = True
             rows = part.rows_of(list(task_state.get("filtered", ())))
             part.column(part.filtered, task)[rows[rows >= 0]] = True
+            stamped = task_state.get("claimed_at", ())
+            if stamped:
+                rows = part.rows_of([sid for sid, _ in stamped])
+                keep = rows >= 0
+                counts = np.asarray([c for _, c in stamped], dtype=np.int64)
+                column = part.column(part.claimed_at, task, np.int64, steps.NOT_CLAIMED)
+                column[rows[keep]] = counts[keep]
+            part.steps[task] = steps.TaskSteps.restore(task_state.get("steps"))
             leases = task_state.get("leases", ())
             if leases:
                 rows = part.rows_of([sid for sid, _, _ in leases])
