@@ -91,6 +91,9 @@ def test_a_drop_at_the_deadline_survives_a_controller_restart(service_factory):
     assert c.claim_meta("p", "t", ["x"], 8, timeout_s=DEADLINE_S + MARGIN_S).size == 4
     before = c.describe_partition("p")
     assert before.groups.dropped_groups == 1
+    counters = ray.get(h.controller.metrics_snapshot.remote()).stats["counters"]
+    assert counters["expired_groups_dropped_total"] == 1  # exported as a Prometheus counter
+    assert counters["expired_group_samples_dropped_total"] == 3
     restarts = _restarts(h)
     ray.kill(h.controller, no_restart=False)
     wait_until(lambda: _restarts(h) > restarts, 60, "the controller's restart")
