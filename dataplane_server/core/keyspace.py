@@ -430,6 +430,7 @@ class Partition:
         arrays = self.live.nbytes + self.seq_len.nbytes + self.unit.nbytes + self.replica.nbytes
         arrays += self.gen.nbytes + self.born.nbytes
         arrays += self.group_code.nbytes + self.group_live.nbytes
+        arrays += self.group_started.nbytes + self.group_arrived.nbytes
         arrays += sum(a.nbytes for t in self._row_tables() for a in t.values())
         dict_bytes = sys.getsizeof(self.row_of) + sum(sys.getsizeof(s) for s in self.row_of)
         dict_bytes += sys.getsizeof(self.group_index)
