@@ -311,6 +311,7 @@ class DataPlaneService(DataPlaneClient):
         numeric_tags: Mapping[str, str] | None = None,
         staleness: StalenessSpec | None = None,
         group_fields: Sequence[str] = (),
+        group_deadline_s: float | None = None,
     ) -> None:
         """Declare a partition; one of the same id is replaced (its samples deleted), so
         retries re-register cleanly.
@@ -327,7 +328,11 @@ class DataPlaneService(DataPlaneClient):
         columns (e.g. ``{"policy_version": "int64"}``); ``staleness`` makes the partition
         versioned (async RL: ``StalenessSpec``); ``group_fields`` names fields whose
         value is one per GRPO group (the ``group_id`` tag): stored once per group, read
-        back by every member (needs ``grpo_group_size``).
+        back by every member (needs ``grpo_group_size``). ``group_deadline_s``: a group
+        whose members have not all arrived that many seconds after its first is no longer
+        waited for: a claim of whole groups drops it (counted in ``describe_partition``'s
+        ``groups``), a claim with ``policy_options={"partial_groups": True}`` takes the
+        members present as a group (docs/architecture.md, "Stragglers").
         """
         return checked(arguments.partition_spec(message(PartitionSpec, locals())))
 

@@ -53,7 +53,7 @@ from dataplane_server.controller.async_rl_verbs import AsyncRLVerbs, Changes
 from dataplane_server.controller.inspection import Inspection
 from dataplane_server.controller.verbs import served
 from dataplane_server.controller.writer_loads import WriterLoads
-from dataplane_server.core import recovery, steps, unit_calls
+from dataplane_server.core import async_rl, recovery, steps, unit_calls
 from dataplane_server.core.claim_wait import raise_if_unsatisfiable
 from dataplane_server.core.journal import Journal
 from dataplane_server.core.keyspace import CommitPlan, KeySpace, Partition, PolicyCall, declare
@@ -102,6 +102,7 @@ class Controller(Inspection, AsyncRLVerbs):
         # partition -> {id: birth} of removed samples whose bytes the units are freeing now:
         # a snapshot taken meanwhile must still name them (``_durable_state``).
         self._freeing: dict[str, dict[str, int]] = {}
+        self._background: set[asyncio.Task] = set()  # frees started by a synchronous verb
 
     # ---- wiring -------------------------------------------------------------------
     async def attach_units(self, handles: list | None = None) -> list[UnitInfo]:
@@ -536,6 +537,7 @@ class Controller(Inspection, AsyncRLVerbs):
             self.stats.inc("claims_replayed_total")
             return answered
         task, request_id = request.task_name, request.request_id
+        self._drop_expired(part, policy)
         claimable, refused = self.keys.judged(part, task, request.required_fields, policy)
         if len(refused):  # no longer owed: admission may go on (architecture.md "Async RL")
             self._log("filtered", part.partition_id, task, [part.ids[r] for r in refused.tolist()])
@@ -566,6 +568,22 @@ class Controller(Inspection, AsyncRLVerbs):
         self.stats.inc("claimed_samples_total", meta.size)
         failpoints.die_once_if_armed(failpoints.CLAIM_ANSWER_LOST)  # journaled, not answered
         return meta
+
+    def _drop_expired(self, part: Partition, policy: PolicyCall) -> None:
+        """Groups past their deadline that this claim does not take partial: journaled and
+        forgotten now (``core/group_deadline.py``), their bytes freed in the background (a
+        snapshot meanwhile still names them: ``_freeing``)."""
+        removal = async_rl.expired_removal(self.keys, part, policy)
+        if removal is None:
+            return
+        removed = self._remove_rows("expired", part, removal.rows, removal.groups)
+        async_rl.count_removal(removal, list(removed.births))  # its ids, in order
+        self.stats.inc("expired_groups_dropped_total", removal.groups)
+        self.stats.inc("expired_group_samples_dropped_total", len(removal.rows))
+        self.changes.notify(part.partition_id)
+        task = asyncio.ensure_future(self._free(removed))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     @served
     async def ack(self, partition_id: str, task_name: str, sample_ids: list[str], lease_id) -> int:

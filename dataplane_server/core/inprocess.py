@@ -268,6 +268,8 @@ class InProcessDataPlaneClient(DataPlaneService):
             self._remove(keys, async_rl.stale_removal(keys, part))
 
             def claim(partial_ok: bool) -> KVBatchMeta | None:
+                # Groups past their deadline go first, unless this claim takes them partial.
+                self._remove(keys, async_rl.expired_removal(keys, part, policy))
                 return keys.claim(
                     part,
                     task,

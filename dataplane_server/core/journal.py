@@ -35,7 +35,7 @@ from typing import Any
 import msgpack
 
 from dataplane_client.wire import failpoints
-from dataplane_server.core import staleness_journal, steps
+from dataplane_server.core import group_deadline, staleness_journal, steps
 from dataplane_server.core.claim_answers import ClaimAnswer, ClaimAnswers
 
 SNAPSHOT = "snapshot.msgpack"
@@ -180,6 +180,7 @@ def _internal(p: dict) -> dict:
         "tasks": tasks,
         "answers": answers,
         "staleness": staleness_journal.folded(p.get("staleness")),
+        "groups": group_deadline.folded(p.get("groups")),
         "removed": {sid: int(born) for sid, born in p.get("removed", ())},
     }
 
@@ -201,6 +202,7 @@ def _external(p: dict) -> dict:
         },
         "answers": p["answers"].export(),
         "staleness": p["staleness"].export(),
+        "groups": p["groups"],
         "removed": [[sid, born] for sid, born in p["removed"].items()],
     }
 
@@ -229,6 +231,7 @@ def _replay(state: dict, record: list) -> None:
             "tasks": {},
             "answers": ClaimAnswers(),
             "staleness": staleness_journal.folded(None),
+            "groups": group_deadline.folded(None),
             "removed": {},
         }
         return
@@ -240,6 +243,10 @@ def _replay(state: dict, record: list) -> None:
         return
     if op == "clear":  # ids, births
         _forget(part, rest[0], rest[1])
+        return
+    if op == "expired":  # groups dropped at their deadline: how many, ids, births
+        group_deadline.replay(part["groups"], rest[0], rest[1])
+        _forget(part, rest[1], rest[2])
         return
     if op in staleness_journal.OPS:
         staleness_journal.replay(part["staleness"], op, rest)

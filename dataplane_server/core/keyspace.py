@@ -54,10 +54,11 @@ from dataplane_client.wire.messages import (
 )
 from dataplane_client.wire.meta import KVBatchMeta
 from dataplane_client.wire.routes import ROUTES_KEY, route_hints
-from dataplane_server.core import claim_policies, steps
+from dataplane_server.core import claim_policies, group_deadline, steps
 from dataplane_server.core.claim_answers import ClaimAnswer, ClaimAnswers, new_lease_id
 from dataplane_server.core.claim_policies import ClaimPolicy, PartitionTraits, ReadyRows, RowColumns
 from dataplane_server.core.columns import grown
+from dataplane_server.core.group_deadline import GroupDeadlines
 from dataplane_server.core.in_flight import SamplesInFlight
 from dataplane_server.core.recovery_messages import StoredRows
 from dataplane_server.core.staleness import VersionState, matching
@@ -89,6 +90,7 @@ class Declaration:
     numeric_tags: dict[str, str] = field(default_factory=dict)  # tag -> dtype of its column
     staleness: StalenessSpec | None = None  # async RL: versions, the window, admission
     group_fields: frozenset[str] = frozenset()  # stored once per group (group_id tag)
+    group_deadline_s: float | None = None  # a group short of members stops being waited for
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.task_leases) - set(self.consumer_tasks))
@@ -149,6 +151,7 @@ class Declaration:
             "numeric_tags": dict(self.numeric_tags),
             "staleness": None if self.staleness is None else dataclasses.asdict(self.staleness),
             "group_fields": sorted(self.group_fields),
+            "group_deadline_s": self.group_deadline_s,
         }
 
     @classmethod
@@ -168,6 +171,7 @@ class Declaration:
             numeric_tags=dict(record.get("numeric_tags") or {}),
             staleness=None if not record.get("staleness") else StalenessSpec(**record["staleness"]),
             group_fields=frozenset(record.get("group_fields") or ()),
+            group_deadline_s=record.get("group_deadline_s"),
         )
 
 
@@ -189,6 +193,7 @@ def declare(spec: Any) -> Declaration:
         numeric_tags=dict(spec.numeric_tags),
         staleness=spec.staleness,
         group_fields=frozenset(spec.group_fields),
+        group_deadline_s=spec.group_deadline_s,
     )
     policy = claim_policies.get(declared.claim_policy)
     options = policy.check_options(declared.policy_options, declared.traits)
@@ -232,6 +237,12 @@ class Partition:
         self.group_index: dict[Any, int] = {}  # group_id -> code
         self.group_live = np.zeros(0, dtype=np.int64)
         self.group_version = np.zeros(0, dtype=np.int64)  # per code: oldest member's version
+        # Per code: when its first member arrived (the key space's clock) and how many have
+        # arrived since (a cleared member still counts): its deadline (group_deadline.py).
+        self.group_started = np.zeros(0, dtype=np.float64)
+        self.group_arrived = np.zeros(0, dtype=np.int64)
+        deadline = declaration.group_deadline_s
+        self.deadlines = None if deadline is None else GroupDeadlines(deadline)
         spec = declaration.staleness
         self.versions = None if spec is None else VersionState(spec)
         self.version_tag = None if spec is None else spec.version_tag
@@ -359,15 +370,23 @@ class Partition:
                 self.ids[r] = None
             self.live[r] = False
 
-    def set_group(self, row: int, group_id: Any) -> None:
-        """Put a row in a group (a row's first group_id tag is its group for good)."""
+    def set_group(self, row: int, group_id: Any, now: float = 0.0) -> None:
+        """Put a row in a group (a row's first group_id tag is its group for good). A group
+        none of whose members is live (new, or every one cleared or dropped) starts anew at
+        ``now``: its deadline counts from there."""
         if self.group_code[row] >= 0:
             return
         code = self.group_index.setdefault(group_id, len(self.group_index))
         self.group_live = grown(self.group_live, code + 1, 0)
         self.group_version = grown(self.group_version, code + 1, NO_VERSION)
+        self.group_started = grown(self.group_started, code + 1, 0.0)
+        self.group_arrived = grown(self.group_arrived, code + 1, 0)
+        if self.group_live[code] == 0:
+            self.group_started[code] = now
+            self.group_arrived[code] = 0
         self.group_code[row] = code
         self.group_live[code] += 1
+        self.group_arrived[code] += 1
         self._age_group(row)
 
     def set_numeric_tags(self, row: int, tag: dict) -> None:
@@ -396,8 +415,9 @@ class Partition:
             return own
         return np.where(grouped, np.minimum(own, self.group_version[np.maximum(code, 0)]), own)
 
-    def columns(self) -> RowColumns:
-        """Views of this partition's columns, as a claim policy reads them."""
+    def columns(self, group_short: np.ndarray | None = None) -> RowColumns:
+        """Views of this partition's columns, as a claim policy reads them (``group_short``:
+        per group code, members an overdue group will never get)."""
         n = self.n_rows
         return RowColumns(
             sequence_lengths=self.seq_len[:n],
@@ -407,6 +427,7 @@ class Partition:
             tag_present={name: col[:n] for name, col in self.tag_present.items()},
             ids=self.ids,
             versions_of=None if self.version_tag is None else self.versions_of,
+            group_short=np.zeros(0, dtype=np.int64) if group_short is None else group_short,
         )
 
     def metadata_bytes(self) -> int:
@@ -414,6 +435,7 @@ class Partition:
         arrays = self.live.nbytes + self.seq_len.nbytes + self.unit.nbytes + self.replica.nbytes
         arrays += self.gen.nbytes + self.born.nbytes
         arrays += self.group_code.nbytes + self.group_live.nbytes
+        arrays += self.group_started.nbytes + self.group_arrived.nbytes
         arrays += sum(a.nbytes for t in self._row_tables() for a in t.values())
         dict_bytes = sys.getsizeof(self.row_of) + sum(sys.getsizeof(s) for s in self.row_of)
         dict_bytes += sys.getsizeof(self.group_index)
@@ -770,11 +792,10 @@ class KeySpace:
         lengths[keep] = part.seq_len[written]
         return CommitResult(sequence_lengths=lengths.tolist(), generation=generation), cleared
 
-    @staticmethod
-    def _merge_tags(part: Partition, row: int, tag: dict) -> None:
+    def _merge_tags(self, part: Partition, row: int, tag: dict) -> None:
         gid = tag.get("group_id")
         if gid is not None:
-            part.set_group(row, gid)
+            part.set_group(row, gid, self.clock())
         if part.tag_values:
             part.set_numeric_tags(row, tag)
             tag = {k: v for k, v in tag.items() if k not in part.tag_values}
@@ -932,7 +953,8 @@ class KeySpace:
     ) -> np.ndarray:
         """The ready rows the claim policy hands out, in its order."""
         policy = policy or self.claim_policy(part)
-        view = ReadyRows(rows=ready, group_size=part.group_size, columns=part.columns())
+        columns = part.columns(self.group_short(part))
+        view = ReadyRows(rows=ready, group_size=part.group_size, columns=columns)
         try:
             chosen = np.asarray(policy.policy.choose(view, batch_size, policy.options), np.int64)
         except InvalidBatch as e:
@@ -994,12 +1016,15 @@ class KeySpace:
         if claimable is None:
             claimable = self.claimable(part, task, required, policy)
         rows = self._pick(part, claimable, batch_size, policy)
+        # Members of an overdue group handed out partial never come: they count as handed.
+        never = self.short_of(part, rows)
         expected = part.declaration.expected_samples
         left = None
         if expected is not None:  # samples of a lost unit will never come: not waited for
             left = expected - self._consumed_or_held(part, task) - len(self.lost_rows(part, task))
+            left -= self.never_coming(part)  # nor those of groups past their deadline
         tail = left is not None and 0 < len(rows) >= min(batch_size, left)
-        if not (len(rows) >= batch_size or tail or (partial_ok and len(rows))):
+        if not (len(rows) + never >= batch_size or tail or (partial_ok and len(rows))):
             return None
         leased = task in part.declaration.task_leases
         return ClaimChoice(
@@ -1145,6 +1170,83 @@ class KeySpace:
         if task in part.declaration.task_leases:
             done |= part.column(part.lease_until, task, np.float64, 0.0)[:n] > self.clock()
         return int(done.sum())
+
+    # ---- group deadlines (core/group_deadline.py) ------------------------------------------
+    def overdue_groups(self, part: Partition) -> np.ndarray:
+        """Per group code: past its deadline and short of members (all False: no deadline)."""
+        if part.deadlines is None or part.group_size is None:
+            return np.zeros(len(part.group_live), dtype=bool)
+        return group_deadline.overdue(
+            part.group_started,
+            part.group_arrived,
+            part.group_live,
+            part.group_size,
+            part.deadlines.deadline_s,
+            self.clock(),
+        )
+
+    def group_short(self, part: Partition) -> np.ndarray | None:
+        """Per group code: members an overdue group will never get (None: no deadline)."""
+        if part.deadlines is None or part.group_size is None:
+            return None
+        overdue = self.overdue_groups(part)
+        return np.where(overdue, part.group_size - part.group_arrived, 0).astype(np.int64)
+
+    def short_of(self, part: Partition, rows: np.ndarray) -> int:
+        """Members that never came of the overdue groups ``rows`` belong to."""
+        short = self.group_short(part)
+        if short is None or not len(rows):
+            return 0
+        codes = np.unique(part.group_code[rows])
+        return int(short[codes[codes >= 0]].sum())
+
+    def never_coming(self, part: Partition) -> int:
+        """Samples a partition of known size will never get because of group deadlines:
+        every member of a dropped group, and the missing ones of an overdue group."""
+        short = self.group_short(part)
+        if short is None or part.deadlines is None or part.group_size is None:
+            return 0
+        return part.deadlines.groups * part.group_size + int(short.sum())
+
+    def expired_rows(self, part: Partition, policy: PolicyCall) -> tuple[np.ndarray, int]:
+        """The rows a claim running ``policy`` drops before it chooses, and how many groups
+        they are: the members of overdue groups none of which any task has taken, when the
+        claim takes whole groups only (``grpo_groups`` without ``partial_groups``)."""
+        none = np.zeros(0, dtype=np.int64)
+        if part.deadlines is None or policy.name != "grpo_groups":
+            return none, 0
+        if policy.options.get("partial_groups"):
+            return none, 0
+        overdue = self.overdue_groups(part)
+        if not overdue.any():
+            return none, 0
+        n = part.n_rows
+        code = part.group_code[:n]
+        member = part.live[:n] & (code >= 0)
+        member[member] = overdue[code[member]]
+        taken = np.zeros(n, dtype=bool)
+        for task in part.tasks:
+            taken |= part.column(part.consumed, task)[:n]
+            if task in part.declaration.task_leases:
+                taken |= part.column(part.lease_until, task, np.float64, 0.0)[:n] > self.clock()
+        spoiled = np.unique(code[member & taken])
+        member[member] &= ~np.isin(code[member], spoiled)
+        rows = np.nonzero(member)[0]
+        return rows, len(np.unique(code[rows]))
+
+    def next_group_deadline(self, part: Partition) -> float | None:
+        """When the next group short of members becomes overdue (the key space's clock;
+        None: none will): a blocking claim wakes then."""
+        if part.deadlines is None or part.group_size is None:
+            return None
+        return group_deadline.next_deadline(
+            part.group_started,
+            part.group_arrived,
+            part.group_live,
+            part.group_size,
+            part.deadlines.deadline_s,
+            self.clock(),
+        )
 
     def next_lease_expiry(self, part: Partition, task: str) -> float | None:
         """When the earliest lease of the task runs out (None: no lease held)."""
@@ -1468,6 +1570,7 @@ class KeySpace:
                 "tasks": self.export_consumption(p),
                 "answers": p.answers.export(),
                 "staleness": None if p.versions is None else p.versions.export(),
+                "groups": None if p.deadlines is None else p.deadlines.export(),
             }
             for pid, p in self.partitions.items()
         }
