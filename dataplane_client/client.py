@@ -911,6 +911,12 @@ class RayDataPlaneClient(DataPlaneService):
     def _reset_consumption(self, partition_id: str, task_name: str) -> Any:
         return self._open_controller().reset_consumption.remote(partition_id, task_name)
 
+    def _commit_step(self, partition_id: str, task_name: str, step: int) -> Any:
+        return self._open_controller().commit_step.remote(partition_id, task_name, step)
+
+    def _rewind_to_step(self, partition_id: str, task_name: str, step: int | None) -> Any:
+        return self._open_controller().rewind_to_step.remote(partition_id, task_name, step)
+
     def _check_consumption_status(self, partition_id: str, task_names: list[str]) -> Any:
         return self._open_controller().check_consumption_status.remote(partition_id, task_names)
 

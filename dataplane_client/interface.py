@@ -311,6 +311,7 @@ class DataPlaneService(DataPlaneClient):
         numeric_tags: Mapping[str, str] | None = None,
         staleness: StalenessSpec | None = None,
         group_fields: Sequence[str] = (),
+        group_deadline_s: float | None = None,
     ) -> None:
         """Declare a partition; one of the same id is replaced (its samples deleted), so
         retries re-register cleanly.
@@ -327,7 +328,11 @@ class DataPlaneService(DataPlaneClient):
         columns (e.g. ``{"policy_version": "int64"}``); ``staleness`` makes the partition
         versioned (async RL: ``StalenessSpec``); ``group_fields`` names fields whose
         value is one per GRPO group (the ``group_id`` tag): stored once per group, read
-        back by every member (needs ``grpo_group_size``).
+        back by every member (needs ``grpo_group_size``). ``group_deadline_s``: a group
+        whose members have not all arrived that many seconds after its first is no longer
+        waited for: a claim of whole groups drops it (counted in ``describe_partition``'s
+        ``groups``), a claim with ``policy_options={"partial_groups": True}`` takes the
+        members present as a group (docs/architecture.md, "Stragglers").
         """
         return checked(arguments.partition_spec(message(PartitionSpec, locals())))
 
@@ -488,6 +493,36 @@ class DataPlaneService(DataPlaneClient):
         )
 
     reset_consumption_async = awaitable(reset_consumption)
+
+    @verb
+    def commit_step(self, partition_id: str, task_name: str, step: int) -> None:
+        """The trainer's step-``step`` policy is saved: a run resumed from it later
+        (``rewind_to_step``) gets back exactly the samples the task claimed after this
+        call, and none claimed before. Call it once the checkpoint is durable. Steps only
+        move forward (a lower one is ``InvalidBatch``); the last one again is a no-op."""
+        return checked(
+            arguments.partition_name(partition_id),
+            arguments.name(task_name, "task_name"),
+            arguments.count(step, "step", minimum=0),
+        )
+
+    commit_step_async = awaitable(commit_step)
+
+    @verb
+    def rewind_to_step(self, partition_id: str, task_name: str, step: int | None) -> int:
+        """A trainer resumed from its step-``step`` checkpoint: every sample the task
+        claimed after ``commit_step(step)`` is claimable again (consumed or leased),
+        those claimed up to it stay done, and later steps' commits are forgotten.
+        ``None``: back to before the first commit (every claim handed back). An
+        uncommitted step is ``InvalidBatch`` naming the committed ones. Returns how many
+        samples were handed back (cleared or dropped ones are gone either way)."""
+        return checked(
+            arguments.partition_name(partition_id),
+            arguments.name(task_name, "task_name"),
+            arguments.optional_count(step, "step", minimum=0),
+        )
+
+    rewind_to_step_async = awaitable(rewind_to_step)
 
     @verb
     def consumption_detail(

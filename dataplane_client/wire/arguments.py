@@ -434,7 +434,24 @@ def partition_spec(spec: Any) -> PartitionSpec:
         numeric_tags=numeric_tag_types(spec.numeric_tags),
         staleness=staleness_spec(spec.staleness),
         group_fields=group_field_names(spec.group_fields, spec.grpo_group_size),
+        group_deadline_s=group_deadline(spec.group_deadline_s, spec.grpo_group_size),
     )
+
+
+def group_deadline(value: Any, group_size: Any) -> float | None:
+    """``group_deadline_s``: seconds (finite, > 0) from a group's first member after which
+    a group still short of members stops being waited for (None: waited for forever)."""
+    if value is None:
+        return None
+    if group_size is None:
+        raise InvalidBatch(
+            f"group_deadline_s={value!r:.40} needs grpo_group_size: a deadline is a group's"
+        )
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidBatch(f"group_deadline_s must be a number of seconds, got {value!r:.40}")
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidBatch(f"group_deadline_s must be finite and > 0, got {value!r}")
+    return float(value)
 
 
 def group_field_names(value: Any, group_size: Any) -> list[str]:

@@ -189,6 +189,9 @@ class PartitionSpec:
     numeric_tags: Any = None
     staleness: Any = None  # StalenessSpec | None: a versioned partition (async RL)
     group_fields: Any = ()  # fields stored once per GRPO group (needs grpo_group_size)
+    # seconds from a group's first member after which a group still short of members is
+    # dropped, or handed out partial to a claim that asks (needs grpo_group_size)
+    group_deadline_s: Any = None
 
 
 @dataclass(frozen=True)
@@ -271,6 +274,19 @@ class StalenessInfo:
     recently_dropped: list[str]  # ids dropped or evicted, newest last (the last 4,096)
     # per task: samples its filtered claims refused, no longer owed (never counted stale)
     filtered: dict[str, int]
+
+
+@dataclass(frozen=True)
+class GroupDeadlineInfo:
+    """A partition's group deadline (``group_deadline_s``) and what it did: groups whose
+    members had not all arrived in time, dropped by claims of whole groups
+    (docs/architecture.md, "Stragglers")."""
+
+    deadline_s: float
+    dropped_groups: int
+    dropped_samples: int  # their members that had arrived
+    overdue_groups: int  # past their deadline now, not yet dropped (or taken partial)
+    recently_dropped: list[str]  # ids of dropped members, newest last (the last 4,096)
 
 
 @dataclass(frozen=True)
@@ -362,6 +378,7 @@ class TaskConsumption:
     lease_s: float | None = None
     redeliveries: int = 0
     lost: int = 0
+    committed_step: int | None = None  # the trainer's last ``commit_step`` (None: none)
 
 
 # ---- controller: admin views ---------------------------------------------------------
@@ -424,6 +441,7 @@ class PartitionDescription:
     pending_claims: int
     bytes_per_unit: list[int]  # index = unit
     staleness: StalenessInfo | None = None  # a versioned partition's async-RL state
+    groups: GroupDeadlineInfo | None = None  # a partition with a group_deadline_s
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,14 @@ CONTROLLER_COUNTERS = {
         "dataplane_stale_samples_dropped",
         "Samples dropped because they fell out of a task's staleness window.",
     ),
+    "expired_groups_dropped_total": (
+        "dataplane_expired_groups_dropped",
+        "GRPO groups dropped because members had not all arrived by group_deadline_s.",
+    ),
+    "expired_group_samples_dropped_total": (
+        "dataplane_expired_group_samples_dropped",
+        "Samples (the members present) of groups dropped at their group_deadline_s.",
+    ),
     "samples_evicted_total": (
         "dataplane_samples_evicted",
         "Samples evicted (oldest unclaimed version first, or by id) to make room.",

@@ -53,7 +53,7 @@ from dataplane_server.controller.async_rl_verbs import AsyncRLVerbs, Changes
 from dataplane_server.controller.inspection import Inspection
 from dataplane_server.controller.verbs import served
 from dataplane_server.controller.writer_loads import WriterLoads
-from dataplane_server.core import recovery, unit_calls
+from dataplane_server.core import async_rl, recovery, steps, unit_calls
 from dataplane_server.core.claim_wait import raise_if_unsatisfiable
 from dataplane_server.core.journal import Journal
 from dataplane_server.core.keyspace import CommitPlan, KeySpace, Partition, PolicyCall, declare
@@ -102,6 +102,7 @@ class Controller(Inspection, AsyncRLVerbs):
         # partition -> {id: birth} of removed samples whose bytes the units are freeing now:
         # a snapshot taken meanwhile must still name them (``_durable_state``).
         self._freeing: dict[str, dict[str, int]] = {}
+        self._background: set[asyncio.Task] = set()  # frees started by a synchronous verb
 
     # ---- wiring -------------------------------------------------------------------
     async def attach_units(self, handles: list | None = None) -> list[UnitInfo]:
@@ -536,6 +537,7 @@ class Controller(Inspection, AsyncRLVerbs):
             self.stats.inc("claims_replayed_total")
             return answered
         task, request_id = request.task_name, request.request_id
+        self._drop_expired(part, policy)
         claimable, refused = self.keys.judged(part, task, request.required_fields, policy)
         if len(refused):  # no longer owed: admission may go on (architecture.md "Async RL")
             self._log("filtered", part.partition_id, task, [part.ids[r] for r in refused.tolist()])
@@ -567,6 +569,22 @@ class Controller(Inspection, AsyncRLVerbs):
         failpoints.die_once_if_armed(failpoints.CLAIM_ANSWER_LOST)  # journaled, not answered
         return meta
 
+    def _drop_expired(self, part: Partition, policy: PolicyCall) -> None:
+        """Groups past their deadline that this claim does not take partial: journaled and
+        forgotten now (``core/group_deadline.py``), their bytes freed in the background (a
+        snapshot meanwhile still names them: ``_freeing``)."""
+        removal = async_rl.expired_removal(self.keys, part, policy)
+        if removal is None:
+            return
+        removed = self._remove_rows("expired", part, removal.rows, removal.groups)
+        async_rl.count_removal(removal, list(removed.births))  # its ids, in order
+        self.stats.inc("expired_groups_dropped_total", removal.groups)
+        self.stats.inc("expired_group_samples_dropped_total", len(removal.rows))
+        self.changes.notify(part.partition_id)
+        task = asyncio.ensure_future(self._free(removed))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     @served
     async def ack(self, partition_id: str, task_name: str, sample_ids: list[str], lease_id) -> int:
         """Acknowledge leased samples (done for the task); returns how many were newly done."""
@@ -586,6 +604,31 @@ class Controller(Inspection, AsyncRLVerbs):
         self.keys.reset_consumption(partition_id, task_name)
         self._compact_if_due()
         await self._waits.wake(partition_id)
+
+    @served
+    def commit_step(self, partition_id: str, task_name: str, step: int) -> None:
+        """The trainer's step ``step`` is saved (``core/steps.py``); journaled first."""
+        task = arguments.name(task_name, "task_name")
+        step = arguments.count(step, "step", minimum=0)
+        part, new = self.keys.check_commit_step(partition_id, task, step)
+        if new:
+            self._log("step", partition_id, task, step)
+            steps.commit(part, task, step)
+            self._compact_if_due()
+
+    @served
+    async def rewind_to_step(self, partition_id: str, task_name: str, step: int | None) -> int:
+        """Hand back what the task claimed after ``step`` (``core/steps.py``); journaled
+        first, then waiting claims may take it."""
+        task = arguments.name(task_name, "task_name")
+        step = arguments.optional_count(step, "step", minimum=0)
+        part, rows = self.keys.rows_to_rewind(partition_id, task, step)
+        self._log("rewind", partition_id, task, step)
+        handed_back = self.keys.rewind(part, task, rows, step)
+        self._compact_if_due()
+        self.changes.notify(partition_id)  # owed again: admission counts them untrained
+        await self._waits.wake(partition_id)
+        return handed_back
 
     @served
     def check_consumption_status(self, partition_id: str, task_names: list[str]) -> bool:

@@ -24,19 +24,21 @@ from dataplane_client.wire.messages import (
 from dataplane_client.wire.meta import KVBatchMeta
 from dataplane_client.wire.version import __version__
 from dataplane_server.core import claim_policies
-from dataplane_server.core.keyspace import KeySpace, Partition
+from dataplane_server.core.keyspace import KeySpace, Partition, PolicyCall
 
 MAX_GRANT_LEASE_S = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
 class Removal:
-    """Rows to forget as stale (``per_task``: for which bounded task) or as evicted."""
+    """Rows to forget as stale (``per_task``: for which bounded task), as evicted, or as the
+    members of ``groups`` groups dropped at their deadline (``group_deadline.py``)."""
 
     part: Partition
     rows: np.ndarray
     per_task: dict[str, int]
     evicted: int
+    groups: int = 0
 
     @property
     def ids(self) -> list[str]:
@@ -46,6 +48,12 @@ class Removal:
 def stale_removal(keys: KeySpace, part: Partition) -> Removal | None:
     rows, per_task = keys.stale_rows(part)
     return Removal(part, rows, per_task, 0) if len(rows) else None
+
+
+def expired_removal(keys: KeySpace, part: Partition, policy: PolicyCall) -> Removal | None:
+    """The overdue groups a claim running ``policy`` drops before choosing (None: none)."""
+    rows, groups = keys.expired_rows(part, policy)
+    return Removal(part, rows, {}, 0, groups) if len(rows) else None
 
 
 def eviction(keys: KeySpace, part: Partition) -> Removal | None:
@@ -69,8 +77,12 @@ def apply_removal(keys: KeySpace, removal: Removal) -> dict[int, list[str]]:
 
 
 def count_removal(removal: Removal, ids: list[str]) -> None:
-    """Count a removal's samples as stale or evicted (``ids``: taken before forgetting)."""
-    if removal.part.versions is not None:
+    """Count a removal's samples as stale, evicted or dropped at their group's deadline
+    (``ids``: taken before forgetting)."""
+    if removal.groups:
+        assert removal.part.deadlines is not None
+        removal.part.deadlines.count(removal.groups, ids)
+    elif removal.part.versions is not None:
         removal.part.versions.count_dropped(removal.per_task, removal.evicted, ids)
 
 

@@ -1,8 +1,10 @@
 """A blocking claim's wait, decided once for the controller and the in-process client.
 
 A claim that found no batch due waits for a change (a commit, clear, reset or unit
-loss: what its shell's condition is notified of) or for a held lease of its task to
-run out, then tries again. What to do is decided here; how to wait is the shell's:
+loss: what its shell's condition is notified of), for a held lease of its task to
+run out, or for a group short of members to reach its deadline (``group_deadline_s``:
+the retry then drops it or takes it partial, so no claim waits on a straggler past
+it), then tries again. What to do is decided here; how to wait is the shell's:
 ``waiting`` is a generator that yields how long to wait and returns the batch, which
 the controller drives awaiting an asyncio condition (``controller/claim_wait.py``) and
 the in-process client holding a threading one (``drive``). It ends with a batch or a
@@ -55,6 +57,9 @@ def waiting(
             expiry = keys.next_lease_expiry(part, task)
             if expiry is not None:  # wake when a lease runs out, too
                 remaining = min(remaining, max(expiry - keys.clock(), 0.001))
+            overdue_at = keys.next_group_deadline(part)
+            if overdue_at is not None:  # and when a straggler's group reaches its deadline
+                remaining = min(remaining, max(overdue_at - keys.clock(), 0.001))
             handed = yield remaining
             if handed is not None:  # the shell's serve pass claimed it (controller/claim_wait)
                 return handed

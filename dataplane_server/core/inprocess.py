@@ -56,7 +56,7 @@ from dataplane_client.wire.messages import (
 )
 from dataplane_client.wire.meta import KVBatchMeta
 from dataplane_client.wire.version import __version__
-from dataplane_server.core import async_rl, claim_wait, views
+from dataplane_server.core import async_rl, claim_wait, steps, views
 from dataplane_server.core.keyspace import CommitPlan, KeySpace, declare
 
 _UNIT = 0  # the one in-memory "storage unit" every sample lives on
@@ -268,6 +268,8 @@ class InProcessDataPlaneClient(DataPlaneService):
             self._remove(keys, async_rl.stale_removal(keys, part))
 
             def claim(partial_ok: bool) -> KVBatchMeta | None:
+                # Groups past their deadline go first, unless this claim takes them partial.
+                self._remove(keys, async_rl.expired_removal(keys, part, policy))
                 return keys.claim(
                     part,
                     task,
@@ -304,6 +306,21 @@ class InProcessDataPlaneClient(DataPlaneService):
         with self._changed:
             self._open().reset_consumption(partition_id, task_name)
             self._notify()
+
+    def _commit_step(self, partition_id: str, task_name: str, step: int) -> None:
+        with self._changed:
+            keys = self._open()
+            part, new = keys.check_commit_step(partition_id, task_name, step)
+            if new:
+                steps.commit(part, task_name, step)
+
+    def _rewind_to_step(self, partition_id: str, task_name: str, step: int | None) -> int:
+        with self._changed:
+            keys = self._open()
+            part, rows = keys.rows_to_rewind(partition_id, task_name, step)
+            handed_back = keys.rewind(part, task_name, rows, step)
+            self._notify()  # handed-back samples may be what a waiting claim needs
+            return handed_back
 
     def _consumption_detail(self, partition_id: str, names: list[str]) -> list[TaskConsumption]:
         with self._changed:

@@ -35,7 +35,7 @@ from typing import Any
 import msgpack
 
 from dataplane_client.wire import failpoints
-from dataplane_server.core import staleness_journal
+from dataplane_server.core import group_deadline, staleness_journal, steps
 from dataplane_server.core.claim_answers import ClaimAnswer, ClaimAnswers
 
 SNAPSHOT = "snapshot.msgpack"
@@ -151,7 +151,14 @@ class Journal:
 
 # ---- replay: records folded into per-task sets, keyed by sample id ----------------------
 def _task() -> dict:
-    return {"consumed": set(), "leases": {}, "deliveries": collections.Counter(), "filtered": set()}
+    task: dict[str, Any] = {
+        "consumed": set(),
+        "leases": {},
+        "deliveries": collections.Counter(),
+        "filtered": set(),
+    }
+    steps.folded(task)
+    return task
 
 
 def _internal(p: dict) -> dict:
@@ -162,6 +169,8 @@ def _internal(p: dict) -> dict:
         t["leases"].update((sid, (d, h)) for sid, d, h in st.get("leases", ()))
         t["deliveries"].update(dict(st.get("deliveries", ())))
         t["filtered"].update(st.get("filtered", ()))
+        t["claimed_at"].update((sid, int(n)) for sid, n in st.get("claimed_at", ()))
+        t["steps"] = steps.TaskSteps.restore(st.get("steps"))
         tasks[task] = t
     answers = ClaimAnswers()
     answers.restore(p.get("answers", ()))
@@ -171,6 +180,7 @@ def _internal(p: dict) -> dict:
         "tasks": tasks,
         "answers": answers,
         "staleness": staleness_journal.folded(p.get("staleness")),
+        "groups": group_deadline.folded(p.get("groups")),
         "removed": {sid: int(born) for sid, born in p.get("removed", ())},
     }
 
@@ -185,11 +195,14 @@ def _external(p: dict) -> dict:
                 "leases": [[sid, d, h] for sid, (d, h) in t["leases"].items()],
                 "deliveries": [[sid, n] for sid, n in t["deliveries"].items()],
                 "filtered": sorted(t["filtered"]),
+                "claimed_at": [[sid, n] for sid, n in t["claimed_at"].items()],
+                "steps": t["steps"].export(),
             }
             for task, t in p["tasks"].items()
         },
         "answers": p["answers"].export(),
         "staleness": p["staleness"].export(),
+        "groups": p["groups"],
         "removed": [[sid, born] for sid, born in p["removed"].items()],
     }
 
@@ -203,6 +216,7 @@ def _forget(part: dict, ids: list, births: list) -> None:
             t["leases"].pop(sid, None)
             t["deliveries"].pop(sid, None)
             t["filtered"].discard(sid)
+            t["claimed_at"].pop(sid, None)
     removed = part["removed"]
     for sid, born in zip(ids, births):
         removed[sid] = max(int(born), removed.get(sid, -1))
@@ -217,6 +231,7 @@ def _replay(state: dict, record: list) -> None:
             "tasks": {},
             "answers": ClaimAnswers(),
             "staleness": staleness_journal.folded(None),
+            "groups": group_deadline.folded(None),
             "removed": {},
         }
         return
@@ -228,6 +243,10 @@ def _replay(state: dict, record: list) -> None:
         return
     if op == "clear":  # ids, births
         _forget(part, rest[0], rest[1])
+        return
+    if op == "expired":  # groups dropped at their deadline: how many, ids, births
+        group_deadline.replay(part["groups"], rest[0], rest[1])
+        _forget(part, rest[1], rest[2])
         return
     if op in staleness_journal.OPS:
         staleness_journal.replay(part["staleness"], op, rest)
@@ -244,6 +263,7 @@ def _replay(state: dict, record: list) -> None:
             part["answers"].add(
                 request_id, ClaimAnswer(rest[0], ids, fields, holder or None, dp_rank)
             )
+        steps.fold_claim(task, ids)
         if deadline is None:
             task["consumed"].update(ids)
         else:
@@ -253,6 +273,12 @@ def _replay(state: dict, record: list) -> None:
         task["consumed"].update(rest[1])
         for sid in rest[1]:
             task["leases"].pop(sid, None)
-    elif op == "reset":  # delivery counts survive a reset, as in the key space
-        part["tasks"][rest[0]] = {**_task(), "deliveries": task["deliveries"]}
+    elif op == "reset":  # delivery and claim counts survive a reset, as in the key space
+        claims = steps.TaskSteps(claims=task["steps"].claims)
+        part["tasks"][rest[0]] = {**_task(), "deliveries": task["deliveries"], "steps": claims}
+        part["answers"].forget_task(rest[0])
+    elif op == "step":  # task, step: the trainer's step-k policy is saved (core/steps.py)
+        steps.fold_commit(task, rest[1])
+    elif op == "rewind":  # task, step or None: a trainer resumed from that step
+        steps.fold_rewind(task, rest[1])
         part["answers"].forget_task(rest[0])

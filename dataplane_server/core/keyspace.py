@@ -54,10 +54,11 @@ from dataplane_client.wire.messages import (
 )
 from dataplane_client.wire.meta import KVBatchMeta
 from dataplane_client.wire.routes import ROUTES_KEY, route_hints
-from dataplane_server.core import claim_policies
+from dataplane_server.core import claim_policies, group_deadline, steps
 from dataplane_server.core.claim_answers import ClaimAnswer, ClaimAnswers, new_lease_id
 from dataplane_server.core.claim_policies import ClaimPolicy, PartitionTraits, ReadyRows, RowColumns
 from dataplane_server.core.columns import grown
+from dataplane_server.core.group_deadline import GroupDeadlines
 from dataplane_server.core.in_flight import SamplesInFlight
 from dataplane_server.core.recovery_messages import StoredRows
 from dataplane_server.core.staleness import VersionState, matching
@@ -89,6 +90,7 @@ class Declaration:
     numeric_tags: dict[str, str] = field(default_factory=dict)  # tag -> dtype of its column
     staleness: StalenessSpec | None = None  # async RL: versions, the window, admission
     group_fields: frozenset[str] = frozenset()  # stored once per group (group_id tag)
+    group_deadline_s: float | None = None  # a group short of members stops being waited for
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.task_leases) - set(self.consumer_tasks))
@@ -149,6 +151,7 @@ class Declaration:
             "numeric_tags": dict(self.numeric_tags),
             "staleness": None if self.staleness is None else dataclasses.asdict(self.staleness),
             "group_fields": sorted(self.group_fields),
+            "group_deadline_s": self.group_deadline_s,
         }
 
     @classmethod
@@ -168,6 +171,7 @@ class Declaration:
             numeric_tags=dict(record.get("numeric_tags") or {}),
             staleness=None if not record.get("staleness") else StalenessSpec(**record["staleness"]),
             group_fields=frozenset(record.get("group_fields") or ()),
+            group_deadline_s=record.get("group_deadline_s"),
         )
 
 
@@ -189,6 +193,7 @@ def declare(spec: Any) -> Declaration:
         numeric_tags=dict(spec.numeric_tags),
         staleness=spec.staleness,
         group_fields=frozenset(spec.group_fields),
+        group_deadline_s=spec.group_deadline_s,
     )
     policy = claim_policies.get(declared.claim_policy)
     options = policy.check_options(declared.policy_options, declared.traits)
@@ -232,6 +237,12 @@ class Partition:
         self.group_index: dict[Any, int] = {}  # group_id -> code
         self.group_live = np.zeros(0, dtype=np.int64)
         self.group_version = np.zeros(0, dtype=np.int64)  # per code: oldest member's version
+        # Per code: when its first member arrived (the key space's clock) and how many have
+        # arrived since (a cleared member still counts): its deadline (group_deadline.py).
+        self.group_started = np.zeros(0, dtype=np.float64)
+        self.group_arrived = np.zeros(0, dtype=np.int64)
+        deadline = declaration.group_deadline_s
+        self.deadlines = None if deadline is None else GroupDeadlines(deadline)
         spec = declaration.staleness
         self.versions = None if spec is None else VersionState(spec)
         self.version_tag = None if spec is None else spec.version_tag
@@ -261,6 +272,10 @@ class Partition:
         self.deliveries: dict[str, np.ndarray] = {}  # leased task -> times handed out
         # task -> rows a filtered claim of it refused (versioned partitions: not owed)
         self.filtered: dict[str, np.ndarray] = {}
+        # task -> the claim count of each row's latest claim, and the task's step marks
+        # (core/steps.py: a run resumed from step k trains every sample once)
+        self.claimed_at: dict[str, np.ndarray] = {}
+        self.steps: dict[str, steps.TaskSteps] = {}
         self.answers = ClaimAnswers()  # recent claims' answers, by request id
         self.waiting_claims = 0
         self.epoch = 0  # bumped when rows are added or forgotten: a lookup older than it is stale
@@ -337,6 +352,7 @@ class Partition:
             self.holder,
             self.deliveries,
             self.filtered,
+            self.claimed_at,
             self.tag_values,
             self.tag_present,
         )
@@ -354,15 +370,23 @@ class Partition:
                 self.ids[r] = None
             self.live[r] = False
 
-    def set_group(self, row: int, group_id: Any) -> None:
-        """Put a row in a group (a row's first group_id tag is its group for good)."""
+    def set_group(self, row: int, group_id: Any, now: float = 0.0) -> None:
+        """Put a row in a group (a row's first group_id tag is its group for good). A group
+        none of whose members is live (new, or every one cleared or dropped) starts anew at
+        ``now``: its deadline counts from there."""
         if self.group_code[row] >= 0:
             return
         code = self.group_index.setdefault(group_id, len(self.group_index))
         self.group_live = grown(self.group_live, code + 1, 0)
         self.group_version = grown(self.group_version, code + 1, NO_VERSION)
+        self.group_started = grown(self.group_started, code + 1, 0.0)
+        self.group_arrived = grown(self.group_arrived, code + 1, 0)
+        if self.group_live[code] == 0:
+            self.group_started[code] = now
+            self.group_arrived[code] = 0
         self.group_code[row] = code
         self.group_live[code] += 1
+        self.group_arrived[code] += 1
         self._age_group(row)
 
     def set_numeric_tags(self, row: int, tag: dict) -> None:
@@ -391,8 +415,9 @@ class Partition:
             return own
         return np.where(grouped, np.minimum(own, self.group_version[np.maximum(code, 0)]), own)
 
-    def columns(self) -> RowColumns:
-        """Views of this partition's columns, as a claim policy reads them."""
+    def columns(self, group_short: np.ndarray | None = None) -> RowColumns:
+        """Views of this partition's columns, as a claim policy reads them (``group_short``:
+        per group code, members an overdue group will never get)."""
         n = self.n_rows
         return RowColumns(
             sequence_lengths=self.seq_len[:n],
@@ -402,6 +427,7 @@ class Partition:
             tag_present={name: col[:n] for name, col in self.tag_present.items()},
             ids=self.ids,
             versions_of=None if self.version_tag is None else self.versions_of,
+            group_short=np.zeros(0, dtype=np.int64) if group_short is None else group_short,
         )
 
     def metadata_bytes(self) -> int:
@@ -409,6 +435,7 @@ class Partition:
         arrays = self.live.nbytes + self.seq_len.nbytes + self.unit.nbytes + self.replica.nbytes
         arrays += self.gen.nbytes + self.born.nbytes
         arrays += self.group_code.nbytes + self.group_live.nbytes
+        arrays += self.group_started.nbytes + self.group_arrived.nbytes
         arrays += sum(a.nbytes for t in self._row_tables() for a in t.values())
         dict_bytes = sys.getsizeof(self.row_of) + sum(sys.getsizeof(s) for s in self.row_of)
         dict_bytes += sys.getsizeof(self.group_index)
@@ -765,11 +792,10 @@ class KeySpace:
         lengths[keep] = part.seq_len[written]
         return CommitResult(sequence_lengths=lengths.tolist(), generation=generation), cleared
 
-    @staticmethod
-    def _merge_tags(part: Partition, row: int, tag: dict) -> None:
+    def _merge_tags(self, part: Partition, row: int, tag: dict) -> None:
         gid = tag.get("group_id")
         if gid is not None:
-            part.set_group(row, gid)
+            part.set_group(row, gid, self.clock())
         if part.tag_values:
             part.set_numeric_tags(row, tag)
             tag = {k: v for k, v in tag.items() if k not in part.tag_values}
@@ -934,9 +960,8 @@ class KeySpace:
         task, whose consumed-or-held count a policy may read: ``ReadyRows.taken``)."""
         policy = policy or self.claim_policy(part)
         taken_of = None if task is None else (lambda: self.taken(part, task))
-        view = ReadyRows(
-            rows=ready, group_size=part.group_size, columns=part.columns(), taken_of=taken_of
-        )
+        columns = part.columns(self.group_short(part))
+        view = ReadyRows(rows=ready, group_size=part.group_size, columns=columns, taken_of=taken_of)
         try:
             chosen = np.asarray(policy.policy.choose(view, batch_size, policy.options), np.int64)
         except InvalidBatch as e:
@@ -998,12 +1023,15 @@ class KeySpace:
         if claimable is None:
             claimable = self.claimable(part, task, required, policy)
         rows = self._pick(part, claimable, batch_size, policy, task)
+        # Members of an overdue group handed out partial never come: they count as handed.
+        never = self.short_of(part, rows)
         expected = part.declaration.expected_samples
         left = None
         if expected is not None:  # samples of a lost unit will never come: not waited for
             left = expected - self._consumed_or_held(part, task) - len(self.lost_rows(part, task))
+            left -= self.never_coming(part)  # nor those of groups past their deadline
         tail = left is not None and 0 < len(rows) >= min(batch_size, left)
-        if not (len(rows) >= batch_size or tail or (partial_ok and len(rows))):
+        if not (len(rows) + never >= batch_size or tail or (partial_ok and len(rows))):
             return None
         leased = task in part.declaration.task_leases
         return ClaimChoice(
@@ -1054,6 +1082,7 @@ class KeySpace:
             deliveries = part.column(part.deliveries, answer.task, np.int32, 0)
             self.redeliveries_total += int((deliveries[rows] > 0).sum())
             deliveries[rows] += 1
+        steps.stamp(part, answer.task, rows)
         part.answers.add(choice.request_id, answer)
         return self.meta_of(part, answer)
 
@@ -1158,6 +1187,83 @@ class KeySpace:
             done |= part.column(part.lease_until, task, np.float64, 0.0)[:n] > self.clock()
         return int((done & part.live[:n]).sum())
 
+    # ---- group deadlines (core/group_deadline.py) ------------------------------------------
+    def overdue_groups(self, part: Partition) -> np.ndarray:
+        """Per group code: past its deadline and short of members (all False: no deadline)."""
+        if part.deadlines is None or part.group_size is None:
+            return np.zeros(len(part.group_live), dtype=bool)
+        return group_deadline.overdue(
+            part.group_started,
+            part.group_arrived,
+            part.group_live,
+            part.group_size,
+            part.deadlines.deadline_s,
+            self.clock(),
+        )
+
+    def group_short(self, part: Partition) -> np.ndarray | None:
+        """Per group code: members an overdue group will never get (None: no deadline)."""
+        if part.deadlines is None or part.group_size is None:
+            return None
+        overdue = self.overdue_groups(part)
+        return np.where(overdue, part.group_size - part.group_arrived, 0).astype(np.int64)
+
+    def short_of(self, part: Partition, rows: np.ndarray) -> int:
+        """Members that never came of the overdue groups ``rows`` belong to."""
+        short = self.group_short(part)
+        if short is None or not len(rows):
+            return 0
+        codes = np.unique(part.group_code[rows])
+        return int(short[codes[codes >= 0]].sum())
+
+    def never_coming(self, part: Partition) -> int:
+        """Samples a partition of known size will never get because of group deadlines:
+        every member of a dropped group, and the missing ones of an overdue group."""
+        short = self.group_short(part)
+        if short is None or part.deadlines is None or part.group_size is None:
+            return 0
+        return part.deadlines.groups * part.group_size + int(short.sum())
+
+    def expired_rows(self, part: Partition, policy: PolicyCall) -> tuple[np.ndarray, int]:
+        """The rows a claim running ``policy`` drops before it chooses, and how many groups
+        they are: the members of overdue groups none of which any task has taken, when the
+        claim takes whole groups only (``grpo_groups`` without ``partial_groups``)."""
+        none = np.zeros(0, dtype=np.int64)
+        if part.deadlines is None or policy.name != "grpo_groups":
+            return none, 0
+        if policy.options.get("partial_groups"):
+            return none, 0
+        overdue = self.overdue_groups(part)
+        if not overdue.any():
+            return none, 0
+        n = part.n_rows
+        code = part.group_code[:n]
+        member = part.live[:n] & (code >= 0)
+        member[member] = overdue[code[member]]
+        taken = np.zeros(n, dtype=bool)
+        for task in part.tasks:
+            taken |= part.column(part.consumed, task)[:n]
+            if task in part.declaration.task_leases:
+                taken |= part.column(part.lease_until, task, np.float64, 0.0)[:n] > self.clock()
+        spoiled = np.unique(code[member & taken])
+        member[member] &= ~np.isin(code[member], spoiled)
+        rows = np.nonzero(member)[0]
+        return rows, len(np.unique(code[rows]))
+
+    def next_group_deadline(self, part: Partition) -> float | None:
+        """When the next group short of members becomes overdue (the key space's clock;
+        None: none will): a blocking claim wakes then."""
+        if part.deadlines is None or part.group_size is None:
+            return None
+        return group_deadline.next_deadline(
+            part.group_started,
+            part.group_arrived,
+            part.group_live,
+            part.group_size,
+            part.deadlines.deadline_s,
+            self.clock(),
+        )
+
     def next_lease_expiry(self, part: Partition, task: str) -> float | None:
         """When the earliest lease of the task runs out (None: no lease held)."""
         if task not in part.declaration.task_leases:
@@ -1216,7 +1322,38 @@ class KeySpace:
         for table in (part.consumed, part.lease_until, part.holder, part.filtered):
             if task in table:
                 table[task][:] = 0
+        if task in part.claimed_at:
+            part.claimed_at[task][:] = steps.NOT_CLAIMED
+        steps.forget_after(part, task, None)  # a reset run starts its steps anew
         part.answers.forget_task(task)
+
+    # ---- steps: consumption tied to the trainer's saved steps (core/steps.py) ---------
+    def check_commit_step(self, partition_id: str, task: str, step: int) -> tuple[Partition, bool]:
+        """The partition, and whether committing ``step`` records a mark (False: the last
+        step again); a step going back is InvalidBatch. Changes nothing."""
+        part = self.partition(partition_id)
+        self.task_of(part, task)
+        return part, steps.check_commit(part, task, step)
+
+    def rows_to_rewind(
+        self, partition_id: str, task: str, step: int | None
+    ) -> tuple[Partition, np.ndarray]:
+        """The live rows the task claimed after ``step``'s mark (an unknown step is
+        InvalidBatch naming the committed ones). Changes nothing."""
+        part = self.partition(partition_id)
+        self.task_of(part, task)
+        return part, steps.rows_after(part, task, step)
+
+    def rewind(self, part: Partition, task: str, rows: np.ndarray, step: int | None) -> int:
+        """Hand ``rows`` back to the task (claimable again) and forget later steps' marks
+        and its remembered claim answers; returns how many rows."""
+        for table in (part.consumed, part.lease_until, part.holder):
+            if task in table:
+                table[task][rows] = 0
+        part.column(part.claimed_at, task, np.int64, steps.NOT_CLAIMED)[rows] = steps.NOT_CLAIMED
+        steps.forget_after(part, task, step)
+        part.answers.forget_task(task)  # a retry of a rewound claim must not replay it
+        return len(rows)
 
     def consumption(self, part: Partition, task: str) -> TaskConsumption:
         self.task_of(part, task)
@@ -1245,6 +1382,7 @@ class KeySpace:
             lease_s=lease,
             redeliveries=redelivered,
             lost=lost,
+            committed_step=part.steps[task].last if task in part.steps else None,
         )
 
     def redeliveries_of(self, part: Partition, row: int) -> int:
@@ -1448,6 +1586,7 @@ class KeySpace:
                 "tasks": self.export_consumption(p),
                 "answers": p.answers.export(),
                 "staleness": None if p.versions is None else p.versions.export(),
+                "groups": None if p.deadlines is None else p.deadlines.export(),
             }
             for pid, p in self.partitions.items()
         }
@@ -1460,9 +1599,12 @@ class KeySpace:
         for task in part.tasks:
             consumed = part.column(part.consumed, task)[:n]
             filtered = part.column(part.filtered, task)[:n]
-            state: dict[str, list] = {
+            stamped = part.column(part.claimed_at, task, np.int64, steps.NOT_CLAIMED)[:n]
+            state: dict[str, Any] = {
                 "consumed": [part.ids[r] for r in live if consumed[r]],
                 "filtered": [part.ids[r] for r in live if filtered[r]],
+                "claimed_at": [[part.ids[r], int(stamped[r])] for r in live if stamped[r] > 0],
+                "steps": steps.steps_of(part, task).export(),
             }
             if task in part.declaration.task_leases:
                 until = part.column(part.lease_until, task, np.float64, 0.0)[:n]
@@ -1490,6 +1632,14 @@ class KeySpace:
             part.column(part.consumed, task)[rows[rows >= 0]] = True
             rows = part.rows_of(list(task_state.get("filtered", ())))
             part.column(part.filtered, task)[rows[rows >= 0]] = True
+            stamped = task_state.get("claimed_at", ())
+            if stamped:
+                rows = part.rows_of([sid for sid, _ in stamped])
+                keep = rows >= 0
+                counts = np.asarray([c for _, c in stamped], dtype=np.int64)
+                column = part.column(part.claimed_at, task, np.int64, steps.NOT_CLAIMED)
+                column[rows[keep]] = counts[keep]
+            part.steps[task] = steps.TaskSteps.restore(task_state.get("steps"))
             leases = task_state.get("leases", ())
             if leases:
                 rows = part.rows_of([sid for sid, _, _ in leases])

@@ -150,6 +150,8 @@ def rebuild(
         part.answers.restore(p.get("answers", ()))
         if part.versions is not None:
             part.versions.restore(p.get("staleness"))
+        if part.deadlines is not None:  # groups dropped at their deadline
+            part.deadlines.restore(p.get("groups"))
     orphans = {pid: [u for u, _ in got] for pid, got in held.items() if pid not in state}
     return orphans, removed
 

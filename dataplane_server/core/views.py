@@ -13,6 +13,7 @@ import numpy as np
 from dataplane_client.wire.errors import InvalidBatch, SamplesNotFound
 from dataplane_client.wire.messages import (
     FieldSummary,
+    GroupDeadlineInfo,
     PartitionDescription,
     PartitionSummary,
     SamplePage,
@@ -117,6 +118,20 @@ def describe_partition(
         pending_claims=part.waiting_claims,
         bytes_per_unit=_partition_bytes(snaps, partition_id),
         staleness=staleness_info(ks, part),
+        groups=group_deadline_info(ks, part),
+    )
+
+
+def group_deadline_info(keys: KeySpace, part: Partition) -> GroupDeadlineInfo | None:
+    deadlines = part.deadlines
+    if deadlines is None:
+        return None
+    return GroupDeadlineInfo(
+        deadline_s=deadlines.deadline_s,
+        dropped_groups=deadlines.groups,
+        dropped_samples=deadlines.samples,
+        overdue_groups=int(keys.overdue_groups(part).sum()),
+        recently_dropped=list(deadlines.recent),
     )
 
 

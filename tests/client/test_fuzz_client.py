@@ -505,12 +505,30 @@ def _verbs(s) -> dict:
             {"partition_id": PARTITION_BAD | PARTITION_UNKNOWN, "task_name": TASK_BAD},
             {},
         ),
+        "commit_step": (
+            {"partition_id": pid, "task_name": "train", "step": 0},
+            {
+                "partition_id": PARTITION_BAD | PARTITION_UNKNOWN,
+                "task_name": TASK_BAD,
+                "step": _without(COUNT_BAD, "zero"),  # step 0 is a step
+            },
+            {},
+        ),
+        "rewind_to_step": (  # None: before the first step, well-formed
+            {"partition_id": pid, "task_name": "train", "step": None},
+            {
+                "partition_id": PARTITION_BAD | PARTITION_UNKNOWN,
+                "task_name": TASK_BAD,
+                "step": _without(COUNT_BAD, "zero") | {"uncommitted": _same(10**6)},
+            },
+            {},
+        ),
     }
 
 
 # Well-formed calls that would change the store: at least one argument must break them.
 MUTATING = {"register_partition", "put_samples", "clear_samples", "delete_partition",
-            "reset_consumption"}  # fmt: skip
+            "reset_consumption", "commit_step", "rewind_to_step"}  # fmt: skip
 
 
 def _untyped(exc: BaseException | None) -> bool:
@@ -526,6 +544,8 @@ VERBS = [
     "claim_meta",
     "ack",
     "reset_consumption",
+    "commit_step",
+    "rewind_to_step",
     "check_consumption_status",
     "consumption_detail",
     "clear_samples",
@@ -844,6 +864,18 @@ def _wrong(s) -> dict:
         "reset_consumption": (
             {"partition_id": pid, "task_name": "train"},
             {"partition_id": PARTITION_WRONG, "task_name": STR_WRONG},
+        ),
+        "commit_step": (
+            {"partition_id": pid, "task_name": "train", "step": 0},
+            {"partition_id": PARTITION_WRONG, "task_name": STR_WRONG, "step": INT_WRONG},
+        ),
+        "rewind_to_step": (
+            {"partition_id": pid, "task_name": "train", "step": 0},
+            {
+                "partition_id": PARTITION_WRONG,
+                "task_name": STR_WRONG,
+                "step": _without(INT_WRONG, "none"),  # None: before the first step
+            },
         ),
         "check_consumption_status": (
             {"partition_id": pid, "task_names": TASKS},

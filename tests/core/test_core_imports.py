@@ -48,7 +48,9 @@ CORE_MODULES = (
     "dataplane_server.core.views",
     "dataplane_server.core.staleness",
     "dataplane_server.core.staleness_journal",
+    "dataplane_server.core.steps",
     "dataplane_server.core.async_rl",
+    "dataplane_server.core.group_deadline",
     "dataplane_server.core.claim_wait",
     # a storage unit's bytes (the actor around them is not core)
     "dataplane_server.core.unit.store",

@@ -87,3 +87,26 @@ def test_a_removal_forgets_what_earlier_records_said_of_its_ids_and_names_their_
     assert sorted(p["removed"]) == [["a", 5], ["b", 3], ["c", 6]]
     assert p["staleness"]["dropped"] == {"t": 1}
     assert p["staleness"]["filtered"] == {"t": 1}
+
+
+def test_step_marks_and_claim_stamps_replay_through_a_compaction(tmp_path):
+    """commit_step / rewind_to_step records fold as the key space applies them
+    (``core/steps.py``), and a snapshot taken between them carries the marks."""
+    j = Journal(str(tmp_path), compact_every=1000)
+    j.append("register", "p", DECL)
+    j.append("claim", "p", "t", ["a"], None, None)
+    j.append("step", "p", "t", 0)
+    j.append("claim", "p", "t", ["b"], None, None)
+    j.append("claim", "p", "t", ["c"], None, None)
+    j.append("step", "p", "t", 1)
+    j.append("step", "p", "t", 1)  # the last step again: no new mark
+    j.close()
+    j = Journal(str(tmp_path), compact_every=1000)
+    j.compact(j.load())  # the snapshot now holds what was folded
+    j.append("claim", "p", "t", ["d"], None, None)
+    j.append("rewind", "p", "t", 0)  # b, c, d claimed after step 0: handed back
+    j.close()
+    t = Journal(str(tmp_path)).load()["p"]["tasks"]["t"]
+    assert t["consumed"] == ["a"]
+    assert t["claimed_at"] == [["a", 1]]
+    assert t["steps"] == {"claims": 4, "marks": [(0, 1)]}

@@ -85,6 +85,24 @@ def test_restore_into_a_fresh_service_gives_back_every_sample_and_cursor(two_ser
         dst.restore(path)  # never over live data
 
 
+def test_groups_dropped_at_their_deadline_stay_dropped_and_counted_after_a_restore(
+    two_services, tmp_path
+):
+    src, dst = (h.client() for h in two_services)
+    src.register_partition("p", ["x"], 8, ["t"], grpo_group_size=4, group_deadline_s=0.2)
+    for ids, group in ((["a0", "a1", "a2", "a3"], "A"), (["b0", "b1", "b2"], "B")):
+        src.put_samples(
+            ids, "p", {"x": torch.zeros(len(ids))}, tags=[{"group_id": group}] * len(ids)
+        )
+    assert src.claim_meta("p", "t", ["x"], 8, timeout_s=20).size == 4  # B dropped
+    before = src.describe_partition("p").groups
+    assert (before.dropped_groups, before.recently_dropped) == (1, ["b0", "b1", "b2"])
+    assert dst.restore(src.checkpoint(str(tmp_path / "ck"))) == 4
+    after = dst.describe_partition("p").groups
+    assert after == before
+    assert dst.describe_partition("p").num_samples == 4
+
+
 def test_a_damaged_or_half_written_checkpoint_never_loads(two_services, tmp_path):
     src, dst = (h.client() for h in two_services)
     src.register_partition("p", ["x"], None, ["t"])

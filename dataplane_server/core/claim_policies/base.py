@@ -45,6 +45,9 @@ class RowColumns:
     ids: Sequence[str | None] = ()
     # rows -> each row's policy version (a group's oldest member's); None: not versioned.
     versions_of: Callable[[np.ndarray], np.ndarray] | None = None
+    # per group code: members that will never come (an overdue group's, past its
+    # partition's group_deadline_s; 0 for every other group). Empty: no deadline.
+    group_short: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,6 +86,17 @@ class ReadyRows:
             return np.zeros(len(self.rows), dtype=np.int64)
         group = self.group
         return np.where(group >= 0, self.columns.group_live[np.maximum(group, 0)], 0)
+
+    @functools.cached_property
+    def group_short(self) -> np.ndarray:
+        """Per row: how many members its group will never get (0 unless the group is
+        overdue: past its partition's ``group_deadline_s`` and short of members)."""
+        short = self.columns.group_short
+        if not len(short):
+            return np.zeros(len(self.rows), dtype=np.int64)
+        group = self.group
+        inside = (group >= 0) & (group < len(short))
+        return np.where(inside, short[np.clip(group, 0, len(short) - 1)], 0)
 
     @functools.cached_property
     def sample_ids(self) -> list[str | None]:
@@ -126,11 +140,13 @@ class ReadyRows:
         group_size: int | None = None,
         tags: Mapping[str, Sequence[Any] | np.ndarray] | None = None,
         versions: Sequence[int] | np.ndarray | None = None,
+        group_short: Sequence[int] | np.ndarray | None = None,
         taken: int = 0,
     ) -> ReadyRows:
         """Every row ready, from plain columns: for testing a policy without a key space.
-        Groups count their members among these rows; every given tag is present; the task
-        has consumed or holds ``taken`` other samples."""
+        Groups count their members among these rows; every given tag is present;
+        ``group_short``: per group code, members that will never come (overdue groups);
+        the task has consumed or holds ``taken`` other samples."""
         lengths = np.asarray(sequence_lengths, dtype=np.int64)
         n = len(lengths)
         codes = np.full(n, -1, dtype=np.int64) if group is None else np.asarray(group, np.int64)
@@ -149,6 +165,7 @@ class ReadyRows:
                 versions_of=None
                 if versions is None
                 else np.asarray(versions, dtype=np.int64).__getitem__,
+                group_short=np.asarray(group_short if group_short is not None else (), np.int64),
             ),
             taken_of=lambda: taken,
         )

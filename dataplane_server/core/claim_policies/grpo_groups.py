@@ -4,6 +4,11 @@ partition registered with ``grpo_group_size``).
 A group is complete when it has exactly ``group_size`` live rows and every one
 is ready; groups are ordered by their oldest ready row and handed out whole,
 each group's rows in commit order, as many as fit in the batch.
+
+Option ``partial_groups`` (bool, default False): a group past its partition's
+``group_deadline_s`` and short of members (overdue) is handed out too, its members
+present (every one ready) standing for the whole group; the key space counts the
+members that never came toward the batch (docs/architecture.md, "Stragglers").
 """
 
 from __future__ import annotations
@@ -25,15 +30,20 @@ from dataplane_server.core.claim_policies.base import (
 @register("grpo_groups")
 class GrpoGroups:
     def check_options(self, options: Mapping[str, Any], traits: PartitionTraits) -> dict:
-        only_options("grpo_groups", options, ())
+        only_options("grpo_groups", options, ("partial_groups",))
         if traits.group_size is None:
             raise InvalidBatch(
                 "claim policy 'grpo_groups' needs a partition registered with grpo_group_size"
             )
-        return {}
+        partial = options.get("partial_groups", False)
+        if not isinstance(partial, bool):
+            raise InvalidBatch(
+                f"claim policy 'grpo_groups': partial_groups must be a bool, got {partial!r:.40}"
+            )
+        return {"partial_groups": True} if partial else {}
 
     def choose(self, ready: ReadyRows, batch_size: int, options: Mapping[str, Any]) -> np.ndarray:
-        positions, codes = complete_groups(ready)
+        positions, codes = complete_groups(ready, partial=bool(options.get("partial_groups")))
         if not len(positions) or ready.group_size is None:
             return positions
         # np.unique's first indices order the groups by their oldest ready row.
@@ -41,9 +51,9 @@ class GrpoGroups:
         return whole_groups(positions, codes, codes[np.sort(first)], batch_size // ready.group_size)
 
 
-def complete_groups(ready: ReadyRows) -> tuple[np.ndarray, np.ndarray]:
+def complete_groups(ready: ReadyRows, partial: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Positions of the rows of complete groups (every live member ready), in commit order,
-    and each one's group code."""
+    and each one's group code; with ``partial``, overdue groups short of members too."""
     size = ready.group_size
     if size is None or not len(ready):
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
@@ -51,7 +61,11 @@ def complete_groups(ready: ReadyRows) -> tuple[np.ndarray, np.ndarray]:
     grouped = np.nonzero(group >= 0)[0]
     codes = group[grouped]
     ready_in_group = np.bincount(codes)
-    complete = (ready_in_group[codes] == size) & (ready.group_members[grouped] == size)
+    members = ready.group_members[grouped]
+    complete = (ready_in_group[codes] == size) & (members == size)
+    if partial:  # an overdue group: every member present is ready
+        overdue = ready.group_short[grouped] > 0
+        complete |= overdue & (ready_in_group[codes] == members)
     return grouped[complete], codes[complete]
 
 
