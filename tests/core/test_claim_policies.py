@@ -91,15 +91,21 @@ _step = st.one_of(
 
 
 def test_sequential_and_grpo_groups_choose_what_the_rule_before_policies_chose():
-    # The comparison must have met real batches, grouped ones too (measured over 200
-    # examples, 5 runs: 146-207 non-empty claims, 37-45 of them of groups).
+    # The comparison must have met real batches, grouped ones too. Random examples met
+    # 16-89 grouped claims per run (one run in many fell under the floor), so the examples
+    # are derandomized: these 200 meet 306 non-empty claims, 20 of them of groups.
     done = Counter()
     _compare_with_the_rule_before_policies(done)
     assert done["claimed"] >= 80, done
     assert done["claimed groups"] >= 15, done
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,  # the same examples each run: the coverage floor above is exact, not luck
+)
 @given(
     steps=st.lists(_step, min_size=10, max_size=50),
     group_size=st.sampled_from([None, 2, 3]),
