@@ -68,27 +68,14 @@ def replay(state: dict[str, Any], groups: int, ids: list[str]) -> None:
     state["recent"] = (list(state["recent"]) + list(ids))[-RECENTLY_DROPPED:]
 
 
-def overdue(
+def due_times(
     started: np.ndarray,
     arrived: np.ndarray,
     live: np.ndarray,
     group_size: int,
     deadline_s: float,
-    now: float,
 ) -> np.ndarray:
-    """Per group code: live, short of members, and past its deadline."""
-    return (live > 0) & (arrived < group_size) & (started + deadline_s <= now)
-
-
-def next_deadline(
-    started: np.ndarray,
-    arrived: np.ndarray,
-    live: np.ndarray,
-    group_size: int,
-    deadline_s: float,
-    now: float,
-) -> float | None:
-    """When the next group still short of members becomes overdue (None: none will)."""
-    due = started + deadline_s
-    waiting = (live > 0) & (arrived < group_size) & (due > now)
-    return float(due[waiting].min()) if waiting.any() else None
+    """Per group code: when it is overdue (first member's arrival + the deadline), or inf
+    for a group that never will be (complete, or gone)."""
+    short = (live > 0) & (arrived < group_size)
+    return np.where(short, started + deadline_s, np.inf)

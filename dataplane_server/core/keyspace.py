@@ -1188,18 +1188,22 @@ class KeySpace:
         return int((done & part.live[:n]).sum())
 
     # ---- group deadlines (core/group_deadline.py) ------------------------------------------
-    def overdue_groups(self, part: Partition) -> np.ndarray:
-        """Per group code: past its deadline and short of members (all False: no deadline)."""
+    def _group_due(self, part: Partition) -> np.ndarray | None:
+        """Per group code: when it is overdue, inf never (None: no deadline)."""
         if part.deadlines is None or part.group_size is None:
-            return np.zeros(len(part.group_live), dtype=bool)
-        return group_deadline.overdue(
+            return None
+        return group_deadline.due_times(
             part.group_started,
             part.group_arrived,
             part.group_live,
             part.group_size,
             part.deadlines.deadline_s,
-            self.clock(),
         )
+
+    def overdue_groups(self, part: Partition) -> np.ndarray:
+        """Per group code: past its deadline and short of members (all False: no deadline)."""
+        due = self._group_due(part)
+        return np.zeros(len(part.group_live), dtype=bool) if due is None else due <= self.clock()
 
     def group_short(self, part: Partition) -> np.ndarray | None:
         """Per group code: members an overdue group will never get (None: no deadline)."""
@@ -1253,16 +1257,11 @@ class KeySpace:
     def next_group_deadline(self, part: Partition) -> float | None:
         """When the next group short of members becomes overdue (the key space's clock;
         None: none will): a blocking claim wakes then."""
-        if part.deadlines is None or part.group_size is None:
+        due = self._group_due(part)
+        if due is None:
             return None
-        return group_deadline.next_deadline(
-            part.group_started,
-            part.group_arrived,
-            part.group_live,
-            part.group_size,
-            part.deadlines.deadline_s,
-            self.clock(),
-        )
+        later = due[np.isfinite(due) & (due > self.clock())]
+        return float(later.min()) if len(later) else None
 
     def next_lease_expiry(self, part: Partition, task: str) -> float | None:
         """When the earliest lease of the task runs out (None: no lease held)."""
