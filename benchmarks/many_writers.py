@@ -260,10 +260,12 @@ def run_claims(
     claims = [a.run.remote(partition, claimers // WRITER_ACTORS) for a in claimer_actors]
     write_refs = [a.run.remote(f"c{i}", partition, per, 1) for i, a in enumerate(writer_actors)]
     noops = []  # a no-op controller call under the same load, while the writers run
-    while ray.wait(write_refs, num_returns=len(write_refs), timeout=0)[1]:
+    while True:
         t0 = time.perf_counter()
         ray.get(controller.set_draining.remote(False))
         noops.append(time.perf_counter() - t0)
+        if not ray.wait(write_refs, num_returns=len(write_refs), timeout=0)[1]:
+            break
     writes = ray.get(write_refs)
     ray.get([a.finish.remote() for a in claimer_actors])
     claimed = ray.get(claims)
