@@ -383,7 +383,13 @@ class RayDataPlaneClient(DataPlaneService):
     either completes or raises ``ServiceUnavailable``.
     """
 
-    def __init__(self, controller: Any, name: str = "dataplane", namespace: str = "dataplane"):
+    def __init__(
+        self,
+        controller: Any,
+        name: str = "dataplane",
+        namespace: str = "dataplane",
+        cross_node_transport: str | None = None,
+    ):
         self.name, self.namespace = name, namespace
         self._controller = controller
         routing = ray.get(controller.routing.remote())
@@ -393,6 +399,12 @@ class RayDataPlaneClient(DataPlaneService):
             routing.shm,
             ray.get_runtime_context().get_node_id(),
             wait=_get_sync,
+            # The service's setting, unless this client asks for Ray's path (the other
+            # way round is not offered: the units run an engine only when allowed to).
+            cross_node_transport=(
+                "ray" if cross_node_transport == "ray" else routing.cross_node_transport
+            ),
+            alive=routing.alive,
         )
         self._writer_id = uuid.uuid4().hex  # names our figures in the service's metrics
         self._admission = Admission(
@@ -920,8 +932,10 @@ class RayDataPlaneClient(DataPlaneService):
     def _describe_partition(self, partition_id: str) -> Any:
         return self._open_controller().describe_partition.remote(partition_id)
 
-    def _service_info(self) -> Any:
-        return self._open_controller().service_info.remote()
+    def _service_info(self) -> Flow:
+        info = _one((yield [self._open_controller().service_info.remote()]))
+        # How this process reaches each unit's bytes: the client's own view (its probe).
+        return dataclasses.replace(info, payload_paths=self._open_transport().payload_paths())
 
     # ---- async RL: versions, admission, introspection ------------------------------
     def _set_policy_version(self, partition_id: str, version: int) -> Any:
@@ -1011,6 +1025,7 @@ def connect(
     address: str | None = None,
     *,
     warm_reads: bool = True,
+    cross_node_transport: str | None = None,
 ) -> RayDataPlaneClient:
     """Attach to a running service from any process of the Ray cluster.
 
@@ -1020,6 +1035,9 @@ def connect(
     (:func:`warm_read_path`) and introduce the process to the units on its node
     (``Transport.introduce``), so its first put and get cost what later ones do;
     False for a process that never moves samples (the admin endpoint's mutations).
+    ``cross_node_transport="ray"``: read from units on other nodes through Ray's object
+    transfer even where the service offers a transfer engine (the probe's choice is
+    logged once and shown in ``service_info().payload_paths``).
     """
     if not ray.is_initialized():
         if address is None:
@@ -1036,9 +1054,12 @@ def connect(
         ) from None
     if warm_reads:
         warm_read_path()
-    client = RayDataPlaneClient(controller, name=name, namespace=namespace)
+    client = RayDataPlaneClient(
+        controller, name=name, namespace=namespace, cross_node_transport=cross_node_transport
+    )
     if warm_reads:
         client._open_transport().introduce()
+        client._open_transport().payload_paths()  # the capability probe, at connect
     return client
 
 
