@@ -70,6 +70,7 @@ from dataplane_client.wire.config import DataPlaneConfig
 from dataplane_client.wire.errors import (
     CapacityExceeded,
     CodecsChanged,
+    CorruptPayload,
     DataPlaneError,
     RoutingUnstable,
     SamplesLost,
@@ -795,6 +796,9 @@ class RayDataPlaneClient(DataPlaneService):
         by_unit = {u: [sample_ids[i] for i in rows] for u, rows in plan.items()}
         expect = {u: gens[rows].tolist() for u, rows in plan.items()}
         results = yield from transport.read_flow(partition_id, by_unit, fields, expect=expect)
+        for r in results:
+            if isinstance(r, CorruptPayload):
+                raise r  # already pulled twice: not a stale route, reading again would hide it
         if any(isinstance(r, BaseException) for r in results):
             return None
         try:

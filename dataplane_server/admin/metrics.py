@@ -163,6 +163,20 @@ UNIT_COUNTERS = {
         "Write regions set aside for a writer's next put and taken back unused "
         "(deadline, room needed, or the writer died).",
     ),
+    "payload_registered_total": (
+        "dataplane_payload_registered",
+        "Memory regions (chunks, the probe buffer) registered with the unit's transfer "
+        "engine for readers on other nodes to pull.",
+    ),
+    "payload_unregistered_total": (
+        "dataplane_payload_unregistered",
+        "Chunks unregistered from the unit's transfer engine (closed, and no remote read "
+        "lease named them any more).",
+    ),
+    "payload_register_failures_total": (
+        "dataplane_payload_register_failures",
+        "Registrations the unit's transfer engine refused.",
+    ),
 }
 # Stats histogram -> (family name, help); the controller's have no labels, the units' {unit}.
 CONTROLLER_HISTOGRAMS = {

@@ -303,6 +303,7 @@ class StorageUnit:
             self.store.holdings(),
             reader_tokens=len(self._readers),
             payload_registered=self.payload.registered(),
+            payload_orphans=self.payload.orphans(),
         )
 
     def metrics_snapshot(self) -> UnitSnapshot:

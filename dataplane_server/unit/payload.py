@@ -215,6 +215,15 @@ class UnitPayload:
         """Chunks registered now (tests: nothing leaks)."""
         return len(self._chunks)
 
+    def orphans(self) -> int:
+        """Registered chunks the unit neither holds nor keeps warm, and no remote lease
+        names: what a leak would look like (0 once a prune has run; tests)."""
+        arena = self.store.arena
+        kept = {b.store.name for b in arena.blocks.values() if isinstance(b.store, shm.MemFd)}
+        kept |= {c.name for c in arena.reserve.ready_chunks()}
+        in_use = set().union(*self._leases.values()) if self._leases else set()
+        return sum(1 for n in self._chunks if n not in kept and n not in in_use)
+
     def close(self) -> None:
         for name in list(self._chunks):
             self._unregister(name)

@@ -118,6 +118,7 @@ class UnitHoldings:
     chunk_prefix: str  # what the names of this unit's chunks start with
     reader_tokens: int = 0  # same-node readers' process tokens remembered (the actor's)
     payload_registered: int = 0  # chunks registered with the transfer engine (the actor's)
+    payload_orphans: int = 0  # ... of which neither held, kept warm nor leased: a leak
 
 
 def _narrowest(values: np.ndarray) -> np.ndarray:
