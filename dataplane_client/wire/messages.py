@@ -553,12 +553,13 @@ class RemoteRows:
     """Where a unit holds some rows of one field, for a reader on another node to pull
     with a transfer engine (``dataplane_client.transport.payload``): the field's bytes, in
     request order, are the ``segments`` (address in the unit's registered memory, length)
-    back to back. ``crc32``: zlib's CRC-32 of those bytes, which the reader checks before
-    its get returns. ``lease``: the unit's read lease on the chunks (released once pulled)."""
+    back to back. ``crc32s``: zlib's CRC-32 of each segment (one transfer each), which the
+    reader checks before its get returns. ``lease``: the unit's read lease on the chunks
+    (released once pulled)."""
 
     header: Any  # an EncodedField without values
     segments: list[tuple[int, int]]
-    crc32: int
+    crc32s: list[int]
     lease: int
 
     @property

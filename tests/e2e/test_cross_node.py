@@ -74,10 +74,10 @@ def test_a_spoiled_pull_is_pulled_again_and_two_raise_corrupt_payload():
     assert once["fired"] == 1, once
     assert once["error"] is None, once
     assert once["right_bytes"], once
-    # Two in a row: CorruptPayload naming the unit, the field and the CRC the unit stated.
+    # Two in a row: CorruptPayload naming the field and the CRC-32 the unit stated.
     assert twice["fired"] == 2, twice
     assert twice["error"] == "CorruptPayload", twice
-    assert "field 'dense'" in twice["message"], twice
+    assert "'dense'" in twice["message"], twice
     assert "CRC-32" in twice["message"], twice
     c = out["counters_after_corrupt"]
     assert c["corrupt"] - out["counters_after_cases"]["corrupt"] == 3  # 1 + 2 spoiled pulls
