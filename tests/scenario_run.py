@@ -57,6 +57,9 @@ MOONCAKE_MISSING_IN_CI = (
 def mooncake_loads() -> bool:
     """Whether Mooncake's engine loads here (the package and its libibverbs), so the
     scenarios' cross-node gets go through it; under CI=true it must."""
+    from dataplane_client.transport.payload.mooncake import engine_environment
+
+    engine_environment()  # before the first import: quiet logs, as the service's engines
     try:
         import mooncake.engine  # noqa: F401
     except Exception:  # noqa: BLE001 - ImportError, or OSError from a missing libibverbs

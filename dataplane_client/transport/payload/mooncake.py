@@ -56,12 +56,17 @@ TCP_SLICE_BYTES = 16 << 20
 
 def engine_environment() -> None:
     """Set what Mooncake reads from the environment, before it is first imported (unless the
-    process set it itself): the TCP slice size above, and its logs. It logs through glog
-    to stderr, INFO up: a line per engine start, connection and segment, and a spurious
-    error ("Local segment descriptor not found") at every start; only FATAL here, as our
-    own errors name the engine's return codes."""
+    process set it itself): the TCP slice size above, and its logs. It logs to stderr from
+    INFO up: a dozen lines per engine start, and one per connection and segment; errors
+    only here (``MC_LOG_LEVEL``; glog's own ``GLOG_minloglevel`` is not honoured before
+    Mooncake initialises glog). One spurious error line ("Local segment descriptor not
+    found") stays at each engine's start.
+
+    A transfer that makes no progress fails after ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (30 s by
+    default; checked here: a stopped peer, -1 after 30.0 s; a dead one, -1 at once), so a
+    pull never hangs a get for longer."""
     os.environ.setdefault("MC_TCP_SLICE_SIZE", str(TCP_SLICE_BYTES))
-    os.environ.setdefault("GLOG_minloglevel", "3")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 
 def counters() -> dict[str, int]:
