@@ -72,6 +72,7 @@ from dataplane_client.wire.errors import (
     CodecsChanged,
     CorruptPayload,
     DataPlaneError,
+    PayloadTransferFailed,
     RoutingUnstable,
     SamplesLost,
     SamplesNotFound,
@@ -406,6 +407,7 @@ class RayDataPlaneClient(DataPlaneService):
                 "ray" if cross_node_transport == "ray" else routing.cross_node_transport
             ),
             alive=routing.alive,
+            transfer_puts=routing.transfer_puts,
         )
         self._writer_id = uuid.uuid4().hex  # names our figures in the service's metrics
         self._admission = Admission(
@@ -616,9 +618,12 @@ class RayDataPlaneClient(DataPlaneService):
                     for u, r in zip(staged, results)
                     if not isinstance(r, BaseException)
                 ]
-                if all(isinstance(e, SharedMemoryUnavailable) for _, e in errors):
+                if all(
+                    isinstance(e, (SharedMemoryUnavailable, PayloadTransferFailed))
+                    for _, e in errors
+                ):
                     # Stage again: in a fresh region where a lease was taken back (once),
-                    # through Ray where a copy could not be made.
+                    # through Ray where a copy or a transfer engine's push could not be made.
                     via_ray.update(
                         u for u, e in errors if not (isinstance(e, StagedRegionGone) and use_leases)
                     )

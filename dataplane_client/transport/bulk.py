@@ -121,11 +121,13 @@ class Transport:
         wait: Callable[[Any], Any] = ray.get,
         cross_node_transport: str = "auto",
         alive: list[bool] | None = None,
+        transfer_puts: bool = False,
     ):
         self.units = list(unit_handles)
         self._nodes, self._local_node = list(unit_nodes), local_node
         self._alive = list(alive) if alive is not None else [True] * len(self.units)
         self._cross_node_mode = cross_node_transport
+        self._transfer_puts = transfer_puts  # large cross-node stages pushed by the engine
         # How we reach each unit's bytes (``payload.probe``), chosen once: at connect, or by
         # the first read that needs it. Read without the lock once set (rebound, never
         # changed in place).
@@ -192,6 +194,8 @@ class Transport:
         """
         refs, owner = [], self._stage_owner()
         in_shm = {u: self.shared[u] and u not in via_ray for u in plan}
+        # unit -> (per field, the rows it gets; the backend that pushes them)
+        pushed: dict[int, tuple[dict[str, np.ndarray], mooncake.MooncakeTcp]] = {}
         copied: dict[int, BaseException | None] = {}  # unit -> error of a copy made up front
         rows_of: dict[int, dict[str, np.ndarray]] = {}  # unit -> per field, the rows it gets
         for u, rows in plan.items():
@@ -246,16 +250,49 @@ class Transport:
                         ),
                     )
             else:
-                parts = {k: take_rows(e, rows_of[u][k]) for k, e in encoded.items()}
-                nbytes = sum(p.nbytes for p in parts.values())
-                call = self._stage_call(
-                    u,
-                    nbytes,
-                    "stage",
-                    (partition_id, write_id, ids, parts, owner, expires_at, group_rows),
-                )
+                headers = {
+                    k: take_rows(e, rows_of[u][k], header_only=True) for k, e in encoded.items()
+                }
+                nbytes = sum(h.nbytes for h in headers.values())
+                backend = self.backend(u) if self._transfer_puts and u not in via_ray else None
+                # Small stages go batched through Ray (cheaper than a push's round trips).
+                if nbytes > BATCHED_STAGE_BYTES and isinstance(backend, mooncake.MooncakeTcp):
+                    # Through the transfer engine: the unit sets the region aside, we push.
+                    pushed[u] = (rows_of[u], backend)
+                    call = self.units[u].alloc_remote.remote(
+                        partition_id, write_id, ids, headers, owner, expires_at, group_rows
+                    )
+                else:
+                    parts = {k: take_rows(e, rows_of[u][k]) for k, e in encoded.items()}
+                    call = self._stage_call(
+                        u,
+                        nbytes,
+                        "stage",
+                        (partition_id, write_id, ids, parts, owner, expires_at, group_rows),
+                    )
             refs.append(call)
         results = yield refs
+        units = list(plan)
+        pushes = [i for i, u in enumerate(units) if u in pushed and isinstance(results[i], dict)]
+        if pushes:  # the bytes of each, pushed and checked on the pull threads
+            pool = _pull_pool()
+            done = yield [
+                pool.submit(
+                    mooncake.MooncakePush(pushed[units[i]][1]).push,
+                    self.units[units[i]],
+                    write_id,
+                    {
+                        k: take_rows(e, pushed[units[i]][0][k]).require_values()
+                        for k, e in encoded.items()
+                    },
+                    results[i],
+                )
+                for i in pushes
+            ]
+            for i, r in zip(pushes, done):
+                results[i] = r
+                if isinstance(r, BaseException):  # staged, but its bytes never arrived intact
+                    self.discard(units[i], write_id)  # not awaited
         for i, u in enumerate(plan):
             if not in_shm[u] or isinstance(results[i], BaseException):
                 continue

@@ -68,6 +68,7 @@ class Routing:
     put_queue_limit: int = 65536
     stage_ttl_s: float = 30.0  # a put's deadline, from its admission (put_deadline)
     cross_node_transport: str = "auto"  # config ``cross_node_transport`` (transport/payload)
+    transfer_puts: bool = False  # config ``transfer_puts``
 
 
 # The tag a put's ``version=`` is kept under, unless a StalenessSpec names another.

@@ -173,6 +173,11 @@ UNIT_COUNTERS = {
         "Chunks unregistered from the unit's transfer engine (closed, and no remote read "
         "lease named them any more).",
     ),
+    "payload_put_corrupt_total": (
+        "dataplane_payload_put_corrupt",
+        "Writes pushed by a writer on another node whose bytes did not match its CRC-32 "
+        "(refused before the commit; the writer pushes once more).",
+    ),
     "payload_register_failures_total": (
         "dataplane_payload_register_failures",
         "Registrations the unit's transfer engine refused.",

@@ -198,6 +198,7 @@ class StorageUnit:
 
     def discard(self, write_id: str) -> None:
         self.store.discard(write_id)
+        self.payload.forget_write(write_id)
 
     def staged_write_ids(self) -> list[str]:
         return self.store.staged_write_ids()
@@ -274,6 +275,27 @@ class StorageUnit:
     def release_remote(self, leases: list[int]) -> None:
         self.payload.release(leases)
 
+    async def alloc_remote(
+        self,
+        partition_id: str,
+        write_id: str,
+        sample_ids: list[str],
+        headers: dict[str, EncodedField],
+        owner: list | None = None,
+        expires_at: float | None = None,
+        group_rows: dict[str, np.ndarray] | None = None,
+    ) -> dict[str, tuple[int, int]]:
+        """Stage a write whose writer, on another node, pushes its bytes with its transfer
+        engine: per field, the (address, length) to push to; then ``verify_remote``."""
+        self._start_sweeper()
+        return await self.payload.alloc(
+            partition_id, write_id, sample_ids, headers, _owner(owner), expires_at, group_rows
+        )
+
+    def verify_remote(self, write_id: str, crcs: dict[str, int]) -> None:
+        """The pushed bytes against the writer's CRC-32 per field (CorruptPayload if not)."""
+        self.payload.verify(write_id, crcs)
+
     def meet(self, owner: list) -> None:
         """A same-node client's process token, sent once as it connects
         (``Transport.introduce``): its reads name it by key from the first on."""
@@ -322,12 +344,13 @@ class StorageUnit:
             await asyncio.sleep(every_s)  # a periodic timer, not synchronisation
             try:
                 self.store.reclaim_expired()
-                watched = list(self.store.watched_owners())
+                watched = list(self.store.watched_owners() | self.payload.owners())
                 died = await asyncio.gather(*[_owner_died(o, every_s) for o in watched])
                 gone = {o for o, dead in zip(watched, died) if dead}
                 self.store.owners_died(gone)
                 self._readers.forget(gone)
-                self.payload.prune()  # chunks only a dead remote reader's lease kept
+                self.payload.writers_died(gone)
+                self.payload.prune()  # chunks only a dead remote reader or writer kept
             except Exception:  # noqa: BLE001 - a failed sweep must not end sweeping; it is counted
                 self.store.stats.inc("stage_sweep_errors_total")
 

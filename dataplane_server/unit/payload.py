@@ -33,6 +33,7 @@ from dataplane_client.transport.payload.base import MOONCAKE_TCP, RAY
 from dataplane_client.transport.payload.mooncake import engine_environment
 from dataplane_client.wire import shm
 from dataplane_client.wire.encoded import EncodedField
+from dataplane_client.wire.errors import CorruptPayload, StageReclaimed
 from dataplane_client.wire.messages import PayloadOffer, RemoteRows
 from dataplane_server.core.unit.store import UnitStore
 
@@ -78,6 +79,8 @@ class UnitPayload:
         self._leases: dict[int, set[str]] = {}  # remote read lease -> chunk names it names
         self._closed_seq = 0  # the arena's chunk closures already acted on
         self._pending: set[str] = set()  # closed chunks a live remote lease still names
+        # Remote writes not yet verified: write id -> (writer, {field: (chunk, offset, n)}).
+        self._writes: dict[str, tuple[Hashable | None, dict[str, tuple[str, int, int]]]] = {}
         self._probe: np.ndarray | None = None
         # (block, start, nbytes) -> CRC-32, least recently used first (see ``_crc``).
         self._crcs: OrderedDict[tuple[int, int, int], int] = OrderedDict()
@@ -156,6 +159,77 @@ class UnitPayload:
             self._leases[lease] = named
         return out
 
+    # ---- writes -----------------------------------------------------------------------
+    async def alloc(
+        self,
+        partition_id: str,
+        write_id: str,
+        sample_ids: list[str],
+        headers: dict[str, EncodedField],
+        owner: Hashable | None,
+        expires_at: float | None,
+        group_rows: dict[str, np.ndarray] | None,
+    ) -> dict[str, tuple[int, int]]:
+        """Stage a write for a writer on another node: per field, the (address, length) in
+        registered memory it pushes its bytes to. Its chunk stays registered until the
+        writer says it is done (``verify`` or ``discard``) or its process dies, even if the
+        stage is reclaimed meanwhile: a late transfer must land in the old chunk, never in
+        memory mapped later at the same address."""
+        if self._engine is None:
+            raise RuntimeError(f"unit {self.store.index} runs no transfer engine")
+        regions = await self.store.alloc_regions(
+            partition_id, write_id, sample_ids, headers, owner, expires_at, group_rows
+        )
+        out, where = {}, {}
+        for name, (block, offset) in regions.items():
+            chunk = self._registered(block)
+            nbytes = headers[name].nbytes
+            out[name] = (chunk.addr + offset, nbytes)
+            where[name] = (self.store.chunk(block).name, offset, nbytes)
+        self._writes[write_id] = (owner, where)
+        return out
+
+    def verify(self, write_id: str, crcs: dict[str, int]) -> None:
+        """Check the bytes a remote writer pushed against the CRC-32 it computed of what it
+        sent, before it commits: CorruptPayload naming the fields that differ (the writer
+        pushes once more, then gives up and discards). Done either way for this attempt's
+        bookkeeping only when they match."""
+        held = self._writes.get(write_id)
+        if held is None:
+            raise StageReclaimed(
+                f"unit {self.store.index}: no remote write {write_id} awaits its bytes "
+                "(reclaimed, or discarded)",
+                queue="stage",
+            )
+        _, where = held
+        bad = []
+        for name, (chunk_name, offset, nbytes) in where.items():
+            chunk = self._chunks[chunk_name]
+            got = zlib.crc32(chunk.view[offset : offset + nbytes].data)
+            if got != crcs.get(name):
+                bad.append(name)
+        if bad:
+            self.store.stats.inc("payload_put_corrupt_total")
+            raise CorruptPayload(
+                f"unit {self.store.index}: the bytes pushed for write {write_id} do not match "
+                "the writer's CRC-32",
+                fields=bad,
+            )
+        del self._writes[write_id]
+
+    def forget_write(self, write_id: str) -> None:
+        """The writer gave up on a remote write (its stage is discarded)."""
+        self._writes.pop(write_id, None)
+
+    def owners(self) -> set:
+        """Remote writers whose death frees a chunk (the sweeper watches them)."""
+        return {owner for owner, _ in self._writes.values() if owner is not None}
+
+    def writers_died(self, dead: set) -> None:
+        """Their transfers ended with them: their stages' chunks may go."""
+        for wid in [w for w, (owner, _) in self._writes.items() if owner in dead]:
+            del self._writes[wid]
+
     def release(self, leases: list[int]) -> None:
         """A remote reader pulled these leases' bytes (or gave up): its chunks may go."""
         self.store.release_reads(leases)
@@ -184,7 +258,10 @@ class UnitPayload:
         memfd = self.store.chunk(block)
         chunk = self._chunks.get(memfd.name)
         if chunk is None:
-            mapping = mmap.mmap(memfd.fd, memfd.size, mmap.MAP_SHARED, mmap.PROT_READ)
+            # Writable: writers on other nodes put their stages' bytes in through it.
+            mapping = mmap.mmap(
+                memfd.fd, memfd.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+            )
             view = np.frombuffer(mapping, dtype=np.uint8)
             addr = view.ctypes.data
             try:
@@ -217,7 +294,7 @@ class UnitPayload:
                 if isinstance(b.store, shm.MemFd)
             }
             closed = [n for n in self._chunks if n not in held]
-        in_use = set().union(*self._leases.values()) if self._leases else set()
+        in_use = self._in_use()
         # A closed chunk still named by a lease stays: looked at again on a later prune.
         self._pending = {n for n in (*closed, *self._pending) if n in self._chunks}
         for name in [n for n in self._pending if n not in in_use]:
@@ -241,8 +318,15 @@ class UnitPayload:
         arena = self.store.arena
         kept = {b.store.name for b in arena.blocks.values() if isinstance(b.store, shm.MemFd)}
         kept |= {c.name for c in arena.reserve.ready_chunks()}
-        in_use = set().union(*self._leases.values()) if self._leases else set()
+        in_use = self._in_use()
         return sum(1 for n in self._chunks if n not in kept and n not in in_use)
+
+    def _in_use(self) -> set[str]:
+        """Chunks a remote reader's lease names, or a remote writer may still push into."""
+        names: set[str] = set().union(*self._leases.values()) if self._leases else set()
+        for _, where in self._writes.values():
+            names.update(chunk_name for chunk_name, _, _ in where.values())
+        return names
 
     def close(self) -> None:
         for name in list(self._chunks):

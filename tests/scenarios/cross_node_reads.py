@@ -36,6 +36,11 @@ def fields(version: int) -> dict:
     }
 
 
+def big_rows(n: int, base: float) -> torch.Tensor:
+    """``n`` rows of 1 MiB each, a function of ``base``: a put the engine pushes."""
+    return torch.arange(n * (1 << 18), dtype=torch.float32).reshape(n, -1) + base
+
+
 def plain(value) -> list:
     """A field of a get as plain lists (rows of a jagged tensor as lists)."""
     if isinstance(value, torch.Tensor):
@@ -76,6 +81,17 @@ class Reader:
         from dataplane_client.transport.payload import mooncake
 
         return mooncake.counters()
+
+    def put_or_error(self, ids: list, base: float) -> dict:
+        """A put of ``big_rows`` to partition "w" (through the engine: more than 1 MiB), or
+        the name and message of the typed error it raised."""
+        from dataplane_client.wire.errors import DataPlaneError
+
+        try:
+            self.client.put_samples(ids, "w", {"big": big_rows(len(ids), base)})
+        except DataPlaneError as e:
+            return {"error": type(e).__name__, "message": str(e)}
+        return {"error": None}
 
     def get_or_error(self, ids: list, names: list) -> dict:
         """A get's plain values, or the name and message of the typed error it raised."""
@@ -125,9 +141,16 @@ class Reader:
 def run(cluster) -> dict:
     """On a cluster of the head alone; adds node A (which stays) and returns what it saw."""
     # The service starts while B (the head) is the only node: its units live there.
-    # transfer_min_bytes 0: every field, however small, goes through the transfer engine.
+    # transfer_min_bytes 0: every field, however small, goes through the transfer engine;
+    # transfer_puts: so do node A's puts of more than 1 MiB.
     handle = start(
-        DataPlaneConfig(name="xn", num_storage_units=1, admin_enabled=False, transfer_min_bytes=0)
+        DataPlaneConfig(
+            name="xn",
+            num_storage_units=1,
+            admin_enabled=False,
+            transfer_min_bytes=0,
+            transfer_puts=True,
+        )
     )
     node_a = cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
@@ -186,6 +209,33 @@ def run(cluster) -> dict:
             }
             failpoints.disarm(failpoints.PAYLOAD_CORRUPT)
         out["counters_after_corrupt"] = ray.get(reader.counters.remote())
+
+    # Puts from node A pushed through the engine: the bytes land intact; a spoiled check
+    # is pushed again; spoiled twice, the put raises CorruptPayload and nothing is visible.
+    from dataplane_client.wire.errors import DataPlaneError
+
+    c.register_partition("w", ["big"], None, [])
+    out["puts"] = {}
+    for case, spoil in (("clean", 0), ("spoiled_once", 1), ("spoiled_twice", 2)):
+        if spoil and not os.environ.get(failpoints.ENV):
+            continue
+        wids, base = [f"{case}-{i}" for i in range(4)], float(10 * spoil)
+        if spoil:
+            failpoints.arm(failpoints.PAYLOAD_CORRUPT, str(spoil))
+        answer = ray.get(reader.put_or_error.remote(wids, base))
+        fired = failpoints.fired(failpoints.PAYLOAD_CORRUPT) if spoil else 0
+        if spoil:
+            failpoints.disarm(failpoints.PAYLOAD_CORRUPT)
+        try:
+            # Read on the unit's node (shared memory): the tensor holds a read lease while it
+            # lives, so it is compared at once and dropped (the leak check below counts them).
+            read_back: object = bool(
+                torch.equal(c.get_samples(wids, "w", ["big"])["big"], big_rows(4, base))
+            )
+        except DataPlaneError as e:
+            read_back = type(e).__name__
+        out["puts"][case] = {"error": answer["error"], "read_back": read_back, "fired": fired}
+    out["counters_after_puts"] = ray.get(reader.counters.remote())
 
     # A get racing a clear and a rewrite on the remote unit.
     racing = [ids[i] for i in np.random.default_rng(0).permutation(N)[:16].tolist()]

@@ -25,6 +25,7 @@ import zlib
 from typing import Any
 
 import numpy as np
+import ray
 
 from dataplane_client.transport.payload.base import MOONCAKE_TCP, PayloadBackend
 from dataplane_client.wire import failpoints
@@ -42,6 +43,7 @@ _counts = {
     "unregistered": 0,  # ... and unregistered again (equal once no get is pulling)
     "register_failures": 0,
     "pulled_bytes": 0,
+    "pushed_bytes": 0,
     "corrupt": 0,  # pulls whose CRC-32 did not match (each pulled again once)
     "corrupt_raised": 0,  # fields that mismatched twice: CorruptPayload
     "transfer_failures": 0,
@@ -252,6 +254,86 @@ class MooncakeTcp(PayloadBackend):
                 fields=names,
             )
         _count("pulled_bytes", sum(s[3] for s in segs))
+
+
+class MooncakePush:
+    """A cross-node put's stage on one unit through the engine: the unit sets the region
+    aside (``alloc_remote``), this process pushes each field's bytes into it
+    (``transfer_sync_write``) and the unit checks them against the CRC-32 this process
+    computed of what it sent (``verify_remote``), before any commit: a mismatch is pushed
+    once more, then CorruptPayload. The commit, the only visibility point, is sent only
+    after that, so a push that failed, timed out or was corrupted is never half applied:
+    its stage is discarded (or reclaimed at its deadline), invisible."""
+
+    def __init__(self, backend: MooncakeTcp):
+        self.backend = backend
+
+    def push(self, unit: Any, write_id: str, values: dict[str, np.ndarray], regions: dict) -> int:
+        b = self.backend
+        eng = engine(b.host)
+        srcs = {k: np.ascontiguousarray(v).reshape(-1).view(np.uint8) for k, v in values.items()}
+        for name, (_, n) in regions.items():
+            if srcs[name].nbytes != n:
+                raise CorruptPayload(
+                    f"unit {b.unit_index}: field {name!r} has {srcs[name].nbytes} bytes to "
+                    f"push into a {n}-byte region",
+                    fields=[name],
+                )
+        crcs = {k: zlib.crc32(v.data) for k, v in srcs.items()}
+        todo = [k for k in regions if regions[k][1] > 0]
+        with contextlib.ExitStack() as registered:
+            for k in todo:
+                registered.enter_context(_Registered(eng, srcs[k]))
+            for attempt in (1, 2):
+                segs = [(k, srcs[k].ctypes.data, regions[k][0], regions[k][1], 0) for k in todo]
+                self._write(eng, segs)
+                stated = dict(crcs)
+                if failpoints.countdown_if_armed(failpoints.PAYLOAD_CORRUPT) and todo:
+                    stated[todo[0]] ^= 1  # as if the bytes had changed on the way
+                try:
+                    _wait(unit.verify_remote.remote(write_id, stated))
+                except CorruptPayload as e:
+                    _count("corrupt")
+                    log.warning("%s (attempt %d of 2)", e, attempt)
+                    if attempt == 2:
+                        _count("corrupt_raised")
+                        raise CorruptPayload(
+                            f"unit {b.unit_index}: the bytes pushed to {b.session} for "
+                            f"write {write_id} did not match their CRC-32, twice",
+                            fields=e.fields,
+                        ) from None
+                    continue
+                return sum(n for _, (_, n) in regions.items())
+        raise AssertionError("unreachable")
+
+    def _write(self, eng: Any, segs: list[tuple[str, int, int, int, int]]) -> None:
+        b = self.backend
+        if not segs:
+            return
+        rc = eng.batch_transfer_sync_write(
+            b.session, [s[1] for s in segs], [s[2] for s in segs], [s[3] for s in segs]
+        )
+        if rc != 0:
+            _count("transfer_failures")
+            names = sorted({s[0] for s in segs})
+            raise PayloadTransferFailed(
+                f"unit {b.unit_index}: pushing {sum(s[3] for s in segs)} bytes of "
+                f"{', '.join(repr(n) for n in names)} to {b.session} failed "
+                f"(transfer returned {rc})",
+                fields=names,
+            )
+        _count("pushed_bytes", sum(s[3] for s in segs))
+
+
+def _wait(ref: Any) -> Any:
+    """A unit call's answer, its typed error raised as itself."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise
 
 
 def _as_array(addr: int, nbytes: int) -> np.ndarray:

@@ -230,6 +230,31 @@ class UnitStore:
         )
         return self._answer(regions, headers, owner, closed_seq)
 
+    async def alloc_regions(
+        self,
+        partition_id: str,
+        write_id: str,
+        sample_ids: list[str],
+        headers: dict[str, EncodedField],
+        owner: Hashable | None = None,
+        expires_at: float | None = None,
+        group_rows: dict[str, np.ndarray] | None = None,
+    ) -> dict[str, tuple[int, int]]:
+        """Stage a write whose bytes a writer on another node puts into place itself with
+        a transfer engine: {field: (block, offset)} of its region (``headers[field].nbytes``
+        long). Invisible until the commit publishes it, which the writer asks for only
+        once its bytes arrived and were checked (``dataplane_server/unit/payload.py``)."""
+        return await self._stage(
+            partition_id,
+            write_id,
+            sample_ids,
+            headers,
+            owner,
+            expires_at,
+            header_only=True,
+            group_rows=group_rows,
+        )
+
     async def stage_leased(
         self,
         partition_id: str,
