@@ -50,6 +50,8 @@ QUICK_SIZE = 4 * MiB
 SEQ_LEN = 8192
 FIELDS = 4
 SYSTEMS = ("ours", "ours_ray_path", "ray", "ray_transfer", "raw_tcp")
+# Puts from A to the unit on B: pushed by the engine (transfer_puts), or through Ray's path.
+PUT_SYSTEMS = ("put_ours", "put_ray_path")
 
 
 def run(opts: Options) -> Section:
@@ -110,6 +112,23 @@ def _report(res: dict[str, Any], repeats: int, opts: Options) -> Section:
             ],
         )
     )
+    if "put_ours" in res["median_s"]:
+        put = {s: res["bytes"] / GiB / res["median_s"][s] for s in PUT_SYSTEMS}
+        section.tables.append(
+            Table(
+                f"cross-node put, GiB/s (median of {repeats}; writer on A, unit on B; cleared "
+                "after each, untimed)",
+                ["size", "ours (pushed, transfer_puts)", "ours (ray path)", "pushed/ray path"],
+                [
+                    [
+                        human_size(res["bytes"]),
+                        put["put_ours"],
+                        put["put_ray_path"],
+                        ratio(put["put_ours"], put["put_ray_path"]),
+                    ]
+                ],
+            )
+        )
     size = human_size(res["bytes"])
     section.targets.append(
         Target(
@@ -197,7 +216,12 @@ def _child(size: int, repeats: int) -> dict[str, Any]:
     )
     ray.init(address=cluster.address, log_to_driver=False)
     # The service starts while B (the head) is the only node: its unit lives on B.
-    handle = start(DataPlaneConfig(name="xn-bench", num_storage_units=1, admin_enabled=False))
+    # transfer_puts: node A's puts may be pushed by the engine (the "put" rows below).
+    handle = start(
+        DataPlaneConfig(
+            name="xn-bench", num_storage_units=1, admin_enabled=False, transfer_puts=True
+        )
+    )
     node_a = _starting(lambda: cluster.add_node(**args))
     cluster.wait_for_nodes()
     on_a = NodeAffinitySchedulingStrategy(node_a.node_id, soft=False)
@@ -267,6 +291,14 @@ def _child(size: int, repeats: int) -> dict[str, Any]:
         def node(self) -> str:
             return ray.get_runtime_context().get_node_id()
 
+        def put_ours(self, ids: list, batch: int) -> int:
+            """A put of the whole workload to partition "pp" from node A (its tensors made
+            once, not timed)."""
+            if getattr(self, "fields", None) is None:
+                self.fields, _ = make_workload("simple", batch, SEQ_LEN, FIELDS)
+            self.client.put_samples(ids, "pp", self.fields)
+            return len(ids)
+
         def get_ours(self, ids: list, names: list) -> int:
             return touch(self.client.get_samples(ids, "p", names))
 
@@ -313,12 +345,31 @@ def _child(size: int, repeats: int) -> dict[str, Any]:
             ray.get(reader.get_ray_transfer.remote(refs))
         return time.perf_counter() - t0
 
+    c.register_partition("pp", names, None, [])
+    put_round = [0]
+
+    def put_once(system: str) -> float:
+        """One timed put of the workload from A (pushed by the engine, or through Ray's
+        call arguments); cleared after, untimed, as a training step's data would be."""
+        put_round[0] += 1
+        pids = [f"{system}-{put_round[0]}-{i}" for i in range(batch)]
+        who = reader if system == "put_ours" else ray_path_reader
+        t0 = time.perf_counter()
+        ray.get(who.put_ours.remote(pids, batch))
+        took = time.perf_counter() - t0
+        c.clear_samples(pids, "pp")
+        return took
+
     for system in SYSTEMS:
         once(system)  # warm-up: actors, connections, object-store pages
-    seconds: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    for system in PUT_SYSTEMS:
+        put_once(system)
+    seconds: dict[str, list[float]] = {s: [] for s in SYSTEMS + PUT_SYSTEMS}
     for _ in range(repeats):
         for system in SYSTEMS:
             seconds[system].append(once(system))
+        for system in PUT_SYSTEMS:
+            seconds[system].append(put_once(system))
 
     def unit_read_s() -> float:
         snap = ray.get(handle.units[0].metrics_snapshot.remote())

@@ -2,8 +2,9 @@
 process registers random bytes with its own engine, as a storage unit does, and this
 process pulls them through ``MooncakeTcp`` (dataplane_client/transport/payload/mooncake.py).
 Bytes identical, a wrong CRC-32 pulled again then ``CorruptPayload``, a dead peer
-``PayloadTransferFailed``, the probe's reasons, and every destination buffer unregistered
-and the read lease given back whatever happened. Skipped where Mooncake's engine does not
+``PayloadTransferFailed``, the probe's reasons, and every destination buffer back in the
+pool (or unregistered) and the read lease given back whatever happened; a second pull of
+the same size reuses the pooled buffer (no new registration). Skipped where Mooncake's engine does not
 load; under CI=true it must (tests/scenario_run.py)."""
 
 from __future__ import annotations
@@ -85,11 +86,10 @@ def _answer(peer: Peer, cuts: list[tuple[int, int]], wrong_crc: bool = False) ->
 
 
 def _balanced(before: dict) -> dict:
+    """What changed since ``before``; every registered buffer is unregistered or idle in
+    the pool (none is lent: the caller dropped what the pulls returned)."""
     after = mooncake.counters()
-    assert after["registered"] - before["registered"] > 0
-    assert after["registered"] - before["registered"] == (
-        after["unregistered"] - before["unregistered"]
-    ), "every destination buffer registered for a pull was unregistered"
+    assert after["registered"] - after["unregistered"] == after["pooled"], after
     return {k: after[k] - before[k] for k in after}
 
 
@@ -100,6 +100,9 @@ def test_a_pull_of_scattered_segments_returns_the_peers_bytes(peer):
     want = np.concatenate([peer.data[s : s + n] for s, n in cuts])
     assert np.array_equal(got["x"].values, want)
     assert unit.released == [[7]]
+    lent = mooncake.counters()
+    assert lent["registered"] - lent["unregistered"] == lent["pooled"] + 1, "one buffer lent"
+    del got  # the caller drops its arrays: the buffer goes back to the pool
     delta = _balanced(before)
     assert delta["pulled_bytes"] == want.nbytes
     assert delta["corrupt"] == 0
@@ -137,3 +140,15 @@ def test_the_probe_says_why_a_peer_cannot_be_used(peer):
     peer.proc.kill()
     peer.proc.wait(timeout=30)
     assert "is not reachable" in (mooncake.probe(offer, "127.0.0.1") or "")
+
+
+def test_a_second_get_of_the_same_size_reuses_the_pooled_buffer(peer):
+    backend = mooncake.MooncakeTcp(0, peer.session, "127.0.0.1")
+    first = backend.complete(_Unit(), _answer(peer, [(0, 1 << 20)]))
+    del first
+    before = mooncake.counters()
+    again = backend.complete(_Unit(), _answer(peer, [(4096, 1 << 20)]))
+    assert np.array_equal(again["x"].values, peer.data[4096 : 4096 + (1 << 20)])
+    del again
+    delta = _balanced(before)
+    assert delta["registered"] == 0, "pulled into the pooled buffer, registered once"
