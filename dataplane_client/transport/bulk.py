@@ -444,27 +444,33 @@ class Transport:
                 pool.submit(backend[units[i]].complete, self.units[units[i]], results[i])
                 for i in pulls
             ]
-            failed = []
             for i, r in zip(pulls, done):
                 results[i] = r
-                if isinstance(r, PayloadTransferFailed):
-                    failed.append(i)
-            if failed:  # the engine could not move them: the same rows through Ray, once
-                for i in failed:
-                    log.warning("%s; reading through Ray instead", results[i])
-                again = yield [
-                    _RAY_OBJECTS.read_call(
-                        self.units[units[i]],
-                        partition_id,
-                        plan[units[i]],
-                        fields,
-                        expect.get(units[i]),
-                        None,
-                    )
-                    for i in failed
-                ]
-                for i, r in zip(failed, again):
-                    results[i] = r
+        # The engine could not move them (or the unit runs none): the same rows through
+        # Ray, once.
+        failed = [
+            i
+            for i, u in enumerate(units)
+            if u in backend
+            and backend[u] is not _RAY_OBJECTS
+            and isinstance(results[i], PayloadTransferFailed)
+        ]
+        if failed:
+            for i in failed:
+                log.warning("%s; reading through Ray instead", results[i])
+            again = yield [
+                _RAY_OBJECTS.read_call(
+                    self.units[units[i]],
+                    partition_id,
+                    plan[units[i]],
+                    fields,
+                    expect.get(units[i]),
+                    None,
+                )
+                for i in failed
+            ]
+            for i, r in zip(failed, again):
+                results[i] = r
         for u, result in zip(plan, results):
             if isinstance(result, dict):
                 self._forget_closed(u, result)

@@ -33,7 +33,7 @@ from dataplane_client.transport.payload.base import MOONCAKE_TCP, RAY
 from dataplane_client.transport.payload.mooncake import engine_environment
 from dataplane_client.wire import shm
 from dataplane_client.wire.encoded import EncodedField
-from dataplane_client.wire.errors import CorruptPayload, StageReclaimed
+from dataplane_client.wire.errors import CorruptPayload, PayloadTransferFailed, StageReclaimed
 from dataplane_client.wire.messages import PayloadOffer, RemoteRows
 from dataplane_server.core.unit.store import UnitStore
 
@@ -130,7 +130,9 @@ class UnitPayload:
         """Per field, its bytes (a small one) or where to pull them (``RemoteRows``, under
         one read lease of ``owner``), each with the CRC-32 the reader checks."""
         if self._engine is None:
-            raise RuntimeError(f"unit {self.store.index} runs no transfer engine")
+            raise PayloadTransferFailed(
+                f"unit {self.store.index} runs no transfer engine ({self._offer})"
+            )
         self.prune()
         runs, lease = self.store.read_runs(
             partition_id, sample_ids, fields, owner, expect, inline_below=self.min_bytes
@@ -176,7 +178,9 @@ class UnitPayload:
         stage is reclaimed meanwhile: a late transfer must land in the old chunk, never in
         memory mapped later at the same address."""
         if self._engine is None:
-            raise RuntimeError(f"unit {self.store.index} runs no transfer engine")
+            raise PayloadTransferFailed(
+                f"unit {self.store.index} runs no transfer engine ({self._offer})"
+            )
         regions = await self.store.alloc_regions(
             partition_id, write_id, sample_ids, headers, owner, expires_at, group_rows
         )
