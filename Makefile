@@ -12,9 +12,22 @@ GPU_CHECK_ARGS ?=
 
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: setup test test-fast demo bench bench-setup bench-tq gpu-check lint format proto clean
+.PHONY: setup native-deps test test-fast demo bench bench-setup bench-tq gpu-check lint format proto clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed native-deps
+
+# Debian's libibverbs1: Mooncake's engine links it even for TCP. Installed where apt-get
+# is there and we are root; elsewhere one line, and cross-node gets use Ray's path.
+native-deps:
+	@if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then \
+		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+			(apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null 2>&1 \
+			|| (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null 2>&1)) \
+			|| echo "libibverbs1 not installed: Mooncake will not load, cross-node gets use Ray's path"; \
+		else \
+			echo "libibverbs1 missing (needs apt-get as root): Mooncake will not load, cross-node gets use Ray's path"; \
+		fi; \
+	fi
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,6 +38,9 @@ $(VENV)/.installed: pyproject.toml
 		$(BIN)/pip install -q "$(CPU_TORCH)"; \
 	fi
 	$(BIN)/pip install -q -e '.[dev]'
+	@# Optional: where no wheel fits (another Python or CPU), cross-node gets use Ray's path.
+	$(BIN)/pip install -q -e '.[mooncake]' \
+		|| echo "Mooncake not installed: cross-node gets use Ray's object transfer"
 	@touch $@
 
 test: setup

@@ -70,7 +70,9 @@ from dataplane_client.wire.config import DataPlaneConfig
 from dataplane_client.wire.errors import (
     CapacityExceeded,
     CodecsChanged,
+    CorruptPayload,
     DataPlaneError,
+    PayloadTransferFailed,
     RoutingUnstable,
     SamplesLost,
     SamplesNotFound,
@@ -383,7 +385,13 @@ class RayDataPlaneClient(DataPlaneService):
     either completes or raises ``ServiceUnavailable``.
     """
 
-    def __init__(self, controller: Any, name: str = "dataplane", namespace: str = "dataplane"):
+    def __init__(
+        self,
+        controller: Any,
+        name: str = "dataplane",
+        namespace: str = "dataplane",
+        cross_node_transport: str | None = None,
+    ):
         self.name, self.namespace = name, namespace
         self._controller = controller
         routing = ray.get(controller.routing.remote())
@@ -393,6 +401,13 @@ class RayDataPlaneClient(DataPlaneService):
             routing.shm,
             ray.get_runtime_context().get_node_id(),
             wait=_get_sync,
+            # The service's setting, unless this client asks for Ray's path (the other
+            # way round is not offered: the units run an engine only when allowed to).
+            cross_node_transport=(
+                "ray" if cross_node_transport == "ray" else routing.cross_node_transport
+            ),
+            alive=routing.alive,
+            transfer_puts=routing.transfer_puts,
         )
         self._writer_id = uuid.uuid4().hex  # names our figures in the service's metrics
         self._admission = Admission(
@@ -603,9 +618,12 @@ class RayDataPlaneClient(DataPlaneService):
                     for u, r in zip(staged, results)
                     if not isinstance(r, BaseException)
                 ]
-                if all(isinstance(e, SharedMemoryUnavailable) for _, e in errors):
+                if all(
+                    isinstance(e, (SharedMemoryUnavailable, PayloadTransferFailed))
+                    for _, e in errors
+                ):
                     # Stage again: in a fresh region where a lease was taken back (once),
-                    # through Ray where a copy could not be made.
+                    # through Ray where a copy or a transfer engine's push could not be made.
                     via_ray.update(
                         u for u, e in errors if not (isinstance(e, StagedRegionGone) and use_leases)
                     )
@@ -783,6 +801,9 @@ class RayDataPlaneClient(DataPlaneService):
         by_unit = {u: [sample_ids[i] for i in rows] for u, rows in plan.items()}
         expect = {u: gens[rows].tolist() for u, rows in plan.items()}
         results = yield from transport.read_flow(partition_id, by_unit, fields, expect=expect)
+        for r in results:
+            if isinstance(r, CorruptPayload):
+                raise r  # already pulled twice: not a stale route, reading again would hide it
         if any(isinstance(r, BaseException) for r in results):
             return None
         try:
@@ -926,8 +947,10 @@ class RayDataPlaneClient(DataPlaneService):
     def _describe_partition(self, partition_id: str) -> Any:
         return self._open_controller().describe_partition.remote(partition_id)
 
-    def _service_info(self) -> Any:
-        return self._open_controller().service_info.remote()
+    def _service_info(self) -> Flow:
+        info = _one((yield [self._open_controller().service_info.remote()]))
+        # How this process reaches each unit's bytes: the client's own view (its probe).
+        return dataclasses.replace(info, payload_paths=self._open_transport().payload_paths())
 
     # ---- async RL: versions, admission, introspection ------------------------------
     def _set_policy_version(self, partition_id: str, version: int) -> Any:
@@ -1017,6 +1040,7 @@ def connect(
     address: str | None = None,
     *,
     warm_reads: bool = True,
+    cross_node_transport: str | None = None,
 ) -> RayDataPlaneClient:
     """Attach to a running service from any process of the Ray cluster.
 
@@ -1026,6 +1050,9 @@ def connect(
     (:func:`warm_read_path`) and introduce the process to the units on its node
     (``Transport.introduce``), so its first put and get cost what later ones do;
     False for a process that never moves samples (the admin endpoint's mutations).
+    ``cross_node_transport="ray"``: read from units on other nodes through Ray's object
+    transfer even where the service offers a transfer engine (the probe's choice is
+    logged once and shown in ``service_info().payload_paths``).
     """
     if not ray.is_initialized():
         if address is None:
@@ -1042,9 +1069,12 @@ def connect(
         ) from None
     if warm_reads:
         warm_read_path()
-    client = RayDataPlaneClient(controller, name=name, namespace=namespace)
+    client = RayDataPlaneClient(
+        controller, name=name, namespace=namespace, cross_node_transport=cross_node_transport
+    )
     if warm_reads:
         client._open_transport().introduce()
+        client._open_transport().payload_paths()  # the capability probe, at connect
     return client
 
 

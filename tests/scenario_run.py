@@ -45,3 +45,29 @@ def run_scenario(name: str) -> dict:
     out = got[name]
     assert "error" not in out, f"scenario {name} raised:\n{out['error']}"
     return out
+
+
+MOONCAKE_MISSING_IN_CI = (
+    "Mooncake's engine does not load, and CI=true: CI must run the cross-node scenarios on it "
+    "(make setup installs rl-dataplane[mooncake] and Debian's libibverbs1)"
+)
+
+
+@functools.cache
+def mooncake_loads() -> bool:
+    """Whether Mooncake's engine loads here (the package and its libibverbs), so the
+    scenarios' cross-node gets go through it; under CI=true it must."""
+    from dataplane_client.transport.payload.mooncake import engine_environment
+
+    engine_environment()  # before the first import: quiet logs, as the service's engines
+    try:
+        import mooncake.engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - ImportError, or OSError from a missing libibverbs
+        assert os.environ.get("CI") != "true", MOONCAKE_MISSING_IN_CI
+        return False
+    return True
+
+
+def expected_paths() -> list[str]:
+    """The backends a scenario's cross-node client should have chosen here."""
+    return ["mooncake-tcp"] if mooncake_loads() else ["ray"]

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import threading
 import time
 from collections.abc import Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -30,12 +32,15 @@ import ray
 
 from dataplane_client.codec import devices
 from dataplane_client.transport.call_batcher import CallBatcher
+from dataplane_client.transport.payload import mooncake, probe
+from dataplane_client.transport.payload.base import MOONCAKE_TCP, PayloadBackend, RayObjects
 from dataplane_client.wire import group_fields, parallel_copy, shm
 from dataplane_client.wire.encoded import EncodedField, row_copy_pairs, take_rows
-from dataplane_client.wire.errors import DataPlaneError, ReaderUnknown
+from dataplane_client.wire.errors import DataPlaneError, PayloadTransferFailed, ReaderUnknown
 from dataplane_client.wire.messages import (
     ChunkClosures,
     ChunkRef,
+    PayloadPath,
     SharedRows,
     ShmAlloc,
     WriteLease,
@@ -43,7 +48,25 @@ from dataplane_client.wire.messages import (
     unpack_read_answer,
 )
 
+log = logging.getLogger(__name__)
+
 Flow = Generator[list, list, Any]
+_RAY_OBJECTS = RayObjects()
+_PULL_THREADS = 8  # units pulled from at once by this process's gets (each blocks a thread)
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _pull_pool() -> ThreadPoolExecutor:
+    """The threads transfer-engine pulls run on (made on first use: a process that never
+    reads across nodes through an engine starts none)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_PULL_THREADS, thread_name_prefix="dataplane-pull")
+        return _pool
+
+
 # A stage of at most this many bytes goes to its unit with the other small stages of this
 # process in one ``stage_many`` call; a larger one is a call of its own (its copy, not a
 # round trip, is its cost, and it must not hold small ones back).
@@ -96,8 +119,21 @@ class Transport:
         local_node: str | None,
         use_shm: bool = True,
         wait: Callable[[Any], Any] = ray.get,
+        cross_node_transport: str = "auto",
+        alive: list[bool] | None = None,
+        transfer_puts: bool = False,
     ):
         self.units = list(unit_handles)
+        self._nodes, self._local_node = list(unit_nodes), local_node
+        self._alive = list(alive) if alive is not None else [True] * len(self.units)
+        self._cross_node_mode = cross_node_transport
+        self._transfer_puts = transfer_puts  # large cross-node stages pushed by the engine
+        # How we reach each unit's bytes (``payload.probe``), chosen once: at connect, or by
+        # the first read that needs it. Read without the lock once set (rebound, never
+        # changed in place).
+        self._paths: list[PayloadPath] | None = None
+        self._backends: dict[int, PayloadBackend] = {}
+        self._paths_lock = threading.Lock()
         self._wait = wait  # how a batch sender waits for its call (the client's, typed)
         self._batchers: dict[int, CallBatcher] = {}  # unit -> its small stages' batcher
         self._batchers_lock = threading.Lock()
@@ -158,6 +194,8 @@ class Transport:
         """
         refs, owner = [], self._stage_owner()
         in_shm = {u: self.shared[u] and u not in via_ray for u in plan}
+        # unit -> (per field, the rows it gets; the backend that pushes them)
+        pushed: dict[int, tuple[dict[str, np.ndarray], mooncake.MooncakeTcp]] = {}
         copied: dict[int, BaseException | None] = {}  # unit -> error of a copy made up front
         rows_of: dict[int, dict[str, np.ndarray]] = {}  # unit -> per field, the rows it gets
         for u, rows in plan.items():
@@ -212,16 +250,49 @@ class Transport:
                         ),
                     )
             else:
-                parts = {k: take_rows(e, rows_of[u][k]) for k, e in encoded.items()}
-                nbytes = sum(p.nbytes for p in parts.values())
-                call = self._stage_call(
-                    u,
-                    nbytes,
-                    "stage",
-                    (partition_id, write_id, ids, parts, owner, expires_at, group_rows),
-                )
+                headers = {
+                    k: take_rows(e, rows_of[u][k], header_only=True) for k, e in encoded.items()
+                }
+                nbytes = sum(h.nbytes for h in headers.values())
+                backend = self.backend(u) if self._transfer_puts and u not in via_ray else None
+                # Small stages go batched through Ray (cheaper than a push's round trips).
+                if nbytes > BATCHED_STAGE_BYTES and isinstance(backend, mooncake.MooncakeTcp):
+                    # Through the transfer engine: the unit sets the region aside, we push.
+                    pushed[u] = (rows_of[u], backend)
+                    call = self.units[u].alloc_remote.remote(
+                        partition_id, write_id, ids, headers, owner, expires_at, group_rows
+                    )
+                else:
+                    parts = {k: take_rows(e, rows_of[u][k]) for k, e in encoded.items()}
+                    call = self._stage_call(
+                        u,
+                        nbytes,
+                        "stage",
+                        (partition_id, write_id, ids, parts, owner, expires_at, group_rows),
+                    )
             refs.append(call)
         results = yield refs
+        units = list(plan)
+        pushes = [i for i, u in enumerate(units) if u in pushed and isinstance(results[i], dict)]
+        if pushes:  # the bytes of each, pushed and checked on the pull threads
+            pool = _pull_pool()
+            done = yield [
+                pool.submit(
+                    mooncake.MooncakePush(pushed[units[i]][1]).push,
+                    self.units[units[i]],
+                    write_id,
+                    {
+                        k: take_rows(e, pushed[units[i]][0][k]).require_values()
+                        for k, e in encoded.items()
+                    },
+                    results[i],
+                )
+                for i in pushes
+            ]
+            for i, r in zip(pushes, done):
+                results[i] = r
+                if isinstance(r, BaseException):  # staged, but its bytes never arrived intact
+                    self.discard(units[i], write_id)  # not awaited
         for i, u in enumerate(plan):
             if not in_shm[u] or isinstance(results[i], BaseException):
                 continue
@@ -331,6 +402,11 @@ class Transport:
         answers ``RouteChanged`` unless it holds every row at it).
         """
         expect = expect or {}
+        # Each unit's cross-node backend, fixed for this flow (its answer is completed by
+        # the backend that asked for it).
+        backend = {
+            u: _RAY_OBJECTS if via_ray else self.backend(u) for u in plan if not self.shared[u]
+        }
 
         def call(u: int) -> Any:
             if self.shared[u] and not via_ray:
@@ -344,7 +420,9 @@ class Transport:
                         self._closed_seq[u],
                     )
                 )
-            return self.units[u].read.remote(partition_id, plan[u], fields, expect.get(u))
+            b = backend.get(u, _RAY_OBJECTS)
+            token = self._reader_token(u) if b is not _RAY_OBJECTS else None
+            return b.read_call(self.units[u], partition_id, plan[u], fields, expect.get(u), token)
 
         units = list(plan)
         results = list((yield [call(u) for u in units]))
@@ -355,11 +433,80 @@ class Transport:
             for i, r in zip(forgot_us, again):
                 results[i] = r
         results = [unpack_read_answer(r) if isinstance(r, bytes) else r for r in results]
+        pulls = [
+            i
+            for i, u in enumerate(units)
+            if u in backend and backend[u].needs_completion(results[i])
+        ]
+        if pulls:  # a transfer engine's answers: pull the bytes (in parallel, off this thread)
+            pool = _pull_pool()
+            done = yield [
+                pool.submit(backend[units[i]].complete, self.units[units[i]], results[i])
+                for i in pulls
+            ]
+            for i, r in zip(pulls, done):
+                results[i] = r
+        # The engine could not move them (or the unit runs none): the same rows through
+        # Ray, once.
+        failed = [
+            i
+            for i, u in enumerate(units)
+            if u in backend
+            and backend[u] is not _RAY_OBJECTS
+            and isinstance(results[i], PayloadTransferFailed)
+        ]
+        if failed:
+            for i in failed:
+                log.warning("%s; reading through Ray instead", results[i])
+            again = yield [
+                _RAY_OBJECTS.read_call(
+                    self.units[units[i]],
+                    partition_id,
+                    plan[units[i]],
+                    fields,
+                    expect.get(units[i]),
+                    None,
+                )
+                for i in failed
+            ]
+            for i, r in zip(failed, again):
+                results[i] = r
         for u, result in zip(plan, results):
             if isinstance(result, dict):
                 self._forget_closed(u, result)
                 result.update(self._leased(u, result))
         return results
+
+    # ---- cross-node payload backends ---------------------------------------------------
+    def payload_paths(self) -> list[PayloadPath]:
+        """How this process reaches each unit's bytes, probed on first ask (``connect()``
+        asks, so the probe is part of starting a worker, not of its first get)."""
+        paths = self._paths
+        if paths is not None:
+            return paths
+        with self._paths_lock:
+            if self._paths is None:
+                paths = probe.choose(
+                    self.units,
+                    self._nodes,
+                    self.shared,
+                    self._alive,
+                    self._local_node,
+                    self._cross_node_mode,
+                )
+                self._backends = {
+                    p.unit: mooncake.MooncakeTcp(p.unit, p.detail, ray.util.get_node_ip_address())
+                    for p in paths
+                    if p.backend == MOONCAKE_TCP
+                }
+                self._paths = paths
+            return self._paths
+
+    def backend(self, unit: int) -> PayloadBackend:
+        """The backend that moves ``unit``'s bytes here (Ray's object transfer unless the
+        probe chose another)."""
+        self.payload_paths()
+        return self._backends.get(unit, _RAY_OBJECTS)
 
     def introduce(self, timeout_s: float = _INTRODUCE_TIMEOUT_S) -> None:
         """Send our process token to every same-node unit now, as the process connects.

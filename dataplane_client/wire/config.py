@@ -213,6 +213,28 @@ class DataPlaneConfig(BaseModel):
         description="Delete a partition emptied by clears this many seconds ago; None = never.",
     )
 
+    # --- bytes across nodes (dataplane_client/transport/payload) -----------------
+    cross_node_transport: str = Field(
+        "auto",
+        pattern="^(auto|ray)$",
+        description="How a get moves bytes from a unit on another node: auto = Mooncake's "
+        "transfer engine (TCP) where both ends have it and a probe at connect passes, else "
+        "Ray's object transfer (the reason logged once); ray = always Ray's.",
+    )
+    transfer_puts: bool = Field(
+        False,
+        description="Cross-node puts of more than 1 MiB per unit also go through the transfer "
+        "engine (the writer pushes into the unit's region, CRC-32 checked before the "
+        "commit); off: through Ray's call arguments (measured faster here for fresh "
+        "128 MiB writes, see benchmarks/README.md).",
+    )
+    transfer_min_bytes: ByteSize = Field(
+        64 << 10,
+        ge=0,
+        description="Fields of a cross-node get smaller than this come back inside the "
+        "unit's answer instead of through the transfer engine (a pull costs a round trip).",
+    )
+
     # --- admin endpoint (gRPC) ---------------------------------------------------
     admin_enabled: bool = Field(True, description="Start the gRPC admin endpoint.")
     admin_host: str = Field(

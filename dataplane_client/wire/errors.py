@@ -113,6 +113,12 @@ class CorruptPayload(DataPlaneError, ValueError):
     """Encoded bytes are truncated, corrupted or describe an impossible layout."""
 
 
+class PayloadTransferFailed(RetryableError, ConnectionError):
+    """A transfer engine could not move a read's bytes from a unit on another node (the
+    peer is unreachable or died mid-transfer, or refused the addresses): nothing was
+    returned; the client reads those rows through Ray instead."""
+
+
 class ConfigError(DataPlaneError, ValueError):
     """A configuration value is unknown, of the wrong type or out of range."""
 

@@ -60,6 +60,12 @@ UNIT_PING = "unit-ping"
 # next same-node read), as a unit's restart or many other readers would.
 READER_TOKENS_LOST = "reader-tokens-lost"
 
+# A reader on another node flips one byte of the next field it pulled through the transfer
+# engine, before checking it (the file's content is how many pulls to spoil before it
+# disarms, default 1): what a truncated or corrupted transfer looks like. One spoiled pull
+# is pulled again; two in a row raise CorruptPayload.
+PAYLOAD_CORRUPT = "payload-corrupt"
+
 # Armed with a callable (this process): called with a chunk's path just before a
 # same-node reader or writer opens it, the window in which its unit may free it.
 CHUNK_OPEN = "chunk-open"
@@ -134,6 +140,27 @@ def once_if_armed(name: str) -> bool:
     except FileNotFoundError:
         return False  # another process took it
     _record_firing(path)
+    return True
+
+
+def countdown_if_armed(name: str) -> bool:
+    """True while ``name`` is armed, for as many firings as its file says (default 1): each
+    firing counts one down, and the last disarms it. For one process at a time."""
+    path = _armed(name)
+    if path is None:
+        return False
+    try:
+        with open(path) as f:
+            left = int(f.read().strip() or 1)
+    except (FileNotFoundError, ValueError):
+        return False
+    _record_firing(path)
+    if left <= 1:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    else:
+        with open(path, "w") as f:
+            f.write(str(left - 1))
     return True
 
 

@@ -67,6 +67,8 @@ class Routing:
     put_admission_timeout_s: float = 60.0
     put_queue_limit: int = 65536
     stage_ttl_s: float = 30.0  # a put's deadline, from its admission (put_deadline)
+    cross_node_transport: str = "auto"  # config ``cross_node_transport`` (transport/payload)
+    transfer_puts: bool = False  # config ``transfer_puts``
 
 
 # The tag a put's ``version=`` is kept under, unless a StalenessSpec names another.
@@ -408,6 +410,9 @@ class ServiceInfo:
     bytes: int
     capacity_bytes: int
     units: list[UnitStatus]
+    # How the asking client process reaches each unit's bytes (filled in by the Ray
+    # client, from its capability probe at connect; empty from the service itself).
+    payload_paths: list[PayloadPath] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -560,6 +565,51 @@ class SharedRows:
     @property
     def nbytes(self) -> int:
         return int((self.ends - self.starts).sum())
+
+
+@dataclass(frozen=True)
+class RemoteRows:
+    """Where a unit holds some rows of one field, for a reader on another node to pull
+    with a transfer engine (``dataplane_client.transport.payload``): the field's bytes, in
+    request order, are the ``segments`` (address in the unit's registered memory, length)
+    back to back. ``crc32s``: zlib's CRC-32 of each segment (one transfer each), which the
+    reader checks before its get returns. ``lease``: the unit's read lease on the chunks
+    (released once pulled)."""
+
+    header: Any  # an EncodedField without values
+    segments: list[tuple[int, int]]
+    crc32s: list[int]
+    lease: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.segments)
+
+
+@dataclass(frozen=True)
+class PayloadPath:
+    """How one client process reaches one unit's bytes (``ServiceInfo.payload_paths``):
+    ``backend`` "shm" (same node), "mooncake-tcp" or "ray", and why (the engine's peer, or
+    the reason for falling back to Ray)."""
+
+    unit: int
+    node_id: str
+    backend: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class PayloadOffer:
+    """How a unit offers its bytes to readers on other nodes (its answer to
+    ``payload_offer``): ``backend`` "mooncake-tcp" with the engine's ``session``
+    ("ip:port") and a probe region (address, length, CRC-32) a reader pulls to prove the
+    path works; or "ray" with ``reason`` (no engine: not installed, turned off, failed)."""
+
+    backend: str
+    session: str = ""
+    reason: str = ""
+    probe: tuple[int, int, int] | None = None
+    min_bytes: int = 0  # fields of fewer bytes come back inline (a pull costs a round trip)
 
 
 def read_request(

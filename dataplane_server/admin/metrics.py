@@ -171,6 +171,25 @@ UNIT_COUNTERS = {
         "Write regions set aside for a writer's next put and taken back unused "
         "(deadline, room needed, or the writer died).",
     ),
+    "payload_registered_total": (
+        "dataplane_payload_registered",
+        "Memory regions (chunks, the probe buffer) registered with the unit's transfer "
+        "engine for readers on other nodes to pull.",
+    ),
+    "payload_unregistered_total": (
+        "dataplane_payload_unregistered",
+        "Chunks unregistered from the unit's transfer engine (closed, and no remote read "
+        "lease named them any more).",
+    ),
+    "payload_put_corrupt_total": (
+        "dataplane_payload_put_corrupt",
+        "Writes pushed by a writer on another node whose bytes did not match its CRC-32 "
+        "(refused before the commit; the writer pushes once more).",
+    ),
+    "payload_register_failures_total": (
+        "dataplane_payload_register_failures",
+        "Registrations the unit's transfer engine refused.",
+    ),
 }
 # Stats histogram -> (family name, help); the controller's have no labels, the units' {unit}.
 CONTROLLER_HISTOGRAMS = {

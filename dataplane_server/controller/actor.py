@@ -236,6 +236,8 @@ class Controller(Inspection, AsyncRLVerbs):
             put_admission_timeout_s=self.config.put_admission_timeout_s,
             put_queue_limit=self.config.put_queue_limit,
             stage_ttl_s=self.config.stage_ttl_s,
+            cross_node_transport=self.config.cross_node_transport,
+            transfer_puts=self.config.transfer_puts,
         )
 
     @served

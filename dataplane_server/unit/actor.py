@@ -31,9 +31,16 @@ from dataplane_client.wire import failpoints, parallel_copy
 from dataplane_client.wire.config import DataPlaneConfig
 from dataplane_client.wire.encoded import EncodedField
 from dataplane_client.wire.errors import DataPlaneError, InvalidBatch
-from dataplane_client.wire.messages import ShmAlloc, UnitInfo, UnitSnapshot, pack_read_answer
+from dataplane_client.wire.messages import (
+    PayloadOffer,
+    ShmAlloc,
+    UnitInfo,
+    UnitSnapshot,
+    pack_read_answer,
+)
 from dataplane_server.core.recovery_messages import DumpedFile, SampleMeta, UnitRecovery
 from dataplane_server.core.unit.store import UnitHoldings, UnitStore
+from dataplane_server.unit.payload import UnitPayload
 from dataplane_server.unit.reader_tokens import ReaderTokens
 
 _STAGE_CALLS = frozenset({"stage", "alloc_shm", "stage_leased"})  # what stage_many runs
@@ -66,6 +73,11 @@ class StorageUnit:
         self.node_ip = next(
             (n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == self.node_id),
             ray.util.get_node_ip_address(),
+        )
+        # Readers on other nodes pull through a transfer engine where one runs (started on
+        # the first reader's probe, not here).
+        self.payload = UnitPayload(
+            self.store, self.node_ip, config.cross_node_transport, config.transfer_min_bytes
         )
 
     # ---- identity / health ------------------------------------------------------
@@ -186,6 +198,7 @@ class StorageUnit:
 
     def discard(self, write_id: str) -> None:
         self.store.discard(write_id)
+        self.payload.forget_write(write_id)
 
     def staged_write_ids(self) -> list[str]:
         return self.store.staged_write_ids()
@@ -236,6 +249,53 @@ class StorageUnit:
             self._start_sweeper()  # a dead reader's leases are released by the sweeper
         return pack_read_answer(out)
 
+    async def payload_offer(self) -> PayloadOffer:
+        """How readers on other nodes may pull this unit's bytes (a client's capability
+        probe at connect; the unit's transfer engine starts on the first ask)."""
+        return await self.payload.offer()
+
+    def read_remote(self, request: tuple) -> bytes:
+        """Where the fields' bytes sit in this unit's registered memory, for a reader on
+        another node to pull with its transfer engine (small fields come inline), under a
+        read lease it gives back with ``release_remote``. ``request``: as ``read_shm``'s;
+        the answer is one in-band pickle."""
+        try:
+            partition_id, sample_ids, fields, owner, expect, _ = request
+        except (TypeError, ValueError):
+            raise InvalidBatch(
+                f"read_remote takes messages.read_request's 6-tuple, not {request!r:.200}"
+            ) from None
+        out = self.payload.read(
+            partition_id, sample_ids, fields, self._readers.resolve(owner), expect
+        )
+        if self.store.leases.reads:
+            self._start_sweeper()  # a dead reader's leases are released by the sweeper
+        return pack_read_answer(out)
+
+    def release_remote(self, leases: list[int]) -> None:
+        self.payload.release(leases)
+
+    async def alloc_remote(
+        self,
+        partition_id: str,
+        write_id: str,
+        sample_ids: list[str],
+        headers: dict[str, EncodedField],
+        owner: list | None = None,
+        expires_at: float | None = None,
+        group_rows: dict[str, np.ndarray] | None = None,
+    ) -> dict[str, tuple[int, int]]:
+        """Stage a write whose writer, on another node, pushes its bytes with its transfer
+        engine: per field, the (address, length) to push to; then ``verify_remote``."""
+        self._start_sweeper()
+        return await self.payload.alloc(
+            partition_id, write_id, sample_ids, headers, _owner(owner), expires_at, group_rows
+        )
+
+    def verify_remote(self, write_id: str, crcs: dict[str, int]) -> None:
+        """The pushed bytes against the writer's CRC-32 per field (CorruptPayload if not)."""
+        self.payload.verify(write_id, crcs)
+
     def meet(self, owner: list) -> None:
         """A same-node client's process token, sent once as it connects
         (``Transport.introduce``): its reads name it by key from the first on."""
@@ -261,7 +321,12 @@ class StorageUnit:
 
     def holdings(self) -> UnitHoldings:
         """Leases out, memory kept ready and readers remembered (tests and inspection)."""
-        return dataclasses.replace(self.store.holdings(), reader_tokens=len(self._readers))
+        return dataclasses.replace(
+            self.store.holdings(),
+            reader_tokens=len(self._readers),
+            payload_registered=self.payload.registered(),
+            payload_orphans=self.payload.orphans(),
+        )
 
     def metrics_snapshot(self) -> UnitSnapshot:
         return self.store.metrics_snapshot(self.node_id, self.node_ip)
@@ -279,11 +344,13 @@ class StorageUnit:
             await asyncio.sleep(every_s)  # a periodic timer, not synchronisation
             try:
                 self.store.reclaim_expired()
-                watched = list(self.store.watched_owners())
+                watched = list(self.store.watched_owners() | self.payload.owners())
                 died = await asyncio.gather(*[_owner_died(o, every_s) for o in watched])
                 gone = {o for o, dead in zip(watched, died) if dead}
                 self.store.owners_died(gone)
                 self._readers.forget(gone)
+                self.payload.writers_died(gone)
+                self.payload.prune()  # chunks only a dead remote reader or writer kept
             except Exception:  # noqa: BLE001 - a failed sweep must not end sweeping; it is counted
                 self.store.stats.inc("stage_sweep_errors_total")
 

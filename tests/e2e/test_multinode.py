@@ -2,7 +2,7 @@
 in a process and cluster of its own: tests/scenario_run.py)."""
 
 import pytest
-from scenario_run import TIMEOUT_S, run_scenario
+from scenario_run import TIMEOUT_S, expected_paths, run_scenario
 
 
 @pytest.mark.slow
@@ -11,6 +11,8 @@ def test_multinode_spread_and_node_loss():
     out = run_scenario("multinode")
     assert len(set(out["unit_nodes"])) == 2, "units must sit on different nodes"
     assert out["cross_node_roundtrip"]
+    # Through Mooncake's engine where it loads (the node loss below happens on that path).
+    assert [p for p in out["paths"] if p != "shm"] == expected_paths()
     assert out["doomed"], "the lost node held some samples"
     assert out["lost_reported"] == out["doomed"], (
         "SamplesLost lists exactly the lost node's samples"

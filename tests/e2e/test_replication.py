@@ -9,7 +9,7 @@ and a controller restart, a writer killed between a put's two stages.
 
 import numpy as np
 import pytest
-from scenario_run import TIMEOUT_S, run_scenario
+from scenario_run import TIMEOUT_S, expected_paths, run_scenario
 
 from dataplane_client.transport.placement import second_units, stage_plan
 from dataplane_client.wire.config import DataPlaneConfig
@@ -161,6 +161,9 @@ def test_a_node_removed_during_streaming_writes_loses_nothing(scenario):
     _holds(out, unit_nodes=3, committed=120, put_errors=[], samples_lost_raised=[])
     _holds(out, writer_done=True, readable_bit_for_bit=True, service_info_shows_dead=True)
     _holds(out, claimed_all=True, lost_counted=0, consumption_done=True)
+    # The reads after the loss went through Mooncake's engine where it loads (the removed
+    # node's unit, whose probe failed, through Ray's path).
+    assert expected_paths()[0] in out["paths"]
 
 
 @pytest.mark.slow

@@ -1,9 +1,16 @@
 """Cross-node reads (part of tests/scenarios/one_cluster.py).
 
-Node B (the head) holds the service and writes; a reader actor on node A gets
-through the units' ``read`` and the Ray object store. tests/e2e/test_cross_node.py
-asserts on what it observed.
+Node B (the head) holds the service and writes; reader actors on node A get the same
+rows through each cross-node backend (``dataplane_client/transport/payload``): the
+default reader through Mooncake's transfer engine where it is installed (every field,
+``transfer_min_bytes: 0``), one through Ray's object transfer (``cross_node_transport=
+"ray"``), and one whose process cannot import Mooncake (the probe's fallback). The
+default reader also races a clear and rewrite, and pulls through the failpoint that
+spoils a pull (``payload-corrupt``). tests/e2e/test_cross_node.py asserts on what it
+observed.
 """
+
+import os
 
 import numpy as np
 import ray
@@ -11,6 +18,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dataplane_client import DataPlaneConfig
+from dataplane_client.wire import failpoints
 from dataplane_server import start
 
 N = 24
@@ -28,6 +36,11 @@ def fields(version: int) -> dict:
     }
 
 
+def big_rows(n: int, base: float) -> torch.Tensor:
+    """``n`` rows of 1 MiB each, a function of ``base``: a put the engine pushes."""
+    return torch.arange(n * (1 << 18), dtype=torch.float32).reshape(n, -1) + base
+
+
 def plain(value) -> list:
     """A field of a get as plain lists (rows of a jagged tensor as lists)."""
     if isinstance(value, torch.Tensor):
@@ -38,12 +51,15 @@ def plain(value) -> list:
 
 @ray.remote(num_cpus=0, max_concurrency=2)
 class Reader:
-    def __init__(self, name: str):
+    def __init__(self, name: str, transport: str | None = None, hide_mooncake: bool = False):
+        import sys
         import threading
 
         from dataplane_client import connect
 
-        self.client = connect(name, "dataplane")
+        if hide_mooncake:  # as a process without the package: its import fails
+            sys.modules["mooncake"] = None  # type: ignore[assignment]
+        self.client = connect(name, "dataplane", cross_node_transport=transport)
         self.node = ray.get_runtime_context().get_node_id()
         self.attempts = 0  # gets the race has finished, for the writer to pace itself on
         self.progress = threading.Condition()
@@ -56,6 +72,41 @@ class Reader:
 
     def node_id(self) -> str:
         return self.node
+
+    def paths(self) -> list:
+        """(backend, detail) per unit, as this process's probe chose them."""
+        return [(p.backend, p.detail) for p in self.client.service_info().payload_paths]
+
+    def counters(self) -> dict:
+        import gc
+
+        from dataplane_client.transport.payload import mooncake
+
+        # A get that failed typed after its pull left its arrays in a reference cycle (its
+        # error's traceback and the flow's frames): collected here, so the pooled buffer
+        # they held is back before the count.
+        gc.collect()
+        return mooncake.counters()
+
+    def put_or_error(self, ids: list, base: float) -> dict:
+        """A put of ``big_rows`` to partition "w" (through the engine: more than 1 MiB), or
+        the name and message of the typed error it raised."""
+        from dataplane_client.wire.errors import DataPlaneError
+
+        try:
+            self.client.put_samples(ids, "w", {"big": big_rows(len(ids), base)})
+        except DataPlaneError as e:
+            return {"error": type(e).__name__, "message": str(e)}
+        return {"error": None}
+
+    def get_or_error(self, ids: list, names: list) -> dict:
+        """A get's plain values, or the name and message of the typed error it raised."""
+        from dataplane_client.wire.errors import DataPlaneError
+
+        try:
+            return {"ok": self.get(ids, names)}
+        except DataPlaneError as e:
+            return {"error": type(e).__name__, "message": str(e)}
 
     def get(self, ids: list, names: list) -> dict:
         got = self.client.get_samples(ids, "p", names)
@@ -96,15 +147,32 @@ class Reader:
 def run(cluster) -> dict:
     """On a cluster of the head alone; adds node A (which stays) and returns what it saw."""
     # The service starts while B (the head) is the only node: its units live there.
-    handle = start(DataPlaneConfig(name="xn", num_storage_units=1, admin_enabled=False))
+    # transfer_min_bytes 0: every field, however small, goes through the transfer engine;
+    # transfer_puts: so do node A's puts of more than 1 MiB.
+    handle = start(
+        DataPlaneConfig(
+            name="xn",
+            num_storage_units=1,
+            admin_enabled=False,
+            transfer_min_bytes=0,
+            transfer_puts=True,
+        )
+    )
     node_a = cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     out: dict = {}
-    reader = Reader.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_a.node_id, soft=False)
-    ).remote("xn")
+    on_a = NodeAffinitySchedulingStrategy(node_a.node_id, soft=False)
+    reader = Reader.options(scheduling_strategy=on_a).remote("xn")
+    # The same rows through Ray's object transfer, and from a process without Mooncake.
+    ray_reader = Reader.options(scheduling_strategy=on_a).remote("xn", "ray")
+    bare_reader = Reader.options(scheduling_strategy=on_a).remote("xn", None, True)
     unit_node = ray.get(handle.units[0].ping.remote()).node_id
     out["reader_elsewhere"] = ray.get(reader.node_id.remote()) != unit_node
+    out["paths"] = {
+        "default": ray.get(reader.paths.remote()),
+        "ray": ray.get(ray_reader.paths.remote()),
+        "bare": ray.get(bare_reader.paths.remote()),
+    }
 
     c = handle.client()
     names = ["dense", "half", "jag", "text"]
@@ -124,10 +192,56 @@ def run(cluster) -> dict:
         "shuffled_subset": ([17, 2, 9, 0, 23, 11], ["dense", "text", "half"]),
         "reversed": (list(range(N))[::-1], ["jag", "dense"]),
     }
-    out["cases"] = {}
+    out["cases"], out["cases_ray"], out["cases_bare"] = {}, {}, {}
     for case, (picked, sel) in cases.items():
-        got = ray.get(reader.get.remote([ids[i] for i in picked], sel))
-        out["cases"][case] = got == expect(picked, sel)
+        want_here = expect(picked, sel)
+        for key, who in (("cases", reader), ("cases_ray", ray_reader), ("cases_bare", bare_reader)):
+            got = ray.get(who.get.remote([ids[i] for i in picked], sel))
+            out[key][case] = got == want_here
+    out["counters_after_cases"] = ray.get(reader.counters.remote())
+
+    # A spoiled pull (the failpoint flips a byte after the transfer): pulled again, once;
+    # spoiled twice in a row, the get raises CorruptPayload. Ray's reader never pulls.
+    out["corrupt"] = {}
+    if os.environ.get(failpoints.ENV):
+        for spoil in (1, 2):
+            failpoints.arm(failpoints.PAYLOAD_CORRUPT, str(spoil))
+            answer = ray.get(reader.get_or_error.remote(ids[:4], ["dense"]))
+            out["corrupt"][spoil] = {
+                "right_bytes": answer.get("ok") == expect([0, 1, 2, 3], ["dense"]),
+                "error": answer.get("error"),
+                "message": answer.get("message", ""),
+                "fired": failpoints.fired(failpoints.PAYLOAD_CORRUPT),
+            }
+            failpoints.disarm(failpoints.PAYLOAD_CORRUPT)
+        out["counters_after_corrupt"] = ray.get(reader.counters.remote())
+
+    # Puts from node A pushed through the engine: the bytes land intact; a spoiled check
+    # is pushed again; spoiled twice, the put raises CorruptPayload and nothing is visible.
+    from dataplane_client.wire.errors import DataPlaneError
+
+    c.register_partition("w", ["big"], None, [])
+    out["puts"] = {}
+    for case, spoil in (("clean", 0), ("spoiled_once", 1), ("spoiled_twice", 2)):
+        if spoil and not os.environ.get(failpoints.ENV):
+            continue
+        wids, base = [f"{case}-{i}" for i in range(4)], float(10 * spoil)
+        if spoil:
+            failpoints.arm(failpoints.PAYLOAD_CORRUPT, str(spoil))
+        answer = ray.get(reader.put_or_error.remote(wids, base))
+        fired = failpoints.fired(failpoints.PAYLOAD_CORRUPT) if spoil else 0
+        if spoil:
+            failpoints.disarm(failpoints.PAYLOAD_CORRUPT)
+        try:
+            # Read on the unit's node (shared memory): the tensor holds a read lease while it
+            # lives, so it is compared at once and dropped (the leak check below counts them).
+            read_back: object = bool(
+                torch.equal(c.get_samples(wids, "w", ["big"])["big"], big_rows(4, base))
+            )
+        except DataPlaneError as e:
+            read_back = type(e).__name__
+        out["puts"][case] = {"error": answer["error"], "read_back": read_back, "fired": fired}
+    out["counters_after_puts"] = ray.get(reader.counters.remote())
 
     # A get racing a clear and a rewrite on the remote unit.
     racing = [ids[i] for i in np.random.default_rng(0).permutation(N)[:16].tolist()]
@@ -143,6 +257,21 @@ def run(cluster) -> dict:
         attempts = ray.get(reader.wait_attempts.remote(attempts + 1))
     out["race"] = ray.get(pending)
     out["race_rewrites"] = version
-    ray.kill(reader)
+    out["counters_after_race"] = ray.get(reader.counters.remote())
+
+    # Nothing leaks: every destination buffer was unregistered (above), every remote read
+    # lease came back, and the unit keeps registered only chunks it still holds.
+    from polling import wait_until  # the driver's (tests/ is on its path, not the workers')
+
+    def released() -> bool:
+        h = ray.get(handle.units[0].holdings.remote())
+        out["unit_holdings"] = {"read_leases": h.read_leases, "orphans": h.payload_orphans}
+        return h.read_leases == 0 and h.payload_orphans == 0
+
+    # The unit's sweeper prunes registrations of chunks closed since the last read.
+    wait_until(released, timeout_s=30, what="the remote leases back and no orphan chunk")
+    out["unit_registered_chunks"] = ray.get(handle.units[0].holdings.remote()).payload_registered
+    for r in (reader, ray_reader, bare_reader):
+        ray.kill(r)
     handle.shutdown()
     return out

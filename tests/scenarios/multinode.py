@@ -27,6 +27,7 @@ def run(cluster, worker) -> dict:
     c.put_samples(ids, "p", {"x": rows})
     got = c.get_samples(ids, "p", ["x"])["x"].unbind()
     out["cross_node_roundtrip"] = all(torch.equal(a, b) for a, b in zip(got, rows))
+    out["paths"] = sorted({p.backend for p in c.service_info().payload_paths})
     where = ray.get(handle.controller.lookup_units.remote("p", ids))
     doomed_unit = next(i for i, u in enumerate(units) if u.node_id == worker.node_id)
     doomed = sorted(s for s, u in zip(ids, where) if u == doomed_unit)

@@ -6,7 +6,11 @@ tests/e2e/test_replication.py and tests/e2e/test_multinode.py assert on. One clu
 all three because each grows or shrinks it the way the next one needs (a cluster
 and its interpreter each took 10-20 s to start here):
 
-1. ``cross_node``: the head alone holds the service; it adds node A for its reader.
+1. ``cross_node``: the head alone holds the service; it adds node A for its readers.
+
+Cross-node bytes move through Mooncake's transfer engine where it is installed (every
+field: ``DATAPLANE_TRANSFER_MIN_BYTES=0``), so each scenario runs on that path, and the
+cross-node scenario also reads through Ray's (one cluster start for both backends).
 2. ``replication``: node B joins (head, A, B); B is removed during streaming writes.
 3. ``multinode``: the head and A hold a unit each; A is removed.
 
@@ -17,6 +21,7 @@ next one still runs.
 import json
 import os
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -28,6 +33,7 @@ import multinode
 import ray
 import replication
 
+from dataplane_client.wire import failpoints
 from dataplane_server.launch.local_ray import start_local_cluster
 
 HEAD = {
@@ -51,6 +57,11 @@ def _part(out: dict, name: str, scenario) -> None:
 
 
 def main() -> None:
+    # Before the cluster starts, so every Ray worker inherits them: a failpoint directory
+    # (the cross-node scenario spoils pulls), and every field of a cross-node get through
+    # the transfer engine where one runs (however small: these scenarios' rows are).
+    os.environ.setdefault(failpoints.ENV, tempfile.mkdtemp(prefix="dp-failpoints-"))
+    os.environ["DATAPLANE_TRANSFER_MIN_BYTES"] = "0"
     cluster, _ = start_local_cluster([HEAD], attempts=5)
     ray.init(address=cluster.address, log_to_driver=False)
     out: dict = {}

@@ -128,6 +128,7 @@ def node_loss_during_writes(cluster, doomed_node) -> dict:
     detail = client.consumption_detail("p", ["t"])[0]
     out["lost_counted"] = detail.lost
     out["consumption_done"] = client.check_consumption_status("p", ["t"])
+    out["paths"] = sorted({p.backend for p in client.service_info().payload_paths})
     handle.shutdown()
     return out
 

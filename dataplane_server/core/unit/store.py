@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dataplane_client.wire import shm
-from dataplane_client.wire.encoded import DENSE, EncodedField
+from dataplane_client.wire.encoded import DENSE, EncodedField, run_bounds
 from dataplane_client.wire.errors import (
     CapacityExceeded,
     FieldNotProduced,
@@ -117,6 +117,8 @@ class UnitHoldings:
     reserve_settled: bool  # the reserve is making nothing and was asked for nothing
     chunk_prefix: str  # what the names of this unit's chunks start with
     reader_tokens: int = 0  # same-node readers' process tokens remembered (the actor's)
+    payload_registered: int = 0  # chunks registered with the transfer engine (the actor's)
+    payload_orphans: int = 0  # ... of which neither held, kept warm nor leased: a leak
 
 
 def _narrowest(values: np.ndarray) -> np.ndarray:
@@ -227,6 +229,31 @@ class UnitStore:
             group_rows=group_rows,
         )
         return self._answer(regions, headers, owner, closed_seq)
+
+    async def alloc_regions(
+        self,
+        partition_id: str,
+        write_id: str,
+        sample_ids: list[str],
+        headers: dict[str, EncodedField],
+        owner: Hashable | None = None,
+        expires_at: float | None = None,
+        group_rows: dict[str, np.ndarray] | None = None,
+    ) -> dict[str, tuple[int, int]]:
+        """Stage a write whose bytes a writer on another node puts into place itself with
+        a transfer engine: {field: (block, offset)} of its region (``headers[field].nbytes``
+        long). Invisible until the commit publishes it, which the writer asks for only
+        once its bytes arrived and were checked (``dataplane_server/unit/payload.py``)."""
+        return await self._stage(
+            partition_id,
+            write_id,
+            sample_ids,
+            headers,
+            owner,
+            expires_at,
+            header_only=True,
+            group_rows=group_rows,
+        )
 
     async def stage_leased(
         self,
@@ -814,6 +841,61 @@ class UnitStore:
             self.leases.lend_reads(leased, owner)
         self._count_read(out, t0)
         return out
+
+    def read_runs(
+        self,
+        partition_id: str,
+        sample_ids: list[str],
+        fields: list[str],
+        owner: Hashable | None = None,
+        expect: list[int] | None = None,
+        inline_below: int = INLINE_READ_BYTES,
+    ) -> tuple[dict, int | None]:
+        """Where the fields' bytes sit, for a reader on another node to pull with a transfer
+        engine: per field ``(header, runs)``, ``runs`` the (block, start, nbytes) of its
+        bytes in request order, abutting rows of one block merged (one transfer each); a
+        field under ``inline_below`` bytes comes back as an EncodedField with its bytes
+        instead. The blocks named are leased to the reader (the lease id, or None when none
+        was) until it calls ``release_reads`` or its process, ``owner``, dies, so they are
+        never recycled under a transfer. ``expect``: as ``read``."""
+        t0 = time.perf_counter()
+        self._check_generations(partition_id, sample_ids, expect)
+        out: dict = {}
+        leased: list[int] = []
+        nbytes = 0
+        for name, (header, chunk_ids, which, starts, ends) in self._rows(
+            partition_id, sample_ids, fields
+        ):
+            size = int((ends - starts).sum())
+            nbytes += size
+            if size < inline_below or not self.arena.use_shm:
+                values = self.arena.gather(chunk_ids, which, starts, ends)
+                out[name] = dataclasses.replace(header, values=values)
+                continue
+            first, last = run_bounds(starts, ends, which)
+            blocks = np.asarray(chunk_ids, dtype=np.int64)[which[first]]
+            out[name] = (
+                header,
+                list(
+                    zip(
+                        blocks.tolist(),
+                        starts[first].tolist(),
+                        (ends[last] - starts[first]).tolist(),
+                    )
+                ),
+            )
+            leased.extend(chunk_ids)
+        lease = self.leases.lend_reads(leased, owner) if leased else None
+        self.stats.inc("get_bytes_total", nbytes)
+        self.stats.inc("get_requests_total")
+        self.stats.observe("get_latency_seconds", time.perf_counter() - t0)
+        return out, lease
+
+    def chunk(self, block: int) -> shm.MemFd:
+        """A block's shared-memory chunk (a transfer engine registers a mapping of it)."""
+        store = self.arena.blocks[block].store
+        assert isinstance(store, shm.MemFd), "heap blocks are never offered for transfer"
+        return store
 
     def release_reads(self, leases: list[int]) -> None:
         """A reader's mappings of these leases' chunks are gone: they may be recycled."""

@@ -63,6 +63,11 @@ class WarmReserve:
         if self.limit > 0:
             self._thread.start()
 
+    def ready_chunks(self) -> list[shm.MemFd]:
+        """The chunks kept ready now (a copy of the list)."""
+        with self._lock:
+            return list(self._ready)
+
     @property
     def held_bytes(self) -> int:
         with self._lock:

@@ -1,0 +1,427 @@
+"""Mooncake's Transfer Engine over TCP: a get pulls a unit's bytes straight out of the
+unit's registered chunk memory into its own buffer, with no copy on the unit's side and
+nothing through Ray's object store (``dataplane_server/unit/payload.py`` is the unit's
+side).
+
+Peer-to-peer handshake (``P2PHANDSHAKE``): no metadata server to run; a peer is named by
+its engine's ``ip:port`` (its session). One engine per process, started on first use.
+A get's segments (runs of rows back to back in one chunk) are pulled in one batch of
+transfers, and each is checked against the CRC-32 the unit stated before the get returns
+(Mooncake 0.3.10's TCP path was found to truncate silently, Relax #256): a mismatch is
+pulled once more, and a second one raises ``CorruptPayload``. A get pulls into one
+buffer from a pool of registered ones (:class:`_Pool`), lent until the caller drops its
+tensors; registrations are counted (:func:`counters`: registered minus unregistered is
+always the pool's buffers), so a test sees that nothing else stays registered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import logging
+import os
+import threading
+import traceback
+import zlib
+from typing import Any
+
+import numpy as np
+import ray
+
+from dataplane_client.transport.payload.base import MOONCAKE_TCP, PayloadBackend
+from dataplane_client.wire import failpoints
+from dataplane_client.wire.encoded import EncodedField
+from dataplane_client.wire.errors import CorruptPayload, PayloadTransferFailed
+from dataplane_client.wire.messages import PayloadOffer, RemoteRows, read_request
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_engine: Any = None
+_engine_error: str | None = None
+_counts = {
+    "registered": 0,  # buffers registered with the engine (a pull's, a push's sources)
+    "unregistered": 0,  # ... and unregistered again (the difference: the pool's buffers)
+    "register_failures": 0,
+    "pooled": 0,  # destination buffers idle in the pool, registered (see _Pool)
+    "pulled_bytes": 0,
+    "pushed_bytes": 0,
+    "corrupt": 0,  # pulls whose CRC-32 did not match (each pulled again once)
+    "corrupt_raised": 0,  # fields that mismatched twice: CorruptPayload
+    "transfer_failures": 0,
+}
+
+
+# Mooncake's TCP transport moves a transfer in slices of MC_TCP_SLICE_SIZE; with its
+# default a 128 MiB pull on loopback ran at 0.2-0.7 GB/s here, with 16 MiB at 1.5-2.4 GB/s
+# (2 loaded cores, 2026-11-29). A process that sets it keeps its own.
+TCP_SLICE_BYTES = 16 << 20
+
+
+def engine_environment() -> None:
+    """Set what Mooncake reads from the environment, before it is first imported (unless the
+    process set it itself): the TCP slice size above, and its logs. It logs to stderr from
+    INFO up: a dozen lines per engine start, and one per connection and segment; errors
+    only here (``MC_LOG_LEVEL``; glog's own ``GLOG_minloglevel`` is not honoured before
+    Mooncake initialises glog). One spurious error line ("Local segment descriptor not
+    found") stays at each engine's start.
+
+    A transfer that makes no progress fails after ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (30 s by
+    default; checked here: a stopped peer, -1 after 30.0 s; a dead one, -1 at once), so a
+    pull never hangs a get for longer."""
+    os.environ.setdefault("MC_TCP_SLICE_SIZE", str(TCP_SLICE_BYTES))
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+
+def counters() -> dict[str, int]:
+    """This process's transfer-engine figures (tests, benchmarks)."""
+    with _lock:
+        return dict(_counts)
+
+
+def _count(name: str, n: int = 1) -> None:
+    with _lock:
+        _counts[name] += n
+
+
+def engine(host: str) -> Any:
+    """This process's engine (started on first call); RuntimeError saying why when there
+    is none (the package or its libibverbs missing, or the engine would not start): the
+    reason is kept, so a process tries once."""
+    global _engine, _engine_error
+    with _lock:
+        if _engine is not None:
+            return _engine
+        if _engine_error is not None:
+            raise RuntimeError(_engine_error)
+        try:
+            engine_environment()
+            from mooncake.engine import TransferEngine
+
+            e = TransferEngine()
+            rc = e.initialize(host, "P2PHANDSHAKE", "tcp", "")
+            if rc != 0:
+                raise RuntimeError(f"TransferEngine.initialize({host!r}, tcp) returned {rc}")
+        except Exception as exc:  # noqa: BLE001 - ImportError, OSError (libibverbs), engine errors
+            _engine_error = f"Mooncake unavailable in this process: {type(exc).__name__}: {exc}"
+            raise RuntimeError(_engine_error) from None
+        _engine = e
+        return e
+
+
+class _Lent:
+    """One get's use of a pooled buffer: the base of every array made of it, it gives the
+    buffer back to the pool once they are all gone (the caller dropped its tensors)."""
+
+    def __init__(self, pool: _Pool, buf: np.ndarray):
+        self.pool, self.buf = pool, buf
+        self.__array_interface__ = buf.__array_interface__
+
+    def __del__(self) -> None:
+        self.pool.give_back(self.buf)
+
+
+class _Pool:
+    """Destination buffers registered with the engine once and kept for later pulls.
+
+    A fresh buffer per pull made the engine fault in and register new memory on every
+    get, and those gets were the slow half of a bimodal spread (0.3-0.85 s against
+    0.10-0.16 s for 128 MiB, 2 loaded cores); a steady reader now pulls into memory that
+    is registered and faulted in already. A buffer is lent to one get (its arrays hold a
+    :class:`_Lent`) and comes back when the caller drops them; idle buffers beyond
+    ``KEEP_BYTES`` are unregistered and freed. ``counters()``: ``registered`` minus
+    ``unregistered`` is always the pool's buffers, lent or ``pooled`` (idle).
+    """
+
+    KEEP_BYTES = 1 << 30
+    ROUND = 1 << 20  # sizes rounded up to whole MiB, so similar gets share buffers
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+        self._free_bytes = 0
+        self._eng: Any = None
+
+    def take(self, eng: Any, nbytes: int) -> np.ndarray:
+        """A registered buffer of at least ``nbytes`` (at most twice that, plus a MiB)."""
+        with _lock:
+            fits = [
+                i for i, b in enumerate(self._free) if nbytes <= b.nbytes <= 2 * nbytes + self.ROUND
+            ]
+            if fits:  # the smallest that fits (by position: arrays do not compare as items)
+                buf = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
+                self._free_bytes -= buf.nbytes
+                _counts["pooled"] -= 1
+                return buf
+        size = -(-max(nbytes, 1) // self.ROUND) * self.ROUND
+        buf = np.empty(size, dtype=np.uint8)
+        rc = eng.register_memory(buf.ctypes.data, buf.nbytes)
+        if rc != 0:
+            _count("register_failures")
+            raise PayloadTransferFailed(
+                f"Mooncake register_memory of a {buf.nbytes}-byte destination returned {rc}"
+            )
+        self._eng = eng
+        _count("registered")
+        return buf
+
+    def lend(self, buf: np.ndarray) -> np.ndarray:
+        """``buf`` as an array whose views give it back once they are all gone."""
+        return np.asarray(_Lent(self, buf))
+
+    def give_back(self, buf: np.ndarray) -> None:
+        with _lock:
+            if self._free_bytes + buf.nbytes <= self.KEEP_BYTES:
+                self._free.append(buf)
+                self._free_bytes += buf.nbytes
+                _counts["pooled"] += 1
+                return
+        self._eng.unregister_memory(buf.ctypes.data)
+        _count("unregistered")
+
+
+_pool = _Pool()
+
+
+class _Registered:
+    """A buffer registered with the engine for one transfer (unregistered on exit)."""
+
+    def __init__(self, eng: Any, buf: np.ndarray):
+        self.eng, self.addr, self.nbytes = eng, buf.ctypes.data, buf.nbytes
+
+    def __enter__(self) -> _Registered:
+        rc = self.eng.register_memory(self.addr, self.nbytes)
+        if rc != 0:
+            _count("register_failures")
+            raise PayloadTransferFailed(
+                f"Mooncake register_memory of a {self.nbytes}-byte destination returned {rc}"
+            )
+        _count("registered")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.eng.unregister_memory(self.addr)
+        _count("unregistered")
+
+
+def probe(offer: PayloadOffer, host: str) -> str | None:
+    """None when this process can pull from the unit that made ``offer`` (its probe bytes
+    arrive, CRC-32 checked), else why not."""
+    try:
+        eng = engine(host)
+    except RuntimeError as e:
+        return str(e)
+    assert offer.probe is not None
+    addr, nbytes, crc = offer.probe
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    try:
+        with _Registered(eng, buf):
+            rc = eng.transfer_sync_read(offer.session, buf.ctypes.data, addr, nbytes)
+    except PayloadTransferFailed as e:
+        return str(e)
+    if rc != 0:
+        return f"the unit's engine at {offer.session} is not reachable (transfer returned {rc})"
+    if zlib.crc32(buf.data) != crc:
+        return f"the probe bytes from {offer.session} arrived altered (CRC-32 mismatch)"
+    return None
+
+
+class MooncakeTcp(PayloadBackend):
+    """Pulls from one unit's engine (``session``: its ``ip:port``)."""
+
+    name = MOONCAKE_TCP
+
+    def __init__(self, unit_index: int, session: str, host: str):
+        self.unit_index, self.session, self.host = unit_index, session, host
+
+    def read_call(self, unit, partition_id, sample_ids, fields, expect, token):
+        return unit.read_remote.remote(
+            read_request(partition_id, sample_ids, fields, token, expect, None)
+        )
+
+    def needs_completion(self, answer: Any) -> bool:
+        return isinstance(answer, dict) and any(isinstance(v, RemoteRows) for v in answer.values())
+
+    def complete(self, unit: Any, answer: dict) -> dict[str, EncodedField]:
+        """Pull every field the unit left to pull, check it, then give the lease back
+        (always: a failed pull must not keep the unit's chunks)."""
+        leases = {v.lease for v in answer.values() if isinstance(v, RemoteRows)}
+        try:
+            pulled = self._pull(engine(self.host), answer)
+            return {
+                name: dataclasses.replace(part.header, values=pulled[name])
+                if isinstance(part, RemoteRows)
+                else part
+                for name, part in answer.items()
+            }
+        finally:
+            try:
+                unit.release_remote.remote(sorted(leases))
+            except Exception:  # noqa: BLE001 - Ray shut down or the unit is gone: nothing to release
+                pass
+
+    def _pull(self, eng: Any, answer: dict) -> dict[str, np.ndarray]:
+        """Every segment of every field to pull in one batch of transfers (the engine runs
+        them together), each checked against its CRC-32; the ones that do not match are
+        pulled once more, and any still wrong raise CorruptPayload."""
+        fields = {k: v for k, v in answer.items() if isinstance(v, RemoteRows)}
+        # One pooled buffer for the whole get, each field a slice of it (lent: it goes back
+        # to the pool when the caller's last tensor of this get is gone).
+        whole = _pool.lend(_pool.take(eng, sum(r.nbytes for r in fields.values())))
+        try:
+            return self._fill(eng, whole, fields)
+        except BaseException as e:
+            # The error's traceback keeps its frames' locals (the buffer's views) for as long
+            # as the caller keeps the error: let go of them now, so the buffer goes back.
+            del whole
+            traceback.clear_frames(e.__traceback__)
+            raise
+
+    def _fill(self, eng: Any, whole: np.ndarray, fields: dict) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        segs: list[tuple[str, int, int, int, int]] = []  # field, dest, src, length, crc
+        pos = 0
+        for name, rows in fields.items():
+            out[name] = whole[pos : pos + rows.nbytes]
+            at = whole.ctypes.data + pos
+            for (src, n), crc in zip(rows.segments, rows.crc32s):
+                if n > 0:
+                    segs.append((name, at, src, n, crc))
+                at += n
+            pos += rows.nbytes
+        todo = segs  # into the pooled buffer: registered already
+        for attempt in (1, 2):
+            self._transfer(eng, todo)
+            if failpoints.countdown_if_armed(failpoints.PAYLOAD_CORRUPT) and todo:
+                _, dest, _, n, _ = todo[0]  # what a truncated or corrupted transfer leaves
+                _as_array(dest + n - 1, 1)[0] ^= 0xFF
+            bad = [s for s in todo if zlib.crc32(_as_array(s[1], s[3]).data) != s[4]]
+            if not bad:
+                return out
+            _count("corrupt", len(bad))
+            log.warning(
+                "unit %d: %d of %d segments pulled from %s did not match their CRC-32 "
+                "(fields %s; attempt %d of 2)",
+                self.unit_index,
+                len(bad),
+                len(todo),
+                self.session,
+                sorted({s[0] for s in bad}),
+                attempt,
+            )
+            todo = bad
+        _count("corrupt_raised")
+        names = sorted({s[0] for s in todo})
+        crcs = ", ".join(f"{s[4]:#x}" for s in todo[:4])
+        raise CorruptPayload(
+            f"unit {self.unit_index}: {len(todo)} segment(s) of field(s) "
+            f"{', '.join(repr(n) for n in names)} pulled from {self.session} did not match "
+            f"the unit's CRC-32 ({crcs}), twice",
+            fields=names,
+        )
+
+    def _transfer(self, eng: Any, segs: list[tuple[str, int, int, int, int]]) -> None:
+        if not segs:
+            return
+        if len(segs) == 1:
+            _, dest, src, n, _ = segs[0]
+            rc = eng.transfer_sync_read(self.session, dest, src, n)
+        else:
+            rc = eng.batch_transfer_sync_read(
+                self.session, [s[1] for s in segs], [s[2] for s in segs], [s[3] for s in segs]
+            )
+        if rc != 0:
+            _count("transfer_failures")
+            names = sorted({s[0] for s in segs})
+            raise PayloadTransferFailed(
+                f"unit {self.unit_index}: pulling {sum(s[3] for s in segs)} bytes of "
+                f"{', '.join(repr(n) for n in names)} from {self.session} failed "
+                f"(transfer returned {rc})",
+                fields=names,
+            )
+        _count("pulled_bytes", sum(s[3] for s in segs))
+
+
+class MooncakePush:
+    """A cross-node put's stage on one unit through the engine: the unit sets the region
+    aside (``alloc_remote``), this process pushes each field's bytes into it
+    (``transfer_sync_write``) and the unit checks them against the CRC-32 this process
+    computed of what it sent (``verify_remote``), before any commit: a mismatch is pushed
+    once more, then CorruptPayload. The commit, the only visibility point, is sent only
+    after that, so a push that failed, timed out or was corrupted is never half applied:
+    its stage is discarded (or reclaimed at its deadline), invisible."""
+
+    def __init__(self, backend: MooncakeTcp):
+        self.backend = backend
+
+    def push(self, unit: Any, write_id: str, values: dict[str, np.ndarray], regions: dict) -> int:
+        b = self.backend
+        eng = engine(b.host)
+        srcs = {k: np.ascontiguousarray(v).reshape(-1).view(np.uint8) for k, v in values.items()}
+        for name, (_, n) in regions.items():
+            if srcs[name].nbytes != n:
+                raise CorruptPayload(
+                    f"unit {b.unit_index}: field {name!r} has {srcs[name].nbytes} bytes to "
+                    f"push into a {n}-byte region",
+                    fields=[name],
+                )
+        crcs = {k: zlib.crc32(v.data) for k, v in srcs.items()}
+        todo = [k for k in regions if regions[k][1] > 0]
+        with contextlib.ExitStack() as registered:
+            for k in todo:
+                registered.enter_context(_Registered(eng, srcs[k]))
+            for attempt in (1, 2):
+                segs = [(k, srcs[k].ctypes.data, regions[k][0], regions[k][1], 0) for k in todo]
+                self._write(eng, segs)
+                stated = dict(crcs)
+                if failpoints.countdown_if_armed(failpoints.PAYLOAD_CORRUPT) and todo:
+                    stated[todo[0]] ^= 1  # as if the bytes had changed on the way
+                try:
+                    _wait(unit.verify_remote.remote(write_id, stated))
+                except CorruptPayload as e:
+                    _count("corrupt")
+                    log.warning("%s (attempt %d of 2)", e, attempt)
+                    if attempt == 2:
+                        _count("corrupt_raised")
+                        raise CorruptPayload(
+                            f"unit {b.unit_index}: the bytes pushed to {b.session} for "
+                            f"write {write_id} did not match their CRC-32, twice",
+                            fields=e.fields,
+                        ) from None
+                    continue
+                return sum(n for _, (_, n) in regions.items())
+        raise AssertionError("unreachable")
+
+    def _write(self, eng: Any, segs: list[tuple[str, int, int, int, int]]) -> None:
+        b = self.backend
+        if not segs:
+            return
+        rc = eng.batch_transfer_sync_write(
+            b.session, [s[1] for s in segs], [s[2] for s in segs], [s[3] for s in segs]
+        )
+        if rc != 0:
+            _count("transfer_failures")
+            names = sorted({s[0] for s in segs})
+            raise PayloadTransferFailed(
+                f"unit {b.unit_index}: pushing {sum(s[3] for s in segs)} bytes of "
+                f"{', '.join(repr(n) for n in names)} to {b.session} failed "
+                f"(transfer returned {rc})",
+                fields=names,
+            )
+        _count("pushed_bytes", sum(s[3] for s in segs))
+
+
+def _wait(ref: Any) -> Any:
+    """A unit call's answer, its typed error raised as itself."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise
+
+
+def _as_array(addr: int, nbytes: int) -> np.ndarray:
+    """The bytes at ``addr`` (inside one of this pull's own buffers) as an array."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))

@@ -1,0 +1,154 @@
+"""The Mooncake backend's pulls against a real peer engine (no Ray, no cluster): a peer
+process registers random bytes with its own engine, as a storage unit does, and this
+process pulls them through ``MooncakeTcp`` (dataplane_client/transport/payload/mooncake.py).
+Bytes identical, a wrong CRC-32 pulled again then ``CorruptPayload``, a dead peer
+``PayloadTransferFailed``, the probe's reasons, and every destination buffer back in the
+pool (or unregistered) and the read lease given back whatever happened; a second pull of
+the same size reuses the pooled buffer (no new registration). Skipped where Mooncake's engine does not
+load; under CI=true it must (tests/scenario_run.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+from scenario_run import mooncake_loads
+
+from dataplane_client.transport.payload import mooncake
+from dataplane_client.wire.encoded import DENSE, EncodedField
+from dataplane_client.wire.errors import CorruptPayload, PayloadTransferFailed
+from dataplane_client.wire.messages import PayloadOffer, RemoteRows
+
+pytestmark = pytest.mark.skipif(not mooncake_loads(), reason="Mooncake's engine does not load")
+
+NBYTES = 3 << 20
+PEER = """
+import os, sys, zlib
+import numpy as np
+from dataplane_client.transport.payload import mooncake
+mooncake.engine_environment()
+from mooncake.engine import TransferEngine
+e = TransferEngine()
+assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+data = np.frombuffer(os.urandom(int(sys.argv[1])), dtype=np.uint8).copy()
+assert e.register_memory(data.ctypes.data, data.nbytes) == 0
+print(e.get_rpc_port(), data.ctypes.data, flush=True)
+sys.stdout.buffer.write(data.tobytes())
+sys.stdout.flush()
+sys.stdin.read()  # held until the test closes our stdin (or kills us)
+"""
+
+
+@dataclasses.dataclass
+class Peer:
+    proc: subprocess.Popen
+    session: str
+    addr: int
+    data: np.ndarray
+
+
+@pytest.fixture
+def peer():
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PEER, str(NBYTES)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    port, addr = proc.stdout.readline().split()
+    data = np.frombuffer(proc.stdout.read(NBYTES), dtype=np.uint8)
+    yield Peer(proc, f"127.0.0.1:{int(port)}", int(addr), data)
+    proc.kill()
+    proc.wait(timeout=30)
+
+
+class _Unit:
+    """Stands in for a storage unit's actor handle: records the leases given back."""
+
+    def __init__(self):
+        self.released: list[list[int]] = []
+        self.release_remote = self
+
+    def remote(self, leases: list[int]) -> None:
+        self.released.append(leases)
+
+
+def _answer(peer: Peer, cuts: list[tuple[int, int]], wrong_crc: bool = False) -> dict:
+    """A unit's read_remote answer for one field: rows at the peer's (start, nbytes) cuts,
+    back to back, in that order."""
+    segments = [(peer.addr + s, n) for s, n in cuts]
+    crcs = [zlib.crc32(peer.data[s : s + n].data) ^ int(wrong_crc) for s, n in cuts]
+    nbytes = sum(n for _, n in cuts)
+    header = EncodedField(kind=DENSE, dtype="uint8", shape=(nbytes,), num_rows=1)
+    return {"x": RemoteRows(header, segments, crcs, lease=7)}
+
+
+def _balanced(before: dict) -> dict:
+    """What changed since ``before``; every registered buffer is unregistered or idle in
+    the pool (none is lent: the caller dropped what the pulls returned)."""
+    after = mooncake.counters()
+    assert after["registered"] - after["unregistered"] == after["pooled"], after
+    return {k: after[k] - before[k] for k in after}
+
+
+def test_a_pull_of_scattered_segments_returns_the_peers_bytes(peer):
+    cuts = [(NBYTES // 2, 1 << 20), (0, 4096), (5000, 123_457), (NBYTES - 10, 10)]
+    unit, before = _Unit(), mooncake.counters()
+    got = mooncake.MooncakeTcp(0, peer.session, "127.0.0.1").complete(unit, _answer(peer, cuts))
+    want = np.concatenate([peer.data[s : s + n] for s, n in cuts])
+    assert np.array_equal(got["x"].values, want)
+    assert unit.released == [[7]]
+    lent = mooncake.counters()
+    assert lent["registered"] - lent["unregistered"] == lent["pooled"] + 1, "one buffer lent"
+    del got  # the caller drops its arrays: the buffer goes back to the pool
+    delta = _balanced(before)
+    assert delta["pulled_bytes"] == want.nbytes
+    assert delta["corrupt"] == 0
+
+
+def test_a_crc_that_never_matches_is_pulled_twice_then_corrupt_payload(peer):
+    unit, before = _Unit(), mooncake.counters()
+    backend = mooncake.MooncakeTcp(3, peer.session, "127.0.0.1")
+    with pytest.raises(CorruptPayload, match=r"unit 3: 1 segment\(s\) of field\(s\) 'x'") as e:
+        backend.complete(unit, _answer(peer, [(0, NBYTES)], wrong_crc=True))
+    assert e.value.fields == ["x"]
+    assert unit.released == [[7]], "the lease goes back even when the get fails"
+    delta = _balanced(before)
+    assert delta["corrupt"] == 2
+    assert delta["corrupt_raised"] == 1
+
+
+def test_a_dead_peer_is_payload_transfer_failed_and_leaks_nothing(peer):
+    peer.proc.kill()
+    peer.proc.wait(timeout=30)
+    unit, before = _Unit(), mooncake.counters()
+    backend = mooncake.MooncakeTcp(1, peer.session, "127.0.0.1")
+    with pytest.raises(PayloadTransferFailed, match=r"unit 1: pulling 4096 bytes of 'x' from"):
+        backend.complete(unit, _answer(peer, [(0, 4096)]))
+    assert unit.released == [[7]]
+    assert _balanced(before)["transfer_failures"] == 1
+
+
+def test_the_probe_says_why_a_peer_cannot_be_used(peer):
+    good = (peer.addr, 4096, zlib.crc32(peer.data[:4096].data))
+    offer = PayloadOffer("mooncake-tcp", session=peer.session, probe=good)
+    assert mooncake.probe(offer, "127.0.0.1") is None
+    altered = dataclasses.replace(offer, probe=(peer.addr, 4096, good[2] ^ 1))
+    assert "arrived altered" in (mooncake.probe(altered, "127.0.0.1") or "")
+    peer.proc.kill()
+    peer.proc.wait(timeout=30)
+    assert "is not reachable" in (mooncake.probe(offer, "127.0.0.1") or "")
+
+
+def test_a_second_get_of_the_same_size_reuses_the_pooled_buffer(peer):
+    backend = mooncake.MooncakeTcp(0, peer.session, "127.0.0.1")
+    first = backend.complete(_Unit(), _answer(peer, [(0, 1 << 20)]))
+    del first
+    before = mooncake.counters()
+    again = backend.complete(_Unit(), _answer(peer, [(4096, 1 << 20)]))
+    assert np.array_equal(again["x"].values, peer.data[4096 : 4096 + (1 << 20)])
+    del again
+    delta = _balanced(before)
+    assert delta["registered"] == 0, "pulled into the pooled buffer, registered once"
