@@ -330,16 +330,22 @@ class MooncakeTcp(PayloadBackend):
             rc = eng.batch_transfer_sync_read(
                 self.session, [s[1] for s in segs], [s[2] for s in segs], [s[3] for s in segs]
             )
-        if rc != 0:
-            _count("transfer_failures")
-            names = sorted({s[0] for s in segs})
-            raise PayloadTransferFailed(
-                f"unit {self.unit_index}: pulling {sum(s[3] for s in segs)} bytes of "
-                f"{', '.join(repr(n) for n in names)} from {self.session} failed "
-                f"(transfer returned {rc})",
-                fields=names,
-            )
+        _check_transfer(rc, segs, f"unit {self.unit_index}: pulling", f"from {self.session}")
         _count("pulled_bytes", sum(s[3] for s in segs))
+
+
+def _check_transfer(rc: int, segs: list, doing: str, peer: str) -> None:
+    """A batch transfer's return code: anything but 0 is PayloadTransferFailed naming the
+    fields, the bytes and the peer (counted)."""
+    if rc == 0:
+        return
+    _count("transfer_failures")
+    names = sorted({s[0] for s in segs})
+    raise PayloadTransferFailed(
+        f"{doing} {sum(s[3] for s in segs)} bytes of {', '.join(repr(n) for n in names)} "
+        f"{peer} failed (transfer returned {rc})",
+        fields=names,
+    )
 
 
 class MooncakePush:
@@ -399,15 +405,7 @@ class MooncakePush:
         rc = eng.batch_transfer_sync_write(
             b.session, [s[1] for s in segs], [s[2] for s in segs], [s[3] for s in segs]
         )
-        if rc != 0:
-            _count("transfer_failures")
-            names = sorted({s[0] for s in segs})
-            raise PayloadTransferFailed(
-                f"unit {b.unit_index}: pushing {sum(s[3] for s in segs)} bytes of "
-                f"{', '.join(repr(n) for n in names)} to {b.session} failed "
-                f"(transfer returned {rc})",
-                fields=names,
-            )
+        _check_transfer(rc, segs, f"unit {b.unit_index}: pushing", f"to {b.session}")
         _count("pushed_bytes", sum(s[3] for s in segs))
 
 
