@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -240,6 +241,21 @@ def slowest_rank_phases(policy: Any) -> dict[str, float]:
 # ---------------------------------------------------------------------------- run
 
 
+@contextmanager
+def service_with_policy(max_len: int, service: str = SERVICE_NAME) -> Iterator[tuple[Any, Any]]:
+    """A benchmark service and a policy on it (``make_policy``): (a client, the policy),
+    both shut down after, the policy first."""
+    handle = start_service(service, NAMESPACE)
+    policy = None
+    try:
+        policy = make_policy(max_len, service=service)
+        yield handle.client(), policy
+    finally:
+        if policy is not None:
+            policy.shutdown()
+        handle.shutdown()
+
+
 def make_policy(
     max_len: int, *, service: str = SERVICE_NAME, dp: int = DP, worker_cls: type | None = None
 ) -> Any:
@@ -353,12 +369,8 @@ def run(opts: Options) -> Section:
     batches = QUICK_BATCHES if opts.quick else FULL_BATCHES
     max_len = QUICK_MAX_LEN if opts.quick else FULL_MAX_LEN
     repeats = max(1, min(opts.repeats, 3))  # each pass is seconds of compute on 2 cores
-    handle = start_service(SERVICE_NAME, NAMESPACE)
-    policy = None
     results = []
-    try:
-        policy = make_policy(max_len)
-        client = handle.client()
+    with service_with_policy(max_len) as (client, policy):
         for b in batches:
             partition = f"rollouts-{b}"
             tokens = ray.get(
@@ -384,10 +396,6 @@ def run(opts: Options) -> Section:
             results.append(row)
             opts.log(f"driver B={b}: {summary_line(row)}")
             client.clear_samples(None, partition)
-    finally:
-        if policy is not None:
-            policy.shutdown()
-        handle.shutdown()
     _report(section, results, repeats)
     return section
 

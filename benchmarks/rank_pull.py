@@ -23,14 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import Options, Section, Table, Target, median, ratio, start_service
+from benchmarks.common import Options, Section, Table, Target, median, ratio
 from benchmarks.driver_path import (
     DP,
-    NAMESPACE,
     VOCAB,
     _require_demo_extra,
     count_driver_bytes,
-    make_policy,
+    service_with_policy,
 )
 
 SERVICE_NAME = "bench-rank-pull"
@@ -139,12 +138,9 @@ def run(opts: Options) -> Section:
     section = Section("rankpull")
     sizes = QUICK if opts.quick else FULL
     repeats = max(1, min(opts.repeats, 3))
-    handle = start_service(SERVICE_NAME, NAMESPACE)
-    policy = None
     results = []
-    try:
-        policy = make_policy(max(max_len for _, max_len, _ in sizes), service=SERVICE_NAME)
-        client = handle.client()
+    longest = max(max_len for _, max_len, _ in sizes)
+    with service_with_policy(longest, service=SERVICE_NAME) as (client, policy):
         for n, max_len, budget in sizes:
             row = measure(policy, client, n, max_len, budget, repeats)
             results.append(row)
@@ -152,10 +148,6 @@ def run(opts: Options) -> Section:
                 f"rankpull B={n}: planned {median(row['seconds']['planned']):.3f}s, "
                 f"streamed {median(row['seconds']['streamed']):.3f}s"
             )
-    finally:
-        if policy is not None:
-            policy.shutdown()
-        handle.shutdown()
     _report(section, results, repeats)
     return section
 

@@ -51,9 +51,7 @@ def test_each_backend_reads_the_same_bytes_and_the_probe_says_which():
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 60)  # the first to ask runs every scenario
 def test_pulls_leave_nothing_registered_nor_leased():
-    out = run_scenario("cross_node")
-    if not mooncake_loads():
-        pytest.skip("Mooncake's engine does not load here")
+    out = _through_mooncake()
     for step in ("counters_after_cases", "counters_after_corrupt", "counters_after_race"):
         c = out[step]
         # Each registered buffer is unregistered or idle in the pool: none stays lent.
@@ -68,9 +66,7 @@ def test_pulls_leave_nothing_registered_nor_leased():
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 60)  # the first to ask runs every scenario
 def test_a_spoiled_pull_is_pulled_again_and_two_raise_corrupt_payload():
-    out = run_scenario("cross_node")
-    if not mooncake_loads():
-        pytest.skip("Mooncake's engine does not load here")
+    out = _through_mooncake()
     once, twice = out["corrupt"]["1"], out["corrupt"]["2"]
     # One spoiled pull: the CRC-32 check catches it, the field is pulled again, right bytes.
     assert once["fired"] == 1, once
@@ -107,3 +103,12 @@ def test_puts_pushed_through_the_engine_land_intact_or_not_at_all():
     }
     c = out["counters_after_puts"]
     assert c["registered"] - c["unregistered"] == c["pooled"], c
+
+
+def _through_mooncake() -> dict:
+    """The cross-node scenario's figures, for a test of Mooncake's own path (skipped where
+    its engine does not load: every other test checks the Ray path there)."""
+    out = run_scenario("cross_node")
+    if not mooncake_loads():
+        pytest.skip("Mooncake's engine does not load here")
+    return out
