@@ -163,6 +163,14 @@ def _mode(policy, name):
     policy.configure_batching(dyn, pack)
 
 
+@pytest.fixture(params=list(MODES))
+def mode(request, policy) -> str:
+    """Each micro-batching mode in turn (plain, dynamic batching, sequence packing), set on
+    the module's policy before the test."""
+    _mode(policy, request.param)
+    return request.param
+
+
 def _rank(policy, dp, tp):
     return policy.sharding.get_rank(
         pipeline_parallel=0, data_parallel=dp, context_parallel=0, tensor_parallel=tp
@@ -171,9 +179,7 @@ def _rank(policy, dp, tp):
 
 # ---- logprobs ---------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", list(MODES))
 def test_logprobs_through_data_plane_equal_reference_and_classic(policy, client, batch, mode):
-    _mode(policy, mode)
     meta = _put(client, batch, ["input_ids", "input_lengths"])
     policy.run_on_all_workers("set_io_recording", True)
     policy.recorder.clear()
@@ -310,11 +316,9 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", list(MODES))
 def test_train_step_through_data_plane_equals_classic_and_reference(
     policy, client, batch, reference_step, mode
 ):
-    _mode(policy, mode)
     meta = _put(client, batch, TRAIN_FIELDS)
     policy.recorder.clear()
     tq, tq_params, tq_digests = _train_and_collect(
@@ -411,11 +415,9 @@ def test_streamed_logprobs_equal_the_driver_planned_path(policy, client, batch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", list(MODES))
 def test_a_streamed_train_step_equals_the_driver_planned_one(
     policy, client, batch, reference_step, mode
 ):
-    _mode(policy, mode)
     meta = _put(client, batch, TRAIN_FIELDS)
     planned, planned_params, _ = _train_and_collect(
         policy, lambda: policy.train_from_meta(meta, gbs=N, mbs=2)
