@@ -291,4 +291,8 @@ def test_readme_pip_instructions_install_the_cpu_torch_before_the_package():
     ]
     cpu_torch = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
     assert commands[0] == cpu_torch, commands
-    assert commands[1:] == ["pip install rl-dataplane", "pip install 'rl-dataplane[demo]'"]
+    assert commands[1:] == [
+        "pip install rl-dataplane",
+        "pip install 'rl-dataplane[demo]'",
+        "pip install 'rl-dataplane[mooncake]'",
+    ]
