@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+from typing import Any
 
 import numpy as np
 import ray
@@ -50,6 +51,13 @@ def _owner(owner: list | None) -> ray.ObjectRef | None:
     """The caller's process token: ``[ObjectRef]`` (a list, so Ray passes the ref itself
     instead of resolving it), or None."""
     return owner[0] if owner else None
+
+
+def _read_request(verb: str, request: Any) -> tuple:
+    """``messages.read_request``'s 6-tuple, or InvalidBatch naming the verb given another."""
+    if not isinstance(request, tuple) or len(request) != 6:
+        raise InvalidBatch(f"{verb} takes messages.read_request's 6-tuple, not {request!r:.200}")
+    return request
 
 
 @ray.remote
@@ -234,12 +242,9 @@ class StorageUnit:
         serialises each argument on its own (about 0.06 ms each) and ships an answer's
         small numpy arrays out of band (about 0.2 ms more than the same answer as bytes).
         """
-        try:
-            partition_id, sample_ids, fields, owner, expect, closed_seq = request
-        except (TypeError, ValueError):
-            raise InvalidBatch(
-                f"read_shm takes messages.read_request's 6-tuple, not {request!r:.200}"
-            ) from None
+        partition_id, sample_ids, fields, owner, expect, closed_seq = _read_request(
+            "read_shm", request
+        )
         if failpoints.once_if_armed(failpoints.READER_TOKENS_LOST):
             self._readers.forget_all()
         out = self.store.read_shm(
@@ -259,12 +264,7 @@ class StorageUnit:
         another node to pull with its transfer engine (small fields come inline), under a
         read lease it gives back with ``release_remote``. ``request``: as ``read_shm``'s;
         the answer is one in-band pickle."""
-        try:
-            partition_id, sample_ids, fields, owner, expect, _ = request
-        except (TypeError, ValueError):
-            raise InvalidBatch(
-                f"read_remote takes messages.read_request's 6-tuple, not {request!r:.200}"
-            ) from None
+        partition_id, sample_ids, fields, owner, expect, _ = _read_request("read_remote", request)
         out = self.payload.read(
             partition_id, sample_ids, fields, self._readers.resolve(owner), expect
         )

@@ -218,15 +218,8 @@ class UnitStore:
         the controller's commit publishes it, which the client only asks for after
         its copy is complete.
         """
-        regions = await self._stage(
-            partition_id,
-            write_id,
-            sample_ids,
-            headers,
-            owner,
-            expires_at,
-            header_only=True,
-            group_rows=group_rows,
+        regions = await self.alloc_regions(
+            partition_id, write_id, sample_ids, headers, owner, expires_at, group_rows
         )
         return self._answer(regions, headers, owner, closed_seq)
 
@@ -240,10 +233,11 @@ class UnitStore:
         expires_at: float | None = None,
         group_rows: dict[str, np.ndarray] | None = None,
     ) -> dict[str, tuple[int, int]]:
-        """Stage a write whose bytes a writer on another node puts into place itself with
-        a transfer engine: {field: (block, offset)} of its region (``headers[field].nbytes``
-        long). Invisible until the commit publishes it, which the writer asks for only
-        once its bytes arrived and were checked (``dataplane_server/unit/payload.py``)."""
+        """Stage a write whose bytes its writer puts into place itself (through its
+        shared-memory mapping, ``alloc_shm``, or a transfer engine from another node,
+        ``dataplane_server/unit/payload.py``): {field: (block, offset)} of its region
+        (``headers[field].nbytes`` long). Invisible until the commit publishes it, which
+        the writer asks for only once its bytes are in place."""
         return await self._stage(
             partition_id,
             write_id,
