@@ -399,6 +399,9 @@ def staleness_spec(value: Any) -> StalenessSpec | None:
         raise InvalidBatch("admission_batch needs max_staleness: the bound is (N + 1) x batch")
     if ratio is not None and admission_batch is None:
         raise InvalidBatch("oversample_ratio needs admission_batch")
+    pace = flag(value.pace, "pace")
+    if pace and admission_batch is None:
+        raise InvalidBatch("pace needs admission_batch: the trainer's samples per version")
     return StalenessSpec(
         version_tag=name(value.version_tag, "version_tag"),
         max_staleness=bound,
@@ -406,6 +409,7 @@ def staleness_spec(value: Any) -> StalenessSpec | None:
         admission_batch=admission_batch,
         oversample_ratio=None if ratio is None else float(ratio),
         evict_stale=flag(value.evict_stale, "evict_stale"),
+        pace=pace,
     )
 
 

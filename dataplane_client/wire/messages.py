@@ -213,6 +213,14 @@ class StalenessSpec:
     ``oversample_ratio``, while samples granted at one version stay within
     ``ratio * admission_batch``. ``evict_stale``: a put that finds a unit full
     evicts whole unclaimed groups of the oldest version instead of failing.
+    ``pace`` (with ``admission_batch``): admission paces producers instead of letting
+    slow samples go stale. The room follows how far the trainer is from the oldest
+    sample started and not trained: with ``h`` the versions the trainer may still
+    publish before that sample leaves the window (``max_staleness`` when none is
+    outstanding), grants only while started and not trained stay within
+    ``(h + 1) * admission_batch``. A trainer that trains ``admission_batch`` samples
+    per version then has to train that sample before it goes stale (no stale drops);
+    producers should ask in units that divide ``admission_batch``.
     """
 
     version_tag: str = DEFAULT_VERSION_TAG
@@ -221,6 +229,7 @@ class StalenessSpec:
     admission_batch: Any = None
     oversample_ratio: Any = None
     evict_stale: bool = False
+    pace: bool = False
 
     def bound(self, task: str) -> int | None:
         """The task's staleness bound (None: unbounded); only on a checked spec."""
@@ -271,7 +280,8 @@ class StalenessInfo:
     granted_in_flight: int  # samples of live grants
     grants: int  # live grants
     untrained: int  # live samples some bounded task has not consumed
-    admission_limit: int | None  # (max_staleness + 1) * admission_batch
+    # (max_staleness + 1) * admission_batch; paced: less while an old sample is outstanding
+    admission_limit: int | None
     admission_waits: int
     recently_dropped: list[str]  # ids dropped or evicted, newest last (the last 4,096)
     # per task: samples its filtered claims refused, no longer owed (never counted stale)

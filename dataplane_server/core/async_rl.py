@@ -132,7 +132,9 @@ class AdmissionAsk:
 
     def offer(self) -> RolloutGrant | None:
         """A grant to journal and ``record`` now, or None (``why`` says why not)."""
-        why = self.versions.refusal(self.n, self.keys.untrained(self.part), self.part.tasks)
+        why = self.versions.refusal(
+            self.n, self.keys.untrained_versions(self.part), self.part.tasks
+        )
         if why is not None:
             self.why = why
             return None

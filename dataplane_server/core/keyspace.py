@@ -1483,10 +1483,11 @@ class KeySpace:
         keep = part.live[:n] & part.tag_present[part.version_tag][:n]
         return np.nonzero(keep & (own >= lowest) & (own <= highest))[0]
 
-    def untrained(self, part: Partition) -> int:
-        """Live samples some bounded task has not consumed yet and still may (within its
-        window): what admission counts. A kept stale sample will never be trained, nor
-        will one the task's filtered claims refused."""
+    def untrained_versions(self, part: Partition) -> np.ndarray:
+        """The versions of the live samples some bounded task has not consumed yet and
+        still may (within its window): what admission counts (paced admission looks at the
+        oldest). A kept stale sample will never be trained, nor will one the task's
+        filtered claims refused."""
         versions = part.versions
         assert versions is not None
         live = np.nonzero(part.live[: part.n_rows])[0]
@@ -1496,7 +1497,10 @@ class KeySpace:
             fresh = row_versions >= versions.oldest_allowed(bound)
             done = part.column(part.consumed, task)[live] | part.column(part.filtered, task)[live]
             needed |= fresh & ~done
-        return int(needed.sum())
+        return row_versions[needed]
+
+    def untrained(self, part: Partition) -> int:
+        return len(self.untrained_versions(part))
 
     def ready_by_version(self, part: Partition) -> dict[int, int]:
         """Live samples per version tag."""

@@ -94,10 +94,34 @@ class VersionState:
 
     # ---- admission -----------------------------------------------------------------
     def admission_limit(self, tasks: list[str]) -> int | None:
+        """The declared bound: (min bound + 1) x admission_batch (None: no admission)."""
         bounds = self.bounded_tasks(tasks)
         if self.spec.admission_batch is None or not bounds:
             return None
         return (min(bounds.values()) + 1) * self.spec.admission_batch
+
+    def current_limit(self, tasks: list[str], untrained_versions: np.ndarray) -> int | None:
+        """The bound admission applies now: the declared one, or paced (``spec.pace``)
+        ``(steps_left + 1) x admission_batch``."""
+        limit = self.admission_limit(tasks)
+        if limit is None or not self.spec.pace:
+            return limit
+        bound = min(self.bounded_tasks(tasks).values())
+        return (self.steps_left(bound, untrained_versions) + 1) * self.spec.admission_batch
+
+    def steps_left(self, bound: int, untrained_versions: np.ndarray) -> int:
+        """How many more versions the trainer may publish before the oldest sample started
+        and not trained (a live grant's version, an untrained row's) leaves the window;
+        ``bound`` when none is outstanding. Pacing's room: a trainer training
+        ``admission_batch`` samples per version, with at most ``(steps_left + 1) x batch``
+        started, must take that sample before its window closes (a sample already out of
+        it cannot be saved and counts as 0 steps)."""
+        oldest = [g.version for g in self.live_grants().values()]
+        if len(untrained_versions):
+            oldest.append(int(untrained_versions.min()))
+        if not oldest:
+            return bound
+        return min(bound, max(0, min(oldest) + bound - self.version))
 
     def live_grants(self, now: float | None = None) -> dict[int, Grant]:
         """Grants not released and not expired (expired ones are forgotten here)."""
@@ -109,9 +133,10 @@ class VersionState:
     def in_flight(self) -> int:
         return sum(g.n for g in self.live_grants().values())
 
-    def refusal(self, n: int, untrained: int, tasks: list[str]) -> str | None:
-        """Why ``n`` more trajectories may not start now (None: they may). InvalidBatch when
-        they never could (more than the bound itself, or admission not declared)."""
+    def refusal(self, n: int, untrained_versions: np.ndarray, tasks: list[str]) -> str | None:
+        """Why ``n`` more trajectories may not start now (None: they may); the versions of
+        the samples not trained yet come from ``KeySpace.untrained_versions``. InvalidBatch
+        when they never could (more than the declared bound, or admission not declared)."""
         limit = self.admission_limit(tasks)
         if limit is None:
             raise InvalidBatch(
@@ -125,9 +150,14 @@ class VersionState:
                 f"{n} trajectories can never be admitted: the bound is {limit} samples"
                 + ("" if per_version is None else f" and {per_version} per version")
             )
-        started = self.in_flight() + untrained
-        if started + n > limit:
-            return f"{started} samples started and not trained, bound {limit}"
+        started = self.in_flight() + len(untrained_versions)
+        now = self.current_limit(tasks, untrained_versions)
+        assert now is not None
+        if started + n > now:
+            paced = f" (paced: {now // self.spec.admission_batch - 1} versions left)"
+            return f"{started} samples started and not trained, bound {now}" + (
+                paced if now < limit else ""
+            )
         if per_version is not None and self.granted_at[self.version] + n > per_version:
             return (
                 f"{self.granted_at[self.version]} samples already granted at version "

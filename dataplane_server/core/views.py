@@ -140,6 +140,7 @@ def staleness_info(keys: KeySpace, part: Partition) -> StalenessInfo | None:
     if versions is None or part.version_tag is None:
         return None
     grants = versions.live_grants()
+    untrained = keys.untrained_versions(part)
     return StalenessInfo(
         version=versions.version,
         version_tag=part.version_tag,
@@ -150,8 +151,8 @@ def staleness_info(keys: KeySpace, part: Partition) -> StalenessInfo | None:
         evicted=versions.evicted,
         granted_in_flight=sum(g.n for g in grants.values()),
         grants=len(grants),
-        untrained=keys.untrained(part),
-        admission_limit=versions.admission_limit(part.tasks),
+        untrained=len(untrained),
+        admission_limit=versions.current_limit(part.tasks, untrained),
         admission_waits=versions.admission_waits,
         recently_dropped=list(versions.recent),  # the newest RECENTLY_DROPPED ids
         filtered=dict(versions.filtered),
