@@ -27,7 +27,14 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import BENCH_NAMESPACE, Options, Section, Table, Target, start_service
-from benchmarks.standin_rl import Workload, ks_statistic, long_tail_lengths, run_async
+from benchmarks.standin_rl import (
+    Outcome,
+    Workload,
+    ks_statistic,
+    long_tail_lengths,
+    run_async,
+    run_sync,
+)
 
 BATCH = 16
 TRAIN_S = 0.2
@@ -61,26 +68,31 @@ def run(opts: Options) -> Section:
     w = workload()
     figures: dict[str, dict[str, Any]] = {}
     try:
+        opts.log(f"pacing: sync, {steps} steps")
+        figures["sync"] = _figures(run_sync(client, w, steps))
         for name, n, pace in configs:
             opts.log(f"pacing: {name}, {steps} steps")
-            out = run_async(client, w, steps, n, pace)
-            figures[name] = {
-                "samples_per_s": out.samples_per_s,
-                "generated": len(out.generated),
-                "trained": len(out.trained),
-                "stale_dropped": out.stale_dropped,
-                "dropped_fraction": out.stale_dropped / max(1, len(out.generated)),
-                "ks": ks_statistic(out.trained, out.generated),
-                "mean_generated": float(np.mean(out.generated)),
-                "mean_trained": float(np.mean(out.trained)),
-                "p99_generated": float(np.percentile(out.generated, 99)),
-                "p99_trained": float(np.percentile(out.trained, 99)),
-                "admission_waits": out.admission_waits,
-            }
+            figures[name] = _figures(run_async(client, w, steps, n, pace))
     finally:
         client.close()
         handle.shutdown()
     return report(figures, steps, opts)
+
+
+def _figures(out: Outcome) -> dict[str, Any]:
+    return {
+        "samples_per_s": out.samples_per_s,
+        "generated": len(out.generated),
+        "trained": len(out.trained),
+        "stale_dropped": out.stale_dropped,
+        "dropped_fraction": out.stale_dropped / max(1, len(out.generated)),
+        "ks": ks_statistic(out.trained, out.generated),
+        "mean_generated": float(np.mean(out.generated)),
+        "mean_trained": float(np.mean(out.trained)),
+        "p99_generated": float(np.percentile(out.generated, 99)),
+        "p99_trained": float(np.percentile(out.trained, 99)),
+        "admission_waits": out.admission_waits,
+    }
 
 
 def report(figures: dict[str, dict[str, Any]], steps: int, opts: Options) -> Section:

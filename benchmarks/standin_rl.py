@@ -144,9 +144,7 @@ def run_sync(client: Any, w: Workload, steps: int) -> Outcome:
     with ThreadPoolExecutor(max(w.slots, w.batch)) as pool:
         for version in range(steps):
             t0 = time.perf_counter()
-            jobs = [
-                pool.submit(_generate, client, pid, w, draws, version) for _ in range(w.batch)
-            ]
+            jobs = [pool.submit(_generate, client, pid, w, draws, version) for _ in range(w.batch)]
             generated += [j.result() for j in jobs]
             _train(client, pid, w, version, trained)
             step_s.append(time.perf_counter() - t0)

@@ -1083,6 +1083,8 @@ class KeySpace:
             self.redeliveries_total += int((deliveries[rows] > 0).sum())
             deliveries[rows] += 1
         steps.stamp(part, answer.task, rows)
+        if part.versions is not None:
+            part.versions.count_claimed(answer.task, len(rows))
         part.answers.add(choice.request_id, answer)
         return self.meta_of(part, answer)
 

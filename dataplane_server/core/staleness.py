@@ -57,6 +57,8 @@ class VersionState:
         self.filtered: collections.Counter[str] = collections.Counter()
         self.evicted = 0
         self.admission_waits = 0
+        # task -> samples claimed at the current version (paced admission; not journaled)
+        self.claimed_now: collections.Counter[str] = collections.Counter()
         self.recent: collections.deque[str] = collections.deque(maxlen=RECENTLY_DROPPED)
 
     # ---- the bound ----------------------------------------------------------------
@@ -88,6 +90,8 @@ class VersionState:
         return version
 
     def set_version(self, version: int) -> None:
+        if version != self.version:
+            self.claimed_now.clear()
         self.version = version
         for v in [v for v in self.granted_at if v < version]:
             del self.granted_at[v]  # the over-sampling cap counts the current version only
@@ -101,27 +105,38 @@ class VersionState:
         return (min(bounds.values()) + 1) * self.spec.admission_batch
 
     def current_limit(self, tasks: list[str], untrained_versions: np.ndarray) -> int | None:
-        """The bound admission applies now: the declared one, or paced (``spec.pace``)
-        ``(steps_left + 1) x admission_batch``."""
+        """The bound admission applies now: the declared one, or paced (``spec.pace``):
+        the fewest samples the trainer will still take before an outstanding sample (a
+        live grant's version, an untrained row's) leaves its window.
+
+        A trainer taking ``admission_batch`` samples per version takes, at versions
+        ``version .. v + bound``, ``(v + bound - version + 1) x batch`` samples less those
+        it already took at this version (``claimed_now``). With no more samples started
+        than that, it has to take a sample of version ``v`` before its window closes. A
+        sample already past saving (no room left for it) does not shrink the room; with
+        none outstanding, the room is what the trainer takes before a sample started now
+        goes stale."""
         limit = self.admission_limit(tasks)
         if limit is None or not self.spec.pace:
             return limit
-        bound = min(self.bounded_tasks(tasks).values())
-        return (self.steps_left(bound, untrained_versions) + 1) * self.spec.admission_batch
+        bounds = self.bounded_tasks(tasks)
+        bound = min(bounds.values())
+        claimed = max(self.claimed_now[t] for t, b in bounds.items() if b == bound)
+        batch = self.spec.admission_batch
 
-    def steps_left(self, bound: int, untrained_versions: np.ndarray) -> int:
-        """How many more versions the trainer may publish before the oldest sample started
-        and not trained (a live grant's version, an untrained row's) leaves the window;
-        ``bound`` when none is outstanding. Pacing's room: a trainer training
-        ``admission_batch`` samples per version, with at most ``(steps_left + 1) x batch``
-        started, must take that sample before its window closes (a sample already out of
-        it cannot be saved and counts as 0 steps)."""
-        oldest = [g.version for g in self.live_grants().values()]
+        def room(v: int) -> int:
+            return (v + bound - self.version + 1) * batch - claimed
+
+        outstanding = {g.version for g in self.live_grants().values()}
         if len(untrained_versions):
-            oldest.append(int(untrained_versions.min()))
-        if not oldest:
-            return bound
-        return min(bound, max(0, min(oldest) + bound - self.version))
+            outstanding.add(int(untrained_versions.min()))
+        savable = [room(v) for v in outstanding if room(v) > 0]
+        return max(0, min([room(self.version), *savable]))
+
+    def count_claimed(self, task: str, n: int) -> None:
+        """``n`` samples handed to ``task`` at the current version (paced admission's
+        ``claimed_now``; a process figure: after a restart it counts from 0 again)."""
+        self.claimed_now[task] += n
 
     def live_grants(self, now: float | None = None) -> dict[int, Grant]:
         """Grants not released and not expired (expired ones are forgotten here)."""
@@ -154,7 +169,7 @@ class VersionState:
         now = self.current_limit(tasks, untrained_versions)
         assert now is not None
         if started + n > now:
-            paced = f" (paced: {now // self.spec.admission_batch - 1} versions left)"
+            paced = " (paced: the trainer takes no more before one of them goes stale)"
             return f"{started} samples started and not trained, bound {now}" + (
                 paced if now < limit else ""
             )

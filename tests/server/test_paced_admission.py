@@ -90,7 +90,7 @@ def test_paced_admission_trains_the_straggler_and_drops_nothing(dp):
     assert sorted(trained) == ["a", "b", "c", "slow"]
 
 
-def test_paced_room_comes_back_once_the_straggler_is_trained(dp):
+def test_paced_room_follows_the_straggler_and_the_trainers_batch(dp):
     pid = _register(dp, pace=True)
     straggler = dp.admit_rollouts(pid, 1)
     dp.set_policy_version(pid, 1)
@@ -100,6 +100,10 @@ def test_paced_room_comes_back_once_the_straggler_is_trained(dp):
     _produce(dp, pid, straggler, ["slow"])
     _produce(dp, pid, one, ["fast"])
     dp.claim_meta(pid, "train", ["x"], BATCH)
+    # This version's batch is taken: a sample started now is trained at the next version
+    # at the latest, one batch.
+    assert dp.describe_partition(pid).staleness.admission_limit == N * BATCH
+    dp.set_policy_version(pid, 2)
     assert dp.describe_partition(pid).staleness.admission_limit == (N + 1) * BATCH
     assert dp.admit_rollouts(pid, 4) is not None
 
