@@ -30,6 +30,7 @@ import sys
 import tempfile
 from typing import Any
 
+from benchmarks import async_regime
 from benchmarks.common import Options, Section, Table, Target, ratio
 
 TARGET_X_SYNC = 1.5
@@ -51,7 +52,8 @@ def run(opts: Options) -> Section:
         for name, flags in CONFIGS.items():
             opts.log(f"asyncrl: dataplane demo {' '.join(WORKLOAD + flags + steps)}")
             runs[name] = _demo(WORKLOAD + flags + steps, os.path.join(tmp, "report.json"))
-    return report(runs, opts)
+    opts.log("asyncrl: GPU-calibrated stand-ins (sleeping), sync and async N=1")
+    return report(runs, opts, async_regime.measure(opts))
 
 
 def _demo(flags: list[str], json_path: str) -> dict[str, Any]:
@@ -103,7 +105,13 @@ def reached(clock: list[float], rewards: list[float], window: int = 3) -> float 
     return None
 
 
-def report(runs: dict[str, dict[str, Any]], opts: Options) -> Section:
+def report(
+    runs: dict[str, dict[str, Any]],
+    opts: Options,
+    standin: dict[str, dict[str, Any]] | None = None,
+) -> Section:
+    """The demo runs' table and targets; with ``standin`` (``async_regime.measure``) the
+    GPU-calibrated stand-in rows beside the real CPU ones, in one table, and their targets."""
     section = Section("asyncrl")
     figures = {name: summarize(r) for name, r in runs.items()}
     sync = figures["sync"]["samples_per_s"]
@@ -161,13 +169,54 @@ def report(runs: dict[str, dict[str, Any]], opts: Options) -> Section:
                 " versions",
             )
         )
+    if standin is not None:
+        section.tables.append(regime_table(figures, standin))
+        section.targets += async_regime.targets(standin)
+        section.notes.append(f"stand-in calibration: {async_regime.SOURCE}")
     png = plot_rewards(figures, opts)
     if png:
         section.notes.append(f"reward against wall-clock time: {png}")
     if opts.quick:
         section.notes.append(f"--quick: {QUICK_STEPS} steps each; a smoke run, not a measurement")
     section.data = {"configurations": figures, "workload": WORKLOAD, "cpus": os.cpu_count()}
+    if standin is not None:
+        section.data["standin"] = standin
     return section
+
+
+def regime_table(figures: dict[str, dict[str, Any]], standin: dict[str, dict[str, Any]]) -> Table:
+    """Real CPU (the demo: model, rollouts and training on these cores) and the stand-in
+    (generation and training sleep for a published GPU run's times), side by side."""
+    rows = []
+    sync = figures["sync"]["samples_per_s"]
+    for name, f in figures.items():
+        rows.append(
+            ["real CPU (demo)", name, f["samples_per_s"], ratio(f["samples_per_s"], sync)]
+            + ["-", "-", f["median_step_s"], f["stale_dropped"]]
+        )
+    sync = standin["stand-in sync"]["samples_per_s"]
+    for name, f in standin.items():
+        rows.append(
+            ["GPU-calibrated stand-in (sleeps)", name, f["samples_per_s"]]
+            + [ratio(f["samples_per_s"], sync), f["ideal_samples_per_s"], f["of_ideal"]]
+            + [f["median_step_s"], f["stale_dropped"]]
+        )
+    return Table(
+        "where async pays: real CPU runs vs stand-ins for GPU kernels (generation "
+        f"{async_regime.GEN_S * 1e3:.0f} ms per batch, training {async_regime.TRAIN_S * 1e3:.0f} "
+        "ms per step, from a published GPU run; samples/s over the steps after the first)",
+        [
+            "workload",
+            "configuration",
+            "samples/s",
+            "x sync",
+            "ideal samples/s",
+            "of ideal",
+            "median step s",
+            "stale dropped",
+        ],
+        rows,
+    )
 
 
 def plot_rewards(figures: dict[str, dict[str, Any]], opts: Options) -> str | None:
