@@ -358,6 +358,11 @@ ASYNC_RL_GAUGES = {
         "Samples refused by filtered claims (no longer owed), summed over the tasks.",
         "filtered_total",
     ),
+    "dataplane_partition_admission_limit": (
+        "Samples admission lets be started and not trained now: (max_staleness + 1) x "
+        "admission_batch, or less when paced (only partitions that declare admission).",
+        "admission_limit",
+    ),
 }
 
 
@@ -377,7 +382,8 @@ def _async_rl_families(pull: StatsPull) -> Iterable[Metric]:
             "filtered_total": sum(st.filtered.values()),
         }
         for name, (_, figure) in ASYNC_RL_GAUGES.items():
-            families[name].add_metric([p.partition_id], float(figures[figure]))
+            if figures[figure] is not None:  # no admission declared: no admission limit
+                families[name].add_metric([p.partition_id], float(figures[figure]))
     yield from families.values()
 
 

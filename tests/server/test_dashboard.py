@@ -66,6 +66,10 @@ def test_dashboard_covers_what_an_operator_needs():
         "filtered samples": "dataplane_partition_filtered_samples",
         "rollout admission waits": "dataplane_admission_waits_total",
         "rollouts in flight": "dataplane_partition_rollouts_in_flight",
+        "untrained samples": "dataplane_partition_untrained_samples",
+        "evictions": "dataplane_partition_evicted_samples",
+        "admission room (paced)": "dataplane_partition_admission_limit",
+        "straggler groups dropped": "dataplane_expired_groups_dropped_total",
     }
     missing = [topic for topic, expr in needed.items() if expr not in text]
     assert not missing
@@ -214,3 +218,36 @@ def _promtool_says(promtool: str, path, scrape: str, tests: list[dict]) -> None:
         [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_admission_room_panel_shows_the_paced_limit(service_factory, tmp_path):
+    """A paced partition at version 1 with one rollout granted at version 0 still in
+    flight: the panel's queries give 1 started and not trained and a limit of one batch
+    (the straggler's window closes after this version), not the declared two."""
+    from dataplane_client import StalenessSpec
+
+    promtool = promtool_or_skip()
+    svc = service_factory("dash-paced", num_storage_units=1)
+    client = svc.client()
+    spec = StalenessSpec(max_staleness=1, admission_batch=4, pace=True)
+    client.register_partition("p", fields=["x"], consumer_tasks=["train"], staleness=spec)
+    assert client.admit_rollouts("p", 1) is not None
+    client.set_policy_version("p", 1)
+    with urllib.request.urlopen(f"http://{svc.metrics_address}/metrics", timeout=10) as r:
+        scrape = r.read().decode()
+    started, limit = (t["expr"] for t in _panel("Async RL: admission room")["targets"])
+    tests = [
+        {
+            "expr": started,
+            "eval_time": "10m",
+            "exp_samples": [{"labels": '{partition="p"}', "value": 1}],
+        },
+        {
+            "expr": limit,
+            "eval_time": "10m",
+            "exp_samples": [
+                {"labels": 'dataplane_partition_admission_limit{partition="p"}', "value": 4}
+            ],
+        },
+    ]
+    _promtool_says(promtool, tmp_path / "paced-panel-test.yaml", scrape, tests)
