@@ -1,6 +1,7 @@
 """The numbered tutorials in docs/tutorials/ run as printed and print what they promise.
 
-01 and 04 run in this process on the session's Ray (their ``ensure_local_ray`` is then
+05 runs in this process on the in-process client (no Ray); 01 and 04 run in this process
+on the session's Ray (their ``ensure_local_ray`` is then
 a no-op, and each starts and shuts down a service of its own name); 02 needs no Ray;
 03 runs as its own process, as a user runs it, since it starts ``dataplane serve``
 (with its own embedded Ray) and joins that cluster as a driver. Every tutorial file
@@ -22,7 +23,7 @@ from polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIALS = ROOT / "docs" / "tutorials"
-RUN_HERE = ("01_data_path.py", "02_claim_policy.py", "04_async_rl.py")
+RUN_HERE = ("01_data_path.py", "02_claim_policy.py", "04_async_rl.py", "05_paced_async_pull.py")
 RUN_APART = ("03_operate_a_service.py",)
 
 
@@ -112,6 +113,26 @@ def test_04_an_async_rl_loop(ray_session, capsys):
     assert int(summary.group(2)) >= 12
     assert int(summary.group(4)) % 4 == 0
     assert int(summary.group(4)) >= 4
+
+
+def test_05_paced_admission_versions_where_and_per_rank_pulls(capsys):
+    out = run_here("05_paced_async_pull.py", capsys).splitlines()
+    steps = [
+        re.fullmatch(
+            r"step (\d): 8 samples, tokens per rank \[(\d+), (\d+)\], lags \[([\d, ]+)\]", s
+        )
+        for s in out[:4]
+    ]
+    assert all(steps), out
+    assert [int(m.group(1)) for m in steps] == [0, 1, 2, 3]
+    assert all(int(lag) <= 1 for m in steps for lag in m.group(4).split(", "))  # the window
+    assert all(int(m.group(2)) > 0 and int(m.group(3)) > 0 for m in steps)  # both ranks pulled
+    summary = re.fullmatch(r"dropped stale: (\d+), filtered: (\d+)", out[4])
+    assert summary, out
+    assert int(summary.group(1)) == 0  # paced: the trainer takes each sample in its window
+    filtered = int(summary.group(2))
+    assert filtered >= 2  # group 0 has no reward spread and is judged by the first claim
+    assert filtered % 2 == 0  # whole groups
 
 
 @pytest.mark.slow
