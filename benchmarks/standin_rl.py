@@ -81,7 +81,7 @@ def ks_statistic(a: list[int], b: list[int]) -> float:
     return float(np.abs(fa - fb).max())
 
 
-def _register(client: Any, staleness: StalenessSpec | None) -> str:
+def _register(client: Any, staleness: StalenessSpec) -> str:
     pid = f"bench-standin-{uuid.uuid4().hex[:6]}"
     client.register_partition(
         pid, FIELDS, None, [TASK], numeric_tags={"length": "int64"}, staleness=staleness
@@ -93,13 +93,13 @@ class _Draws:
     """The workload's lengths handed out in turn, one per sample, to any thread."""
 
     def __init__(self, lengths: tuple[int, ...]):
-        self._next = itertools.cycle(enumerate(lengths))
+        self._lengths = itertools.cycle(lengths)
         self._count = itertools.count()
         self._lock = threading.Lock()
 
     def take(self) -> tuple[str, int]:
         with self._lock:
-            return f"s{next(self._count)}", next(self._next)[1]
+            return f"s{next(self._count)}", next(self._lengths)
 
 
 def _generate(client: Any, pid: str, w: Workload, draws: _Draws, version: int) -> int:
@@ -120,7 +120,14 @@ def _train(client: Any, pid: str, w: Workload, version: int, trained: list[int])
     client.set_policy_version(pid, version + 1)
 
 
-def _outcome(client, pid, w, step_s, generated, trained) -> Outcome:
+def _outcome(
+    client: Any,
+    pid: str,
+    w: Workload,
+    step_s: list[float],
+    generated: list[int],
+    trained: list[int],
+) -> Outcome:
     st = client.describe_partition(pid).staleness
     client.delete_partition(pid)
     steady = step_s[1:] or step_s
@@ -129,8 +136,8 @@ def _outcome(client, pid, w, step_s, generated, trained) -> Outcome:
         step_s=step_s,
         generated=generated,
         trained=trained,
-        stale_dropped=0 if st is None else sum(st.dropped_stale.values()),
-        admission_waits=0 if st is None else st.admission_waits,
+        stale_dropped=sum(st.dropped_stale.values()),
+        admission_waits=st.admission_waits,
     )
 
 
