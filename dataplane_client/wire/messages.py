@@ -572,7 +572,7 @@ class RemoteRows:
     """Where a unit holds some rows of one field, for a reader on another node to pull
     with a transfer engine (``dataplane_client.transport.payload``): the field's bytes, in
     request order, are the ``segments`` (address in the unit's registered memory, length)
-    back to back. ``crc32s``: zlib's CRC-32 of each segment (one transfer each), which the
+    back to back. ``crc32s``: the CRC-32C of each segment (one transfer each), which the
     reader checks before its get returns. ``lease``: the unit's read lease on the chunks
     (released once pulled)."""
 
@@ -602,7 +602,7 @@ class PayloadPath:
 class PayloadOffer:
     """How a unit offers its bytes to readers on other nodes (its answer to
     ``payload_offer``): ``backend`` "mooncake-tcp" with the engine's ``session``
-    ("ip:port") and a probe region (address, length, CRC-32) a reader pulls to prove the
+    ("ip:port") and a probe region (address, length, CRC-32C) a reader pulls to prove the
     path works; or "ray" with ``reason`` (no engine: not installed, turned off, failed)."""
 
     backend: str

@@ -183,7 +183,7 @@ UNIT_COUNTERS = {
     ),
     "payload_put_corrupt_total": (
         "dataplane_payload_put_corrupt",
-        "Writes pushed by a writer on another node whose bytes did not match its CRC-32 "
+        "Writes pushed by a writer on another node whose bytes did not match its CRC-32C "
         "(refused before the commit; the writer pushes once more).",
     ),
     "payload_register_failures_total": (
