@@ -14,6 +14,7 @@ from typing import Any
 
 NAME = "CRC-32C"
 
+_crc32c: Any
 try:
     import crc32c as _crc32c
 except ImportError:  # pragma: no cover - the extra installs it

@@ -402,8 +402,9 @@ class MooncakePush:
 
     A timeout after the remote write (the engine reports failure, or the unit does not
     confirm the bytes before the put's deadline) means exactly that: the bytes may sit in
-    the staged region, but this put raises PayloadTransferFailed, sends no commit and
-    discards the stage; the caller may put again (a new write id)."""
+    the staged region, but this push raises PayloadTransferFailed, no commit is sent and
+    the stage is discarded; the put stages again through Ray under a new write id (while
+    its deadline lasts), so it lands once or not at all."""
 
     def __init__(self, backend: MooncakeTcp):
         self.backend = backend
@@ -457,7 +458,9 @@ class MooncakePush:
 
     def _verified(self, unit: Any, write_id: str, crcs: dict, expires_at: float | None) -> None:
         """The unit's check of the pushed bytes; PayloadTransferFailed when it does not
-        answer in time or died (the bytes' fate unknown: the caller discards the stage)."""
+        answer in time (the bytes' fate unknown: the put discards the stage and stages
+        again through Ray). A unit that died raises RayActorError, as any unit call does
+        (the put's rerouting handles it)."""
         b = self.backend
         wait_s = VERIFY_TIMEOUT_S if expires_at is None else max(expires_at - time.time(), 0.0)
         try:
@@ -467,12 +470,6 @@ class MooncakePush:
             raise PayloadTransferFailed(
                 f"unit {b.unit_index} did not confirm the bytes pushed to {b.session} for "
                 f"write {write_id} within {wait_s:.1f}s (the put's deadline): nothing committed"
-            ) from None
-        except ray.exceptions.RayActorError as e:
-            _count("transfer_failures")
-            raise PayloadTransferFailed(
-                f"unit {b.unit_index} died before confirming the bytes pushed to {b.session} "
-                f"for write {write_id}: nothing committed ({type(e).__name__})"
             ) from None
 
     def _write(self, eng: Any, segs: list[tuple[str, int, int, int, int]]) -> None:
