@@ -395,6 +395,18 @@ class UnitStatus:
     bytes: int
     samples: int
     capacity_bytes: int
+    # How reader processes on other nodes reach this unit's bytes, as their probes chose.
+    payload_paths: list[PayloadChoice] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PayloadChoice:
+    """``readers`` processes on other nodes chose ``path`` ("mooncake-tcp", "ray") to reach
+    a unit's bytes; ``detail``: the engine's peer, or why they fell back to Ray."""
+
+    path: str
+    detail: str
+    readers: int
 
 
 @dataclass(frozen=True)

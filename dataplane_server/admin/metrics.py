@@ -400,6 +400,12 @@ def _unit_families(pull: StatsPull) -> Iterable[Metric]:
     u_cap = GaugeMetricFamily(
         "dataplane_unit_capacity_bytes", "Capacity of the unit.", labels=unit_labels
     )
+    u_paths = CounterMetricFamily(
+        "dataplane_payload_path_choices",
+        "Reader processes on other nodes whose capability probe chose this path to the "
+        "unit's bytes (mooncake-tcp, or ray with the reason it fell back), since it started.",
+        labels=["unit", "path", "reason"],
+    )
     errors = CounterMetricFamily(
         "dataplane_errors",
         "Typed data-plane errors raised, by class (expected outcomes such as ClaimTimeout "
@@ -434,7 +440,9 @@ def _unit_families(pull: StatsPull) -> Iterable[Metric]:
             family.add_metric([unit], _histogram_buckets(hist), float(hist["sum"]))
         for kind, n in (stats.get("errors") or {}).items():
             errors.add_metric([kind, f"unit-{unit}"], float(n))
-    yield from (u_up, u_stored, u_bytes, u_samples, u_cap)
+        for path, detail, readers in stats.get("payload_paths") or []:
+            u_paths.add_metric([unit, path, detail], float(readers))
+    yield from (u_up, u_stored, u_bytes, u_samples, u_cap, u_paths)
     yield from families
     yield errors
 

@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 _PROBE_BYTES = 4096  # what a reader pulls at connect to prove the path works
 _CRCS_KEPT = 1 << 16  # runs whose CRC-32C a unit remembers
+_PATHS_KEPT = 32  # distinct (path, reason) pairs readers chose that a unit counts
+_DETAIL_CHARS = 300
 
 
 @dataclass
@@ -84,6 +86,8 @@ class UnitPayload:
         self._probe: np.ndarray | None = None
         # (block, start, nbytes) -> CRC-32C, least recently used first (see ``_crc``).
         self._crcs: OrderedDict[tuple[int, int, int], int] = OrderedDict()
+        # (backend, detail) -> reader processes on other nodes whose probe chose it.
+        self._chosen: dict[tuple[str, str], int] = {}
 
     # ---- the offer: what a reader's capability probe asks --------------------------
     async def offer(self) -> PayloadOffer:
@@ -119,6 +123,19 @@ class UnitPayload:
                     MOONCAKE_TCP, session=self._session, probe=probe, min_bytes=self.min_bytes
                 )
         log.info("unit %d: cross-node payload %s", self.store.index, self._offer)
+
+    def chosen(self, backend: str, detail: str) -> None:
+        """A reader process on another node chose how it reaches this unit's bytes (its
+        probe's answer, sent once as it connects): shown in ``dataplane status`` and the
+        ``dataplane_payload_path_choices`` metric. Distinct reasons are few (a reason
+        names a cause, not a reader), and capped in case one ever does not."""
+        key = (backend, detail[:_DETAIL_CHARS])
+        if key in self._chosen or len(self._chosen) < _PATHS_KEPT:
+            self._chosen[key] = self._chosen.get(key, 0) + 1
+
+    def paths(self) -> list[tuple[str, str, int]]:
+        """(backend, detail, reader processes) per path readers chose, most chosen first."""
+        return sorted(((b, d, n) for (b, d), n in self._chosen.items()), key=lambda p: -p[2])
 
     # ---- reads ----------------------------------------------------------------------
     def read(

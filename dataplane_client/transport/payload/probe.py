@@ -100,7 +100,18 @@ def choose(
     assert len(chosen) == len(units)
     for p in chosen:
         _log_once(p)
+        if p.backend != SHM and alive[p.unit]:
+            _tell_unit(units[p.unit], p)
     return chosen
+
+
+def _tell_unit(unit, path: PayloadPath) -> None:
+    """Report our choice to the unit (``dataplane status``, metrics); not awaited, and a
+    unit that cannot take it changes nothing here."""
+    try:
+        unit.payload_chosen.remote(path.backend, path.detail)
+    except Exception:  # noqa: BLE001 - Ray shut down, or a stand-in without the method
+        pass
 
 
 def _log_once(path: PayloadPath) -> None:
