@@ -59,10 +59,9 @@ _counts = {
 # default a 128 MiB pull on loopback ran at 0.2-0.7 GB/s here, with 16 MiB at 1.5-2.4 GB/s
 # (2 loaded cores, 2026-11-29). A process that sets it keeps its own.
 TCP_SLICE_BYTES = 16 << 20
-# A pull is asked of the engine in batches of at most this many bytes: the engine's own
-# slicing above does the moving; this bounds what one failed batch wastes and gives tests a
-# point between batches (failpoints.PAYLOAD_PULLED). 128 MiB as one batch or two: the same
-# speed here.
+# A pull is asked of the engine in batches of at most this many bytes (one more round trip
+# per 64 MiB; the engine's own slicing above does the moving): a peer that fails stops the
+# pull at the batch it hit, and tests get a point between batches (PAYLOAD_PULLED).
 PULL_SLICE_BYTES = 64 << 20
 VERIFY_TIMEOUT_S = 60.0  # a push's wait for the unit's check, for a put without deadline
 
