@@ -183,7 +183,7 @@ UNIT_COUNTERS = {
     ),
     "payload_put_corrupt_total": (
         "dataplane_payload_put_corrupt",
-        "Writes pushed by a writer on another node whose bytes did not match its CRC-32 "
+        "Writes pushed by a writer on another node whose bytes did not match its CRC-32C "
         "(refused before the commit; the writer pushes once more).",
     ),
     "payload_register_failures_total": (
@@ -406,6 +406,12 @@ def _unit_families(pull: StatsPull) -> Iterable[Metric]:
     u_cap = GaugeMetricFamily(
         "dataplane_unit_capacity_bytes", "Capacity of the unit.", labels=unit_labels
     )
+    u_paths = CounterMetricFamily(
+        "dataplane_payload_path_choices",
+        "Reader processes on other nodes whose capability probe chose this path to the "
+        "unit's bytes (mooncake-tcp, or ray with the reason it fell back), since it started.",
+        labels=["unit", "path", "reason"],
+    )
     errors = CounterMetricFamily(
         "dataplane_errors",
         "Typed data-plane errors raised, by class (expected outcomes such as ClaimTimeout "
@@ -440,7 +446,9 @@ def _unit_families(pull: StatsPull) -> Iterable[Metric]:
             family.add_metric([unit], _histogram_buckets(hist), float(hist["sum"]))
         for kind, n in (stats.get("errors") or {}).items():
             errors.add_metric([kind, f"unit-{unit}"], float(n))
-    yield from (u_up, u_stored, u_bytes, u_samples, u_cap)
+        for path, detail, readers in stats.get("payload_paths") or []:
+            u_paths.add_metric([unit, path, detail], float(readers))
+    yield from (u_up, u_stored, u_bytes, u_samples, u_cap, u_paths)
     yield from families
     yield errors
 

@@ -68,3 +68,9 @@ def run(ep, args) -> None:
         for u in info["units"]
     ]
     say(table(["UNIT", "NODE_IP", "NODE_ID", "ALIVE", "SAMPLES", "ALLOCATED", "CAPACITY"], rows))
+    paths = [(u["index"], p) for u in info["units"] for p in u.get("payload_paths") or []]
+    if paths:
+        say()
+        say("cross-node readers reach the units' bytes by (their probes' choices):")
+        for index, p in paths:
+            say(f"  unit {index}: {p['path']} x{p['readers']}  ({p['detail'] or '-'})")

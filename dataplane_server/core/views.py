@@ -16,6 +16,7 @@ from dataplane_client.wire.messages import (
     GroupDeadlineInfo,
     PartitionDescription,
     PartitionSummary,
+    PayloadChoice,
     SamplePage,
     SampleStatus,
     ServiceInfo,
@@ -55,6 +56,9 @@ def service_info(
             bytes=snap.bytes if snap else 0,
             samples=snap.samples if snap else 0,
             capacity_bytes=snap.capacity_bytes if snap else default_capacity,
+            payload_paths=[PayloadChoice(*p) for p in (snap.stats.get("payload_paths", []))]
+            if snap
+            else [],
         )
         for i, (info, snap) in enumerate(zip(infos, snaps))
     ]

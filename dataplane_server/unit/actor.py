@@ -259,6 +259,10 @@ class StorageUnit:
         probe at connect; the unit's transfer engine starts on the first ask)."""
         return await self.payload.offer()
 
+    def payload_chosen(self, backend: str, detail: str) -> None:
+        """A reader on another node reports the path its probe chose to this unit."""
+        self.payload.chosen(backend, detail)
+
     def read_remote(self, request: tuple) -> bytes:
         """Where the fields' bytes sit in this unit's registered memory, for a reader on
         another node to pull with its transfer engine (small fields come inline), under a
@@ -329,7 +333,9 @@ class StorageUnit:
         )
 
     def metrics_snapshot(self) -> UnitSnapshot:
-        return self.store.metrics_snapshot(self.node_id, self.node_ip)
+        snap = self.store.metrics_snapshot(self.node_id, self.node_ip)
+        snap.stats["payload_paths"] = self.payload.paths()  # readers' cross-node paths
+        return snap
 
     # ---- reclaiming what dead or silent processes left ------------------------------
     def _start_sweeper(self) -> None:
