@@ -21,6 +21,11 @@ Writers keep their mappings of chunks (see wire/shm.py); ``closed_since`` tells 
 which chunks were closed, so they drop mappings nothing will write into again.
 
 Capacity counts what the unit holds: a slab counts in full from its creation.
+
+A durable unit's chunks are named files (``files``, unit/chunk_files.py): a freed one
+is removed, never recycled, and a restarted unit re-attaches the blocks its row index
+names (``attach``), sealed: nothing new is placed in them, as a writer of the dead
+process may still copy into a region it was given there.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import numpy as np
 from dataplane_client.wire import shm
 from dataplane_client.wire.encoded import contiguous_runs
 from dataplane_client.wire.messages import ChunkRef
+from dataplane_server.core.unit.chunk_files import ChunkFiles
 from dataplane_server.core.unit.warm_reserve import WarmReserve
 
 SLAB_BYTES = 4 << 20
@@ -51,7 +57,14 @@ class _Block:
 
 
 class Arena:
-    def __init__(self, capacity_bytes: int, use_shm: bool, reserve: WarmReserve):
+    def __init__(
+        self,
+        capacity_bytes: int,
+        use_shm: bool,
+        reserve: WarmReserve,
+        files: ChunkFiles | None = None,
+    ):
+        self.files = files  # a durable unit's: chunks are files that outlive the process
         self.slab_bytes = max(1, min(SLAB_BYTES, capacity_bytes // _SLABS_PER_CAPACITY))
         self.use_shm = use_shm
         self.reserve = reserve
@@ -131,10 +144,13 @@ class Arena:
     def _new_block(self, nbytes: int) -> int:
         store: shm.MemFd | np.ndarray
         if self.use_shm:
-            store = self.reserve.take(nbytes) or shm.create(nbytes)
+            store = self.reserve.take(nbytes) or self._make(nbytes)
         else:
             store = np.empty(nbytes, dtype=np.uint8)
         return self._add_block(store, nbytes)
+
+    def _make(self, nbytes: int) -> shm.MemFd:
+        return self.files.make(nbytes) if self.files is not None else shm.create(nbytes)
 
     def _add_block(self, store: shm.MemFd | np.ndarray, nbytes: int) -> int:
         block = self._next_id
@@ -142,6 +158,22 @@ class Arena:
         self.blocks[block] = _Block(store, nbytes)
         self.used_bytes += nbytes
         return block
+
+    def attach(self, block: int, store: shm.MemFd, nbytes: int, refs: int) -> None:
+        """Take back a block an earlier process of this durable unit made, full (sealed)."""
+        self.blocks[block] = _Block(store, nbytes, used=nbytes, refs=refs)
+        self.used_bytes += nbytes
+        self._next_id = max(self._next_id, block + 1)
+
+    def skip_ids(self, below: int) -> None:
+        """Never hand out a block id below ``below`` (ids an earlier process used)."""
+        self._next_id = max(self._next_id, below)
+
+    def file_of(self, block: int) -> tuple[str, int]:
+        """(chunk file name, block size) of a durable unit's block."""
+        b = self.blocks[block]
+        assert isinstance(b.store, shm.MemFd)
+        return b.store.name, b.size
 
     def hold(self, block: int, count: int) -> None:
         self.blocks[block].refs += count
@@ -164,7 +196,10 @@ class Arena:
         self.used_bytes -= b.size
         if not isinstance(b.store, shm.MemFd):
             return
-        if b.readers == 0 and not b.tainted:
+        if self.files is not None:  # never recycled: the row index may have named it
+            self.files.remove(b.store)
+            closed = [b.store.name]
+        elif b.readers == 0 and not b.tainted:
             closed = self.reserve.recycle(b.store)  # closes what it does not keep
             self.recycled += b.store.name not in closed
         else:
@@ -204,6 +239,11 @@ class Arena:
         return [name for s, name in self._closed if s > seq], self._closed_seq, False
 
     def close(self) -> None:
+        if self.files is not None:  # the files outlive the process: a restart re-attaches
+            for b in self.blocks.values():
+                if isinstance(b.store, shm.MemFd):
+                    b.store.close()
+            self.blocks.clear()
         for block in list(self.blocks):
             self._free(block)
         self._slab = None

@@ -25,6 +25,7 @@ could not keep (one made beside a chunk coming back, or with no room now).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from dataplane_client.wire import shm
 
@@ -45,8 +46,9 @@ def _set_latest(sizes: dict[int, int], size: int, value: int) -> None:
 
 
 class WarmReserve:
-    def __init__(self, limit_bytes: int):
+    def __init__(self, limit_bytes: int, make: Callable[[int], shm.MemFd] | None = None):
         self.configured = int(limit_bytes)
+        self._make = make  # a durable unit's chunks are files in its directory; else memfds
         self.limit = self.configured  # grows to the largest write seen (never when 0 = off)
         self._ready: list[shm.MemFd] = []  # faulted in
         self._wanted: list[int] = []  # sizes to make next
@@ -206,7 +208,9 @@ class WarmReserve:
                     continue
                 self._making = size
             try:
-                made = shm.create(size)  # the zeroing happens here, off the write path
+                made = (self._make or shm.create)(
+                    size
+                )  # the zeroing happens here, off the write path
             except OSError:  # out of descriptors or memory: the write path reports its own
                 made = None
             with self._lock:
