@@ -120,6 +120,10 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
                 # A durable unit's restart costs nothing: Ray starts it again and it
                 # re-attaches its files; a memory unit's restart would only hide a loss.
                 max_restarts=-1 if durable_layout.is_durable(config) else 0,
+                # ... and calls in flight when it died run again on its new process: each
+                # verb is safe to retry there (a publish it logged is a no-op; a stage it
+                # lost is refused typed, a read or clear is the same again).
+                max_task_retries=-1 if durable_layout.is_durable(config) else 0,
             ).remote(i, config)
         )
     # The controller sits beside whoever started the service, so losing a worker node
