@@ -19,7 +19,9 @@ import torch
 from polling import wait_until
 
 import dataplane_client.client as client_module
+from dataplane_client.wire.config import DataPlaneConfig
 from dataplane_client.wire.errors import ConfigError, DataPlaneError
+from dataplane_server.core.unit import durable_layout
 
 WIDTH = 4096  # 16 KiB rows: same-node puts copy into the unit's files themselves
 
@@ -33,14 +35,11 @@ def _values(ids: list[str]) -> torch.Tensor:
 
 @pytest.fixture
 def durable(service_factory, tmp_path):
-    """A service of its own at durability ``process`` with its state under ``tmp_path``."""
-    return functools.partial(
-        service_factory,
-        "durable",
-        admin_enabled=False,
-        durability="process",
-        state_dir=str(tmp_path / "state"),
-    )
+    """A service of its own at durability ``process`` with its state under ``tmp_path``
+    (its files on RAM removed after the test)."""
+    settings = {"durability": "process", "state_dir": str(tmp_path / "state")}
+    yield functools.partial(service_factory, "durable", admin_enabled=False, **settings)
+    durable_layout.remove_state(DataPlaneConfig(**settings))
 
 
 def _unit_pid(h, index: int) -> int | None:
@@ -167,7 +166,6 @@ def test_a_unit_killed_under_writes_loses_no_committed_sample(durable):
 
 
 def test_a_durable_level_without_a_state_dir_or_machine_on_ram_is_refused(ray_session):
-    from dataplane_client.wire.config import DataPlaneConfig
     from dataplane_server import start
 
     with pytest.raises(ConfigError, match="needs state_dir"):
@@ -176,3 +174,4 @@ def test_a_durable_level_without_a_state_dir_or_machine_on_ram_is_refused(ray_se
         with pytest.raises(ConfigError, match="on a disk") as e:
             start(DataPlaneConfig(durability="machine", state_dir="/dev/shm/dp-refused"))
         assert "tmpfs" in str(e.value)
+        assert not os.path.exists("/dev/shm/dp-refused")  # refused before anything is made

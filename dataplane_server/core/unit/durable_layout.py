@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 
 from dataplane_client.wire.config import DataPlaneConfig
 from dataplane_client.wire.errors import ConfigError
@@ -36,6 +37,7 @@ def controller_dir(config: DataPlaneConfig) -> str | None:
 
 
 def unit_dir(config: DataPlaneConfig, index: int) -> str:
+    """Where unit ``index`` keeps its chunk files and row index."""
     assert config.state_dir, "a durable level needs state_dir (the config checks it)"
     if config.durability == "process":
         digest = hashlib.sha1(os.path.realpath(config.state_dir).encode()).hexdigest()[:12]
@@ -77,6 +79,14 @@ def check(config: DataPlaneConfig) -> None:
     if not is_durable(config):
         return
     assert config.state_dir
+    if config.durability == "machine":
+        mount, fstype = filesystem_of(config.state_dir)
+        if fstype in _RAM_FILESYSTEMS:
+            raise ConfigError(
+                f"durability 'machine' needs state_dir on a disk; {config.state_dir!r} is on "
+                f"{fstype} ({mount}), which a reboot empties (use durability 'process' there)",
+                fields=["state_dir", "durability"],
+            )
     try:
         os.makedirs(config.state_dir, exist_ok=True)
     except OSError as exc:
@@ -90,11 +100,17 @@ def check(config: DataPlaneConfig) -> None:
             f"durability 'process' keeps its files in {SHM_ROOT}, which this machine lacks",
             fields=["durability"],
         )
-    if config.durability == "machine":
-        mount, fstype = filesystem_of(config.state_dir)
-        if fstype in _RAM_FILESYSTEMS:
-            raise ConfigError(
-                f"durability 'machine' needs state_dir on a disk; {config.state_dir!r} is on "
-                f"{fstype} ({mount}), which a reboot empties (use durability 'process' there)",
-                fields=["state_dir", "durability"],
-            )
+
+
+def shm_root(config: DataPlaneConfig) -> str | None:
+    """The directory of every unit's files on RAM (durability ``process``), else None."""
+    if config.durability != "process":
+        return None
+    return os.path.dirname(unit_dir(config, 0))
+
+
+def remove_state(config: DataPlaneConfig) -> None:
+    """Delete a durable service's state for good: its RAM files and ``state_dir``."""
+    for path in (shm_root(config), config.state_dir):
+        if path:
+            shutil.rmtree(path, ignore_errors=True)
