@@ -1,7 +1,7 @@
 """One command for every benchmark: ``python -m benchmarks.run`` (or ``dataplane bench``).
 
 Starts one local Ray on loopback, runs the sections in order (store, driver,
-controller, scale, staleness; opt-in: writers, replication, crossnode, asyncrl, groups,
+controller, scale, staleness; opt-in: writers, replication, crossnode, asyncrl, groups, durability,
 rankpull),
 prints a markdown table per section with the targets judged met or missed, and
 writes every number to JSON. A section that raises does not hide the others; it is
@@ -57,6 +57,8 @@ OPT_IN_SECTIONS = {
     "groups": "benchmarks.group_fields",
     # per-rank streaming pull vs the driver-planned path (four policy workers of its own)
     "rankpull": "benchmarks.rank_pull",
+    # durability levels side by side, and serving again with 1M samples stored
+    "durability": "benchmarks.durability",
 }
 RAY_NUM_CPUS = 16  # logical slots: 4 policy workers + TransferQueue's 3 + helpers; 2 real cores
 

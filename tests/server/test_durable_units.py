@@ -175,3 +175,24 @@ def test_a_durable_level_without_a_state_dir_or_machine_on_ram_is_refused(ray_se
             start(DataPlaneConfig(durability="machine", state_dir="/dev/shm/dp-refused"))
         assert "tmpfs" in str(e.value)
         assert not os.path.exists("/dev/shm/dp-refused")  # refused before anything is made
+
+
+def test_the_level_and_state_dir_show_in_service_info_the_admin_api_and_metrics(durable):
+    import urllib.request
+
+    import grpc
+
+    from dataplane_server.admin_pb import admin_pb2, admin_pb2_grpc
+
+    h = durable(num_storage_units=1, admin_enabled=True)
+    state_dir = h.config.state_dir
+    info = h.client().service_info()
+    assert (info.durability, info.state_dir) == ("process", state_dir)
+    with grpc.insecure_channel(h.admin_address) as ch:
+        got = admin_pb2_grpc.AdminServiceStub(ch).GetServiceInfo(
+            admin_pb2.GetServiceInfoRequest(), timeout=60
+        )
+    assert (got.durability, got.state_dir) == ("process", state_dir)
+    with urllib.request.urlopen(f"http://{h.metrics_address}/metrics", timeout=60) as r:
+        text = r.read().decode()
+    assert f'dataplane_durability_info{{level="process",state_dir="{state_dir}"}} 1.0' in text

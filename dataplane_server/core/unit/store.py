@@ -196,6 +196,7 @@ class UnitStore:
         chunk files it names; remove every other chunk file (stages never committed)."""
         assert self.log is not None
         assert self.files is not None
+        t0 = time.perf_counter()
         state = self.log.restore()
         self.arena.skip_ids(state.next_block)
         self.partitions, self.published = state.partitions, state.published
@@ -217,6 +218,8 @@ class UnitStore:
         self.leases.next_id = secrets.randbits(48)
         if self.log.replayed_records or lost:
             self._compact()  # replay cost never compounds across restarts
+        self.stats.inc("unit_restores_total")
+        self.stats.inc("unit_restore_seconds_total", time.perf_counter() - t0)
 
     def _log_rows(self, partition_id: str, sample_ids: list[str], published: str | None) -> None:
         """Record these samples' rows as they are now (before any block is freed)."""
