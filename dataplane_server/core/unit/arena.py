@@ -30,6 +30,7 @@ process may still copy into a region it was given there.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -74,7 +75,9 @@ class Arena:
         self._next_id = 0
         self.recycled = 0  # blocks whose memfd went back to the reserve on freeing
         self._closed: deque[tuple[int, str]] = deque(maxlen=_CLOSED_REMEMBERED)
-        self._closed_seq = 0
+        # A durable unit's restarted process numbers closures above its dead one's (in
+        # microseconds of the wall clock), so a writer's last seq never hides new ones.
+        self._closed_seq = time.time_ns() // 1000 if files is not None else 0
 
     def is_small(self, nbytes: int) -> bool:
         """Whether a region of ``nbytes`` goes into a slab (else a block of its own)."""
