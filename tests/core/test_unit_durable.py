@@ -35,7 +35,9 @@ def _open(directory, sync="none", reserve=0) -> UnitStore:
         use_shm=True,
         warm_reserve_bytes=reserve,
         stage_ttl_s=30.0,
-        files=ChunkFiles(os.path.join(directory, "chunks"), prefault=sync == "none"),
+        files=ChunkFiles(
+            os.path.join(directory, "chunks"), prefault=sync == "none", recycle=sync == "none"
+        ),
         log=RowLog(os.path.join(directory, "index"), sync, interval_s=3600),
     )
 
@@ -169,3 +171,22 @@ def test_commit_sync_flushes_a_writes_bytes_and_record_before_publish_returns(
     assert synced[0] == chunk_fd
     assert synced[-1] == store.log._fd
     assert np.array_equal(_read(_open(d, sync="commit"), "p", ["a"]).numpy(), _rows(1).numpy())
+
+
+@pytest.mark.parametrize("sync", ["none", "commit"])
+def test_a_freed_file_is_recycled_only_where_its_record_is_as_durable_as_new_bytes(tmp_path, sync):
+    """``process`` (sync none): a cleared sample's file serves the next write of its size,
+    and a restart reads that write's bytes under its own id, the cleared one gone.
+    ``machine`` (commit): the file is removed, never reused."""
+    d = str(tmp_path)
+    first = _open(d, sync=sync, reserve=8 * MiB)
+    _put(first, "p", "w1", ["a"], _rows(1, 1, width=1 << 18), seq=1)
+    (old,) = _files(d) & {first.arena.file_of(b)[0] for b in first.arena.blocks}
+    first.clear("p", ["a"])
+    _put(first, "p", "w2", ["b"], _rows(1, 2, width=1 << 18), seq=2)
+    (new,) = {first.arena.file_of(b)[0] for b in first.arena.blocks}
+    assert (new == old) == (sync == "none")
+    assert (old in _files(d)) == (sync == "none")
+    second = _open(d, sync=sync)
+    assert sorted(second.partitions["p"].slot_of) == ["b"]
+    assert torch.equal(_read(second, "p", ["b"]), _rows(1, 2, width=1 << 18))

@@ -22,9 +22,9 @@ which chunks were closed, so they drop mappings nothing will write into again.
 
 Capacity counts what the unit holds: a slab counts in full from its creation.
 
-A durable unit's chunks are named files (``files``, unit/chunk_files.py): a freed one
-is removed, never recycled, and a restarted unit re-attaches the blocks its row index
-names (``attach``), sealed: nothing new is placed in them, as a writer of the dead
+A durable unit's chunks are named files (``files``, unit/chunk_files.py), recycled as
+memfds are at ``process`` level and removed when freed at ``machine`` level (see there
+why); a restarted unit re-attaches the blocks its row index names (``attach``), sealed: nothing new is placed in them, as a writer of the dead
 process may still copy into a region it was given there.
 """
 
@@ -199,7 +199,7 @@ class Arena:
         self.used_bytes -= b.size
         if not isinstance(b.store, shm.MemFd):
             return
-        if self.files is not None:  # never recycled: the row index may have named it
+        if self.files is not None and not self.files.recycle:  # machine level: never reused
             self.files.remove(b.store)
             closed = [b.store.name]
         elif b.readers == 0 and not b.tainted:
@@ -208,7 +208,10 @@ class Arena:
         else:
             # Readers that mapped the chunk keep their bytes; the memory goes back to
             # the kernel when the last mapping does.
-            b.store.close()
+            if self.files is not None:
+                self.files.remove(b.store)
+            else:
+                b.store.close()
             closed = [b.store.name]
         for name in closed:
             self._closed_seq += 1

@@ -53,7 +53,7 @@ def open_unit(config: DataPlaneConfig, index: int) -> tuple[ChunkFiles | None, R
     machine = config.durability == "machine"
     sync = config.fsync_policy if machine else "none"
     return (
-        ChunkFiles(os.path.join(root, "chunks"), prefault=not machine),
+        ChunkFiles(os.path.join(root, "chunks"), prefault=not machine, recycle=not machine),
         RowLog(os.path.join(root, "index"), sync, config.fsync_interval_s),
     )
 

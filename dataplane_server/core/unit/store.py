@@ -162,6 +162,7 @@ class UnitStore:
         self.reserve = WarmReserve(
             warm_reserve_bytes if self.use_shm else 0,
             make=files.make if files is not None else None,
+            discard=files.remove if files is not None else None,
         )
         self.capacity_bytes = int(capacity_bytes)
         self.arena = Arena(self.capacity_bytes, self.use_shm, self.reserve, files)

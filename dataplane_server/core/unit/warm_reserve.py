@@ -45,10 +45,22 @@ def _set_latest(sizes: dict[int, int], size: int, value: int) -> None:
         del sizes[next(iter(sizes))]
 
 
+def _close(chunk: shm.MemFd) -> None:
+    chunk.close()
+
+
 class WarmReserve:
-    def __init__(self, limit_bytes: int, make: Callable[[int], shm.MemFd] | None = None):
+    def __init__(
+        self,
+        limit_bytes: int,
+        make: Callable[[int], shm.MemFd] | None = None,
+        discard: Callable[[shm.MemFd], None] | None = None,
+    ):
         self.configured = int(limit_bytes)
-        self._make = make  # a durable unit's chunks are files in its directory; else memfds
+        # A durable unit's chunks are files in its directory (made there, removed when
+        # dropped); else memfds, closed when dropped.
+        self._make = make
+        self._discard = discard or _close
         self.limit = self.configured  # grows to the largest write seen (never when 0 = off)
         self._ready: list[shm.MemFd] = []  # faulted in
         self._wanted: list[int] = []  # sizes to make next
@@ -185,7 +197,7 @@ class WarmReserve:
                 self._ready.extend(evicted)
             evicted = [chunk]
         for c in evicted:
-            c.close()
+            self._discard(c)
         return [c.name for c in evicted]
 
     def close(self) -> None:
@@ -194,7 +206,7 @@ class WarmReserve:
             ready, self._ready = self._ready, []
             self._wake.notify()
         for chunk in ready:
-            chunk.close()
+            self._discard(chunk)
 
     def _fill(self) -> None:
         while True:
@@ -224,6 +236,6 @@ class WarmReserve:
                     self._ready.append(made)
                     self._wake.notify_all()
             if unwanted:
-                made.close()
+                self._discard(made)
                 if self._closed:
                     return
