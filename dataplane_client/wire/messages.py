@@ -435,6 +435,9 @@ class ServiceInfo:
     # How the asking client process reaches each unit's bytes (filled in by the Ray
     # client, from its capability probe at connect; empty from the service itself).
     payload_paths: list[PayloadPath] = field(default_factory=list)
+    # What a committed sample survives (DataPlaneConfig.durability) and where it is kept.
+    durability: str = "memory"
+    state_dir: str = ""
 
 
 @dataclass(frozen=True)

@@ -255,9 +255,15 @@ class _Families:
 class DataPlaneCollector(Collector):
     """Pulls controller and unit snapshots through Ray at scrape time."""
 
-    def __init__(self, sources: ActorSources, timeout_s: float = SCRAPE_TIMEOUT_S):
+    def __init__(
+        self,
+        sources: ActorSources,
+        timeout_s: float = SCRAPE_TIMEOUT_S,
+        durability: tuple[str, str] = ("memory", ""),
+    ):
         self.sources = sources
         self.timeout_s = timeout_s
+        self.durability = durability  # (level, state directory) of the service's config
 
     def describe(self) -> Iterable[Metric]:
         return []  # do not scrape the actors when the collector is registered
@@ -266,6 +272,12 @@ class DataPlaneCollector(Collector):
         info = InfoMetricFamily("dataplane_build", "Version of the data-plane service.")
         info.add_metric([], {"version": __version__})
         yield info
+        level = InfoMetricFamily(
+            "dataplane_durability",
+            "What a committed sample survives (memory, process, machine) and where it is kept.",
+        )
+        level.add_metric([], {"level": self.durability[0], "state_dir": self.durability[1]})
+        yield level
         up = GaugeMetricFamily(
             "dataplane_up",
             "1 if the controller answered this scrape (the probe gRPC health uses); "
@@ -456,11 +468,17 @@ def _unit_families(pull: StatsPull) -> Iterable[Metric]:
 class MetricsServer:
     """The collector on its own registry, served over HTTP at ``/metrics``."""
 
-    def __init__(self, sources: ActorSources, host: str, port: int):
+    def __init__(
+        self,
+        sources: ActorSources,
+        host: str,
+        port: int,
+        durability: tuple[str, str] = ("memory", ""),
+    ):
         self.host = host
         self.port = port
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(DataPlaneCollector(sources))
+        self.registry.register(DataPlaneCollector(sources, durability=durability))
         self._httpd: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self.address: str | None = None

@@ -46,6 +46,8 @@ def service_info(
     started_at: float,
     draining: bool,
     default_capacity: int,
+    durability: str = "memory",
+    state_dir: str = "",
 ) -> ServiceInfo:
     units = [
         UnitStatus(
@@ -74,6 +76,8 @@ def service_info(
         bytes=sum(u.bytes for u in units),
         capacity_bytes=sum(u.capacity_bytes for u in units),
         units=units,
+        durability=durability,
+        state_dir=state_dir,
     )
 
 

@@ -40,6 +40,7 @@ from dataplane_client.wire.messages import (
     pack_read_answer,
 )
 from dataplane_server.core.recovery_messages import DumpedFile, SampleMeta, UnitRecovery
+from dataplane_server.core.unit import durable_layout
 from dataplane_server.core.unit.store import UnitHoldings, UnitStore
 from dataplane_server.unit.payload import UnitPayload
 from dataplane_server.unit.reader_tokens import ReaderTokens
@@ -65,6 +66,8 @@ class StorageUnit:
     def __init__(self, index: int, config: DataPlaneConfig):
         failpoints.sleep_if_armed(failpoints.UNIT_START)
         parallel_copy.configure(config)  # this process's large copies follow the service
+        # Durable levels: chunk files and a row index that a restarted process re-attaches.
+        files, log = durable_layout.open_unit(config, index)
         self.store = UnitStore(
             index,
             config.unit_capacity_bytes,
@@ -72,6 +75,8 @@ class StorageUnit:
             use_shm=True,
             warm_reserve_bytes=config.unit_warm_reserve_bytes,
             stage_ttl_s=config.stage_ttl_s,
+            files=files,
+            log=log,
         )
         self._sweeper: asyncio.Task | None = None
         self._readers = ReaderTokens()  # same-node readers name their process token by key

@@ -86,6 +86,7 @@ def test_status_table_and_json(addr, service):
     assert "UNIT" in out
     assert "NODE_IP" in out
     assert "CAPACITY" in out
+    assert "durability memory" in out  # the level, and no state directory at memory
     info = json.loads(ok(dataplane("status", "--json", address=addr)))  # address from the env
     assert info["name"] == service.config.name
     assert [u["index"] for u in info["units"]] == [0, 1]
