@@ -12,7 +12,7 @@ GPU_CHECK_ARGS ?=
 
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: setup native-deps test test-fast demo bench bench-setup bench-tq gpu-check lint format proto clean
+.PHONY: setup native-deps test test-fast demo bench bench-setup bench-tq gpu-check rdma-check lint format proto clean
 
 setup: $(VENV)/.installed native-deps
 
@@ -61,6 +61,11 @@ bench: setup
 # GPU against the CPU. Without CUDA: one JSON "skipped" line, exit 0, in seconds.
 gpu-check: setup
 	$(BIN)/python -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+
+# Mooncake's transfer engine over RDMA beside its TCP path (128 MiB and 1 GiB pulls, bytes
+# checked) where an RDMA NIC has an active port; without one: one JSON "skipped" line, exit 0.
+rdma-check: setup
+	$(BIN)/python -m benchmarks.rdma_check $(RDMA_CHECK_ARGS)
 
 # The same benchmarks with the transferqueue package beside ours, in a venv of their own
 # (transferqueue is never a runtime dependency).

@@ -21,7 +21,15 @@ process with its own cluster (the harness's Ray is single-node):
     (its put not timed): the object transfer alone;
   - **raw tcp**: ``recv_into`` one preallocated buffer of the same bytes from the
     sender's socket on 127.0.0.1 (one connection, ``sendall`` of one buffer):
-    the physical limit of a byte stream between two processes here.
+    the physical limit of a byte stream between two processes here;
+  - **engine**: Mooncake's engine alone: one ``transfer_sync_read`` of the same bytes,
+    registered by an actor on B, into a registered buffer of the reader's (no CRC, no
+    unit call): what Mooncake's TCP transport itself reaches here, the ceiling of ours.
+
+At 128 MiB and 1 GiB (each in a cluster of its own), then ``READERS`` reader actors on
+A get the same 128 MiB at once, through Mooncake and through Ray's path: their
+aggregate GiB/s against one reader's says whether many readers scale or serialise on
+the unit (a unit answers ``read_remote`` and each reader pulls with its own engine).
 
 Every reader touches one element per 4 KiB page of what it got. Each call is
 timed from the driver around ``ray.get(reader.method.remote())``; systems are
@@ -46,42 +54,77 @@ TARGET_X_RAY = 2.0
 TARGET_X_RAW_TCP = 0.8  # Mooncake TCP against a plain socket copy
 TARGET_X_RAY_PATH = 2.0  # Mooncake TCP against our own get through Ray's path
 SIZE = 128 * MiB
+SIZES = (SIZE, GiB)
 QUICK_SIZE = 4 * MiB
+READERS = 8  # concurrent readers on A, at the first size
 SEQ_LEN = 8192
 FIELDS = 4
-SYSTEMS = ("ours", "ours_ray_path", "ray", "ray_transfer", "raw_tcp")
+SYSTEMS = ("ours", "ours_ray_path", "ray", "ray_transfer", "raw_tcp", "engine")
 # Puts from A to the unit on B: pushed by the engine (transfer_puts), or through Ray's path.
 PUT_SYSTEMS = ("put_ours", "put_ray_path")
 
 
 def run(opts: Options) -> Section:
-    """The harness's entry: run the child, judge what it measured."""
-    size = QUICK_SIZE if opts.quick else SIZE
+    """The harness's entry: one child (its own two-node cluster) per size, then judge."""
+    sizes = [QUICK_SIZE] if opts.quick else list(SIZES)
     repeats = max(1, opts.repeats)
-    opts.log(f"crossnode: two-node cluster, {human_size(size)}, {repeats} repeats")
+    results = []
+    for i, size in enumerate(sizes):
+        readers = 2 if opts.quick else READERS
+        opts.log(f"crossnode: two-node cluster, {human_size(size)}, {repeats} repeats")
+        results.append(_run_child(size, repeats, readers if i == 0 else 0))
+    return _report(results, repeats, opts)
+
+
+def _run_child(size: int, repeats: int, readers: int) -> dict[str, Any]:
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)  # the child makes its own cluster
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.cross_node", "--size", str(size)]
-        + ["--repeats", str(repeats)],
+        + ["--repeats", str(repeats), "--readers", str(readers)],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1800,
         env=env,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"cross-node child failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    return _report(json.loads(lines[-1][len("RESULT ") :]), repeats, opts)
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
-def _report(res: dict[str, Any], repeats: int, opts: Options) -> Section:
+def _gibps(res: dict[str, Any], system: str) -> float:
+    return res["bytes"] / GiB / res["median_s"][system]
+
+
+def _report(results: list[dict[str, Any]], repeats: int, opts: Options) -> Section:
     section = Section("crossnode")
-    gibps = {s: res["bytes"] / GiB / res["median_s"][s] for s in SYSTEMS}
-    x_ray = ratio(gibps["ours"], gibps["ray"])
-    x_raw = ratio(gibps["ours"], gibps["raw_tcp"])
-    x_path = ratio(gibps["ours"], gibps["ours_ray_path"])
-    path = res["path"]
+    path = results[0]["path"]
+    get_rows, put_rows = [], []
+    for res in results:
+        g = {s: _gibps(res, s) for s in SYSTEMS}
+        get_rows.append(
+            [
+                human_size(res["bytes"]),
+                *(g[s] for s in SYSTEMS),
+                ratio(g["ours"], g["raw_tcp"]),
+                ratio(g["ours"], g["ours_ray_path"]),
+                ratio(g["ours"], g["ray"]),
+                ratio(g["ours"], g["engine"]),
+            ]
+        )
+        put = {s: _gibps(res, s) for s in PUT_SYSTEMS}
+        put_rows.append(
+            [
+                human_size(res["bytes"]),
+                put["put_ours"],
+                put["put_ray_path"],
+                g["raw_tcp"],
+                ratio(put["put_ours"], put["put_ray_path"]),
+                ratio(put["put_ours"], g["raw_tcp"]),
+            ]
+        )
+        _judge(section, res, g, path)
     section.tables.append(
         Table(
             f"cross-node get, GiB/s (median of {repeats}; unit on B, reader on A, timed from "
@@ -93,77 +136,53 @@ def _report(res: dict[str, Any], repeats: int, opts: Options) -> Section:
                 "ray",
                 "ray transfer",
                 "raw tcp",
+                "engine alone",
                 "ours/raw tcp",
                 "ours/ours (ray path)",
                 "ours/ray",
+                "ours/engine",
             ],
-            [
-                [
-                    human_size(res["bytes"]),
-                    gibps["ours"],
-                    gibps["ours_ray_path"],
-                    gibps["ray"],
-                    gibps["ray_transfer"],
-                    gibps["raw_tcp"],
-                    x_raw,
-                    x_path,
-                    x_ray,
-                ]
-            ],
+            get_rows,
         )
     )
-    if "put_ours" in res["median_s"]:
-        put = {s: res["bytes"] / GiB / res["median_s"][s] for s in PUT_SYSTEMS}
+    section.tables.append(
+        Table(
+            f"cross-node put, GiB/s (median of {repeats}; writer on A, unit on B; cleared "
+            "after each, untimed)",
+            [
+                "size",
+                "ours (pushed, transfer_puts)",
+                "ours (ray path)",
+                "raw tcp",
+                "pushed/ray path",
+                "pushed/raw tcp",
+            ],
+            put_rows,
+        )
+    )
+    many = results[0].get("many")
+    if many:
         section.tables.append(
             Table(
-                f"cross-node put, GiB/s (median of {repeats}; writer on A, unit on B; cleared "
-                "after each, untimed)",
-                ["size", "ours (pushed, transfer_puts)", "ours (ray path)", "pushed/ray path"],
+                f"{many['readers']} readers on A get the same {human_size(results[0]['bytes'])} "
+                f"at once (median of {repeats}): aggregate GiB/s, and against one reader",
+                ["path", "one reader", f"{many['readers']} readers", "scaling"],
                 [
                     [
-                        human_size(res["bytes"]),
-                        put["put_ours"],
-                        put["put_ray_path"],
-                        ratio(put["put_ours"], put["put_ray_path"]),
+                        name,
+                        _gibps(results[0], system),
+                        many[system],
+                        ratio(many[system], _gibps(results[0], system)),
                     ]
+                    for name, system in (("ours", "ours"), ("ours (ray path)", "ours_ray_path"))
                 ],
             )
         )
-    size = human_size(res["bytes"])
-    section.targets.append(
-        Target(
-            f"cross-node get >= {TARGET_X_RAY:g}x the Ray object store ({size})",
-            x_ray,
-            TARGET_X_RAY,
-            True,
-            "x",
-            detail=f"ours {gibps['ours']:.2f} vs ray {gibps['ray']:.2f} GiB/s",
+    if path != "mooncake-tcp":
+        section.notes.append(
+            f"ours went through {path}: Mooncake did not load ({results[0]['why']})"
         )
-    )
-    if path == "mooncake-tcp":
-        section.targets.append(
-            Target(
-                f"Mooncake TCP get >= {TARGET_X_RAW_TCP:g}x raw loopback TCP ({size})",
-                x_raw,
-                TARGET_X_RAW_TCP,
-                True,
-                "x",
-                detail=f"ours {gibps['ours']:.2f} vs raw tcp {gibps['raw_tcp']:.2f} GiB/s",
-            )
-        )
-        section.targets.append(
-            Target(
-                f"Mooncake TCP get >= {TARGET_X_RAY_PATH:g}x our get through Ray's path ({size})",
-                x_path,
-                TARGET_X_RAY_PATH,
-                True,
-                "x",
-                detail=f"ours {gibps['ours']:.2f} vs {gibps['ours_ray_path']:.2f} GiB/s",
-            )
-        )
-    else:
-        section.notes.append(f"ours went through {path}: Mooncake did not load ({res['why']})")
-    p = res["profile"]
+    p = results[0]["profile"]
     section.profile_tables.append(
         Table(
             "ours, one get under cProfile in the reader, with the unit's own read time",
@@ -181,8 +200,40 @@ def _report(res: dict[str, Any], repeats: int, opts: Options) -> Section:
         section.notes.append(
             "--quick: tiny size; the target is judged anyway, as a smoke test only"
         )
-    section.data = res
+    section.data = {"sizes": results}
     return section
+
+
+def _judge(section: Section, res: dict[str, Any], g: dict[str, float], path: str) -> None:
+    """The issue's targets at one size."""
+    size = human_size(res["bytes"])
+    targets = [
+        (f"cross-node get >= {TARGET_X_RAY:g}x the Ray object store ({size})", "ray", TARGET_X_RAY)
+    ]
+    if path == "mooncake-tcp":
+        targets += [
+            (
+                f"Mooncake TCP get >= {TARGET_X_RAW_TCP:g}x raw loopback TCP ({size})",
+                "raw_tcp",
+                TARGET_X_RAW_TCP,
+            ),
+            (
+                f"Mooncake TCP get >= {TARGET_X_RAY_PATH:g}x our get through Ray's path ({size})",
+                "ours_ray_path",
+                TARGET_X_RAY_PATH,
+            ),
+        ]
+    for name, against, threshold in targets:
+        section.targets.append(
+            Target(
+                name,
+                ratio(g["ours"], g[against]),
+                threshold,
+                True,
+                "x",
+                detail=f"ours {g['ours']:.2f} vs {against} {g[against]:.2f} GiB/s",
+            )
+        )
 
 
 # ---------------------------------------------------------------------------- the child
@@ -199,7 +250,7 @@ def _starting(start: Any, attempts: int = 3) -> Any:
     raise AssertionError("unreachable")
 
 
-def _child(size: int, repeats: int) -> dict[str, Any]:
+def _child(size: int, repeats: int, readers: int) -> dict[str, Any]:
     import ray
     from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -209,7 +260,7 @@ def _child(size: int, repeats: int) -> dict[str, Any]:
     from dataplane_client import DataPlaneConfig
     from dataplane_server import start
 
-    store = 3 * size + GiB // 2
+    store = max(3, readers + 2) * size + GiB // 2  # every reader's copy at once, plus room
     args = {"num_cpus": 4, "object_store_memory": store}
     cluster = _starting(
         lambda: Cluster(initialize_head=True, head_node_args={**args, "include_dashboard": False})
@@ -262,6 +313,27 @@ def _child(size: int, repeats: int) -> dict[str, Any]:
             return self.sock.getsockname()[1]
 
     @ray.remote(num_cpus=0)
+    class EngineSender:
+        """``nbytes`` registered with a Mooncake engine of its own (where it loads)."""
+
+        def __init__(self, nbytes: int):
+            import numpy as np
+
+            from dataplane_client.transport.payload import mooncake
+
+            self.buf = np.ones(nbytes, dtype=np.uint8)
+            try:
+                eng = mooncake.engine(ray.util.get_node_ip_address())
+            except RuntimeError:
+                self.where = None
+                return
+            mooncake.register(eng, self.buf.ctypes.data, nbytes, "the bench's bytes")
+            self.where = (eng.get_rpc_port(), self.buf.ctypes.data)
+
+        def where_(self) -> tuple | None:
+            return self.where
+
+    @ray.remote(num_cpus=0)
     class Reader:
         def __init__(self, name: str, transport: str | None = None):
             from dataplane_client import connect
@@ -287,6 +359,22 @@ def _child(size: int, repeats: int) -> dict[str, Any]:
                         raise ConnectionError(f"raw tcp: {got} of {nbytes} bytes")
                     got += n
             return int(self.raw[::4096].sum())
+
+        def get_engine(self, where: tuple, nbytes: int) -> int:
+            """One pull of the sender's bytes by Mooncake's engine alone."""
+            import numpy as np
+
+            from dataplane_client.transport.payload import mooncake
+
+            ip = ray.util.get_node_ip_address()
+            eng = mooncake.engine(ip)
+            if getattr(self, "pulled", None) is None:  # registered once, like the pool's
+                self.pulled = np.ones(nbytes, dtype=np.uint8)
+                mooncake.register(eng, self.pulled.ctypes.data, nbytes, "the bench's buffer")
+            port, addr = where
+            rc = eng.transfer_sync_read(f"{ip}:{port}", self.pulled.ctypes.data, addr, nbytes)
+            assert rc == 0, rc
+            return int(self.pulled[::4096].sum())
 
         def node(self) -> str:
             return ray.get_runtime_context().get_node_id()
@@ -324,6 +412,8 @@ def _child(size: int, repeats: int) -> dict[str, Any]:
     holder = Holder.options(scheduling_strategy=here).remote(batch)
     sender = Sender.options(scheduling_strategy=here).remote(nbytes)
     port = ray.get(sender.port.remote())
+    engine_sender = EngineSender.options(scheduling_strategy=here).remote(nbytes)
+    engine_at = ray.get(engine_sender.where_.remote())
     reader = Reader.options(scheduling_strategy=on_a).remote("xn-bench")
     ray_path_reader = Reader.options(scheduling_strategy=on_a).remote("xn-bench", "ray")
     unit_node = ray.get(handle.units[0].ping.remote()).node_id
@@ -339,6 +429,10 @@ def _child(size: int, repeats: int) -> dict[str, Any]:
             ray.get(ray_path_reader.get_ours.remote(ids, names))
         elif system == "raw_tcp":
             ray.get(reader.get_raw_tcp.remote(port, nbytes))
+        elif system == "engine":
+            if engine_at is None:  # Mooncake did not load: no such row
+                return float("nan")
+            ray.get(reader.get_engine.remote(engine_at, nbytes))
         elif system == "ray":
             ray.get(reader.get_ray.remote(holder))
         else:
@@ -375,6 +469,33 @@ def _child(size: int, repeats: int) -> dict[str, Any]:
         snap = ray.get(handle.units[0].metrics_snapshot.remote())
         return snap.stats.get("histograms", {}).get("get_latency_seconds", {}).get("sum", 0.0)
 
+    many: dict[str, Any] = {}
+    if readers:  # many readers at once: aggregate GiB/s, through each path
+        crowd = {
+            "ours": [
+                Reader.options(scheduling_strategy=on_a).remote("xn-bench") for _ in range(readers)
+            ],
+            "ours_ray_path": [
+                Reader.options(scheduling_strategy=on_a).remote("xn-bench", "ray")
+                for _ in range(readers)
+            ],
+        }
+        for members in crowd.values():  # warm-up: connected, probed, buffers pooled
+            ray.get([r.get_ours.remote(ids, names) for r in members])
+        took: dict[str, list[float]] = {k: [] for k in crowd}
+        for _ in range(repeats):
+            for system, members in crowd.items():
+                t0 = time.perf_counter()
+                ray.get([r.get_ours.remote(ids, names) for r in members])
+                took[system].append(time.perf_counter() - t0)
+        from benchmarks.common import median as _median
+
+        many = {"readers": readers, "seconds": took}
+        many.update({k: readers * nbytes / GiB / _median(v) for k, v in took.items()})
+        for members in crowd.values():
+            for r in members:
+                ray.kill(r)
+
     before = unit_read_s()
     profile = ray.get(reader.profile_ours.remote(ids, names))
     profile["unit_read_s"] = unit_read_s() - before
@@ -392,6 +513,7 @@ def _child(size: int, repeats: int) -> dict[str, Any]:
         "seconds": seconds,
         "median_s": {s: median(v) for s, v in seconds.items()},
         "profile": profile,
+        "many": many,
     }
 
 
@@ -399,8 +521,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description="the cross-node section's child process")
     p.add_argument("--size", type=int, default=SIZE)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--readers", type=int, default=0, help="also this many readers at once")
     a = p.parse_args()
-    print("RESULT " + json.dumps(_child(a.size, a.repeats)), flush=True)
+    print("RESULT " + json.dumps(_child(a.size, a.repeats, a.readers)), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Starts one local Ray on loopback, runs the sections in order (store, driver,
 controller, scale, staleness; opt-in: writers, replication, crossnode, asyncrl, groups,
-rankpull, pacing),
+rankpull, pacing, durability),
 prints a markdown table per section with the targets judged met or missed, and
 writes every number to JSON. A section that raises does not hide the others; it is
 listed as FAILED in the closing summary table and the JSON (``failed``), and the
@@ -59,6 +59,8 @@ OPT_IN_SECTIONS = {
     "rankpull": "benchmarks.rank_pull",
     # paced vs unpaced admission on a long-tail workload (sleeping stand-ins): stale drops, KS
     "pacing": "benchmarks.async_pacing",
+    # durability levels side by side, and serving again with 1M samples stored
+    "durability": "benchmarks.durability",
 }
 RAY_NUM_CPUS = 16  # logical slots: 4 policy workers + TransferQueue's 3 + helpers; 2 real cores
 

@@ -286,6 +286,7 @@ class Transport:
                         for k, e in encoded.items()
                     },
                     results[i],
+                    expires_at,
                 )
                 for i in pushes
             ]

@@ -180,6 +180,31 @@ class DataPlaneConfig(BaseModel):
         description="Directory of the controller's journal (declarations, cursors, leases) "
         "on its node; None = a fresh temporary directory per service.",
     )
+    durability: str = Field(
+        "memory",
+        pattern="^(memory|process|machine)$",
+        description="What a committed sample survives: memory = nothing (a unit's death "
+        "loses its samples); process = any process's death, the whole service's too "
+        "(chunks and row index as files on RAM, /dev/shm; lost on reboot); machine = a "
+        "machine crash as well (files on the disk under state_dir, flushed per "
+        "fsync_policy). process and machine need state_dir.",
+    )
+    state_dir: str | None = Field(
+        None,
+        description="The service's durable state (durability process or machine): the "
+        "controller's journal (unless controller_state_dir names another), and at machine "
+        "level each unit's chunk files and row index. `dataplane serve --state-dir` and "
+        "start() with the same directory serve everything committed there again.",
+    )
+    fsync_policy: str = Field(
+        "interval",
+        pattern="^(commit|interval)$",
+        description="durability machine: commit = each commit's bytes and record reach the "
+        "disk before it returns (Redis appendfsync always); interval = a flush every "
+        "fsync_interval_s (Kafka flush.ms, Redis everysec): a machine crash loses at most "
+        "that much, never a sample's bytes under its record.",
+    )
+    fsync_interval_s: float = Field(1.0, gt=0, description="durability machine, interval.")
     journal_fsync: bool = Field(
         False,
         description="fsync every journal record: survives a machine crash, not only the "
@@ -297,6 +322,12 @@ class DataPlaneConfig(BaseModel):
             super().__init__(**values, **_parse_env(from_env))
         except ValidationError as exc:
             raise _config_error(exc, from_env) from None
+
+    @model_validator(mode="after")
+    def _durable_needs_a_directory(self) -> DataPlaneConfig:
+        if self.durability != "memory" and not self.state_dir:
+            raise ValueError(f"durability {self.durability!r} needs state_dir (where it lives)")
+        return self
 
     @model_validator(mode="after")
     def _tls_pair(self) -> DataPlaneConfig:

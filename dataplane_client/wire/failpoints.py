@@ -65,10 +65,20 @@ READER_TOKENS_LOST = "reader-tokens-lost"
 # disarms, default 1): what a truncated or corrupted transfer looks like. One spoiled pull
 # is pulled again; two in a row raise CorruptPayload.
 PAYLOAD_CORRUPT = "payload-corrupt"
+# The transfer engine refuses the next registration of memory (the file's content: how
+# many, default 1), in whichever process registers next (a unit's chunk, a reader's
+# destination buffer).
+PAYLOAD_REGISTER = "payload-register"
+# A writer's push through the transfer engine reports failure after its bytes were
+# written into the unit's staged region (as an engine timeout after the remote write does).
+PAYLOAD_WRITE_FAILED = "payload-write-failed"
 
 # Armed with a callable (this process): called with a chunk's path just before a
 # same-node reader or writer opens it, the window in which its unit may free it.
 CHUNK_OPEN = "chunk-open"
+# Called with the bytes pulled so far after each slice of a pull through the transfer
+# engine lands: a test kills the peer there, mid-transfer.
+PAYLOAD_PULLED = "payload-pulled"
 
 _MAX_HOLD_S = 300.0  # a forgotten file must not wedge a service forever
 _FIRED_SUFFIX = ".fired"

@@ -405,6 +405,18 @@ class UnitStatus:
     bytes: int
     samples: int
     capacity_bytes: int
+    # How reader processes on other nodes reach this unit's bytes, as their probes chose.
+    payload_paths: list[PayloadChoice] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PayloadChoice:
+    """``readers`` processes on other nodes chose ``path`` ("mooncake-tcp", "ray") to reach
+    a unit's bytes; ``detail``: the engine's peer, or why they fell back to Ray."""
+
+    path: str
+    detail: str
+    readers: int
 
 
 @dataclass(frozen=True)
@@ -423,6 +435,9 @@ class ServiceInfo:
     # How the asking client process reaches each unit's bytes (filled in by the Ray
     # client, from its capability probe at connect; empty from the service itself).
     payload_paths: list[PayloadPath] = field(default_factory=list)
+    # What a committed sample survives (DataPlaneConfig.durability) and where it is kept.
+    durability: str = "memory"
+    state_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -582,7 +597,7 @@ class RemoteRows:
     """Where a unit holds some rows of one field, for a reader on another node to pull
     with a transfer engine (``dataplane_client.transport.payload``): the field's bytes, in
     request order, are the ``segments`` (address in the unit's registered memory, length)
-    back to back. ``crc32s``: zlib's CRC-32 of each segment (one transfer each), which the
+    back to back. ``crc32s``: the CRC-32C of each segment (one transfer each), which the
     reader checks before its get returns. ``lease``: the unit's read lease on the chunks
     (released once pulled)."""
 
@@ -612,7 +627,7 @@ class PayloadPath:
 class PayloadOffer:
     """How a unit offers its bytes to readers on other nodes (its answer to
     ``payload_offer``): ``backend`` "mooncake-tcp" with the engine's ``session``
-    ("ip:port") and a probe region (address, length, CRC-32) a reader pulls to prove the
+    ("ip:port") and a probe region (address, length, CRC-32C) a reader pulls to prove the
     path works; or "ray" with ``reason`` (no engine: not installed, turned off, failed)."""
 
     backend: str

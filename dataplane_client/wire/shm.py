@@ -24,6 +24,11 @@ A client on the same node opens ``/proc/<unit pid>/fd/<n>`` (same user only) and
 
 Descriptor numbers are reused by the kernel, so what was opened is checked
 against the chunk's unique memfd name (:class:`ChunkChanged` on a mismatch).
+
+A unit with a durability level above ``memory`` keeps its chunks as named files in
+a directory instead (``create(..., directory=)``): they outlive its process, and a
+restarted unit opens them again. A reader opens such a chunk by its file path, and
+checks that the descriptor it got is that file; file names are unique too.
 """
 
 from __future__ import annotations
@@ -90,8 +95,11 @@ class MemFd:
     fd: int
     size: int
     name: str
+    path: str | None = None  # a named file's path (durable units); None: an anonymous memfd
 
     def ref(self) -> ChunkRef:
+        if self.path is not None:
+            return ChunkRef(self.path, self.name)
         return ChunkRef(f"/proc/{os.getpid()}/fd/{self.fd}", self.name)
 
     def write(self, offset: int, data: np.ndarray) -> None:
@@ -112,25 +120,42 @@ class MemFd:
         os.close(self.fd)
 
 
-def create(nbytes: int) -> MemFd:
-    """A new memfd of ``nbytes`` with every page allocated and cleared.
+def create(nbytes: int, directory: str | None = None, prefault: bool = True) -> MemFd:
+    """A new memfd of ``nbytes`` with every page allocated and cleared; with ``directory``,
+    a new file there instead (named like a memfd, so unique), which outlives this process.
 
     The pages are written with ``pwrite`` (which releases the GIL), so the
     kernel's allocate-and-zero work on first touch is done here, and a
     background thread can do it while the owner's event loop keeps serving;
-    whoever maps the chunk later finds its pages ready.
+    whoever maps the chunk later finds its pages ready. ``prefault=False`` (a file on
+    a disk) reserves the blocks with ``fallocate`` instead of writing zeros to the disk.
     """
     name = f"{chunk_prefix()}{next(_SERIAL)}"
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    path = None if directory is None else os.path.join(directory, name)
+    if path is None:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    else:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         size = max(int(nbytes), 1)
         os.ftruncate(fd, size)
-        for offset in range(0, size, len(_ZEROS)):
-            os.pwrite(fd, memoryview(_ZEROS)[: min(len(_ZEROS), size - offset)], offset)
+        if not prefault:
+            os.posix_fallocate(fd, 0, size)
+        else:
+            for offset in range(0, size, len(_ZEROS)):
+                os.pwrite(fd, memoryview(_ZEROS)[: min(len(_ZEROS), size - offset)], offset)
     except BaseException:
         os.close(fd)
+        if path is not None:
+            os.unlink(path)
         raise
-    return MemFd(fd, size, name)
+    return MemFd(fd, size, name, path)
+
+
+def open_file(path: str) -> MemFd:
+    """A chunk file an earlier process of a durable unit made (``create(..., directory=)``)."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    return MemFd(fd, os.fstat(fd).st_size, os.path.basename(path), path)
 
 
 def _open_verified(chunk: ChunkRef, flags: int, end: int) -> int:
@@ -139,7 +164,9 @@ def _open_verified(chunk: ChunkRef, flags: int, end: int) -> int:
     fd = os.open(chunk.path, flags)
     try:
         opened = os.readlink(f"/proc/self/fd/{fd}")
-        if opened != f"/memfd:{chunk.name} (deleted)":
+        # A durable unit's chunk is a named file: the path opened must be that file still.
+        meant = chunk.path if not chunk.path.startswith("/proc/") else None
+        if opened != (meant or f"/memfd:{chunk.name} (deleted)"):
             raise ChunkChanged(f"{chunk.path} is {opened!r} now, not chunk {chunk.name}")
         if os.fstat(fd).st_size < end:  # mapping past the end would fault (SIGBUS) on access
             raise ChunkChanged(f"chunk {chunk.name} is shorter than {end} bytes")

@@ -48,7 +48,12 @@ class AdminActor:
             # RPC does not pay it inside its deadline. The controller and units never do.
             threading.Thread(target=sources.client, name="admin-client", daemon=True).start()
         if cfg.metrics_enabled and self._metrics is None:
-            self._metrics = MetricsServer(sources, cfg.metrics_host, cfg.metrics_port)
+            self._metrics = MetricsServer(
+                sources,
+                cfg.metrics_host,
+                cfg.metrics_port,
+                durability=(cfg.durability, cfg.state_dir or ""),
+            )
             self._metrics.start()
         if self._admin is not None:
             admin_address = self._admin.address

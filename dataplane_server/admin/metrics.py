@@ -183,7 +183,7 @@ UNIT_COUNTERS = {
     ),
     "payload_put_corrupt_total": (
         "dataplane_payload_put_corrupt",
-        "Writes pushed by a writer on another node whose bytes did not match its CRC-32 "
+        "Writes pushed by a writer on another node whose bytes did not match its CRC-32C "
         "(refused before the commit; the writer pushes once more).",
     ),
     "payload_register_failures_total": (
@@ -255,9 +255,15 @@ class _Families:
 class DataPlaneCollector(Collector):
     """Pulls controller and unit snapshots through Ray at scrape time."""
 
-    def __init__(self, sources: ActorSources, timeout_s: float = SCRAPE_TIMEOUT_S):
+    def __init__(
+        self,
+        sources: ActorSources,
+        timeout_s: float = SCRAPE_TIMEOUT_S,
+        durability: tuple[str, str] = ("memory", ""),
+    ):
         self.sources = sources
         self.timeout_s = timeout_s
+        self.durability = durability  # (level, state directory) of the service's config
 
     def describe(self) -> Iterable[Metric]:
         return []  # do not scrape the actors when the collector is registered
@@ -266,6 +272,12 @@ class DataPlaneCollector(Collector):
         info = InfoMetricFamily("dataplane_build", "Version of the data-plane service.")
         info.add_metric([], {"version": __version__})
         yield info
+        level = InfoMetricFamily(
+            "dataplane_durability",
+            "What a committed sample survives (memory, process, machine) and where it is kept.",
+        )
+        level.add_metric([], {"level": self.durability[0], "state_dir": self.durability[1]})
+        yield level
         up = GaugeMetricFamily(
             "dataplane_up",
             "1 if the controller answered this scrape (the probe gRPC health uses); "
@@ -406,6 +418,12 @@ def _unit_families(pull: StatsPull) -> Iterable[Metric]:
     u_cap = GaugeMetricFamily(
         "dataplane_unit_capacity_bytes", "Capacity of the unit.", labels=unit_labels
     )
+    u_paths = CounterMetricFamily(
+        "dataplane_payload_path_choices",
+        "Reader processes on other nodes whose capability probe chose this path to the "
+        "unit's bytes (mooncake-tcp, or ray with the reason it fell back), since it started.",
+        labels=["unit", "path", "reason"],
+    )
     errors = CounterMetricFamily(
         "dataplane_errors",
         "Typed data-plane errors raised, by class (expected outcomes such as ClaimTimeout "
@@ -440,7 +458,9 @@ def _unit_families(pull: StatsPull) -> Iterable[Metric]:
             family.add_metric([unit], _histogram_buckets(hist), float(hist["sum"]))
         for kind, n in (stats.get("errors") or {}).items():
             errors.add_metric([kind, f"unit-{unit}"], float(n))
-    yield from (u_up, u_stored, u_bytes, u_samples, u_cap)
+        for path, detail, readers in stats.get("payload_paths") or []:
+            u_paths.add_metric([unit, path, detail], float(readers))
+    yield from (u_up, u_stored, u_bytes, u_samples, u_cap, u_paths)
     yield from families
     yield errors
 
@@ -448,11 +468,17 @@ def _unit_families(pull: StatsPull) -> Iterable[Metric]:
 class MetricsServer:
     """The collector on its own registry, served over HTTP at ``/metrics``."""
 
-    def __init__(self, sources: ActorSources, host: str, port: int):
+    def __init__(
+        self,
+        sources: ActorSources,
+        host: str,
+        port: int,
+        durability: tuple[str, str] = ("memory", ""),
+    ):
         self.host = host
         self.port = port
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(DataPlaneCollector(sources))
+        self.registry.register(DataPlaneCollector(sources, durability=durability))
         self._httpd: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self.address: str | None = None

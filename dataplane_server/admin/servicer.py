@@ -264,7 +264,14 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return _proto(
             admin_pb2.ServiceInfo,
             info,
-            units=[_proto(admin_pb2.UnitInfo, u) for u in info.units],
+            units=[
+                _proto(
+                    admin_pb2.UnitInfo,
+                    u,
+                    payload_paths=[_proto(admin_pb2.PayloadChoice, p) for p in u.payload_paths],
+                )
+                for u in info.units
+            ],
         )
 
     @_unary

@@ -63,19 +63,50 @@ def register(sub) -> None:
         default=DEFAULT_NUM_CPUS,
         help="logical CPUs of the embedded Ray (default %(default)s)",
     )
+    p.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="serve from (and keep) the durable state in DIR: every sample, cursor, lease "
+        "and policy version committed there by an earlier serve comes back; sets the "
+        "config's state_dir, and durability process unless the config or --durability "
+        "says machine",
+    )
+    p.add_argument(
+        "--durability",
+        choices=["memory", "process", "machine"],
+        help="override the config's durability (see DataPlaneConfig.durability)",
+    )
     p.add_argument("--ray-logs", action="store_true", help="forward actor logs to stdout")
     p.set_defaults(run=run)
 
 
-def load_config(path: str | None):
-    """The config, or a one-line usage error naming the bad key (no traceback)."""
+def load_config(path: str | None, overrides: dict | None = None):
+    """The config (``overrides`` set over the file's values), or a one-line usage error
+    naming the bad key (no traceback)."""
     from dataplane_client.wire.config import DataPlaneConfig
     from dataplane_client.wire.errors import ConfigError
 
     try:
-        return DataPlaneConfig.from_file(path) if path else DataPlaneConfig()
+        config = DataPlaneConfig.from_file(path) if path else DataPlaneConfig()
+        if overrides:
+            config = DataPlaneConfig.from_dict(
+                {**config.model_dump(exclude_defaults=True), **overrides}
+            )
+        return config
     except ConfigError as exc:
         raise CliError(f"config error: {exc}", EXIT_USAGE) from None
+
+
+def durable_overrides(args, path: str | None) -> dict:
+    """What ``--state-dir`` / ``--durability`` set over the config file."""
+    out: dict = {}
+    if getattr(args, "durability", None):
+        out["durability"] = args.durability
+    if getattr(args, "state_dir", None):
+        out["state_dir"] = args.state_dir
+        if "durability" not in out and load_config(path).durability == "memory":
+            out["durability"] = "process"  # a state directory is asked for: keep state
+    return out
 
 
 def token_auth_hint() -> str | None:
@@ -311,7 +342,7 @@ def save_drain_checkpoint(handle, parent: str) -> bool:
 
 def run(args) -> int:
     # Imported here: dataplane_client pulls in Ray and torch, which the client commands skip.
-    config = load_config(args.config)
+    config = load_config(args.config, durable_overrides(args, args.config))
     # What can be checked before anything starts is checked here, each as one line.
     preflight.check_files(config)
     preflight.check_ports(config)
@@ -336,6 +367,7 @@ def run(args) -> int:
     say(f"ray_address={ray_address}")
     say(f"admin_address={handle.admin_address}")
     say(f"metrics_address={handle.metrics_address}")
+    say(f"durability={config.durability} state_dir={config.state_dir or ''}")
     hint = token_auth_hint()
     for line in connect_snippet(ray_address, config.name, config.namespace, hint is not None):
         say(line)

@@ -49,6 +49,9 @@ def run(ep, args) -> None:
         f"uptime     {human_duration(info['uptime_s'])} (since {human_time(info['started_at'])})"
         f", draining: {'yes' if info['draining'] else 'no'}"
     )
+    durability = info.get("durability") or "memory"
+    kept = f", state in {info['state_dir']}" if info.get("state_dir") else ""
+    say(f"durability {durability}{kept}")
     say(
         f"holds      {info['num_partitions']} partitions, {info['num_samples']} samples: "
         f"{stored} stored, {human_bytes(info['bytes'])} allocated of "
@@ -68,3 +71,9 @@ def run(ep, args) -> None:
         for u in info["units"]
     ]
     say(table(["UNIT", "NODE_IP", "NODE_ID", "ALIVE", "SAMPLES", "ALLOCATED", "CAPACITY"], rows))
+    paths = [(u["index"], p) for u in info["units"] for p in u.get("payload_paths") or []]
+    if paths:
+        say()
+        say("cross-node readers reach the units' bytes by (their probes' choices):")
+        for index, p in paths:
+            say(f"  unit {index}: {p['path']} x{p['readers']}  ({p['detail'] or '-'})")

@@ -53,6 +53,8 @@ class Inspection:
             started_at=self.started_at,
             draining=self.draining,
             default_capacity=self.config.unit_capacity_bytes,
+            durability=self.config.durability,
+            state_dir=self.config.state_dir or "",
         )
 
     @served

@@ -16,6 +16,7 @@ from dataplane_client.wire.messages import (
     GroupDeadlineInfo,
     PartitionDescription,
     PartitionSummary,
+    PayloadChoice,
     SamplePage,
     SampleStatus,
     ServiceInfo,
@@ -45,6 +46,8 @@ def service_info(
     started_at: float,
     draining: bool,
     default_capacity: int,
+    durability: str = "memory",
+    state_dir: str = "",
 ) -> ServiceInfo:
     units = [
         UnitStatus(
@@ -55,6 +58,9 @@ def service_info(
             bytes=snap.bytes if snap else 0,
             samples=snap.samples if snap else 0,
             capacity_bytes=snap.capacity_bytes if snap else default_capacity,
+            payload_paths=[PayloadChoice(*p) for p in (snap.stats.get("payload_paths", []))]
+            if snap
+            else [],
         )
         for i, (info, snap) in enumerate(zip(infos, snaps))
     ]
@@ -70,6 +76,8 @@ def service_info(
         bytes=sum(u.bytes for u in units),
         capacity_bytes=sum(u.capacity_bytes for u in units),
         units=units,
+        durability=durability,
+        state_dir=state_dir,
     )
 
 

@@ -19,6 +19,7 @@ from dataplane_client.client import DataPlaneClient, connect
 from dataplane_client.wire.config import DataPlaneConfig
 from dataplane_client.wire.errors import ConfigError
 from dataplane_server.controller.actor import Controller
+from dataplane_server.core.unit import durable_layout
 from dataplane_server.launch.local_ray import init_local_ray
 from dataplane_server.unit.actor import StorageUnit
 
@@ -94,6 +95,7 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
     """Start controller, storage units (and the admin endpoint) in the current cluster."""
     if config is None or isinstance(config, dict):
         config = DataPlaneConfig.from_dict(config)
+    durable_layout.check(config)  # a typed error before anything starts
     ensure_local_ray()
     units = []
     nodes = _unit_nodes(config.num_storage_units)
@@ -115,6 +117,13 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
                 scheduling_strategy=strategy,
                 runtime_env={"env_vars": _UNIT_ENV},
                 max_concurrency=1000,
+                # A durable unit's restart costs nothing: Ray starts it again and it
+                # re-attaches its files; a memory unit's restart would only hide a loss.
+                max_restarts=-1 if durable_layout.is_durable(config) else 0,
+                # ... and calls in flight when it died run again on its new process: each
+                # verb is safe to retry there (a publish it logged is a no-op; a stage it
+                # lost is refused typed, a read or clear is the same again).
+                max_task_retries=-1 if durable_layout.is_durable(config) else 0,
             ).remote(i, config)
         )
     # The controller sits beside whoever started the service, so losing a worker node
@@ -122,7 +131,7 @@ def start(config: DataPlaneConfig | dict | None = None) -> ServiceHandle:
     # arguments; it rebuilds from the units and its journal on this node's disk, and
     # calls in flight are retried (each verb is safe to retry: see RELIABILITY.md).
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    named_dir = config.controller_state_dir
+    named_dir = durable_layout.controller_dir(config)
     state_dir = named_dir or tempfile.mkdtemp(prefix=f"dataplane-{config.name}-journal-")
     # @ray.remote made it an ActorClass; mypy ignores class decorators
     controller = Controller.options(  # type: ignore[attr-defined]

@@ -40,6 +40,7 @@ from dataplane_client.wire.messages import (
     pack_read_answer,
 )
 from dataplane_server.core.recovery_messages import DumpedFile, SampleMeta, UnitRecovery
+from dataplane_server.core.unit import durable_layout
 from dataplane_server.core.unit.store import UnitHoldings, UnitStore
 from dataplane_server.unit.payload import UnitPayload
 from dataplane_server.unit.reader_tokens import ReaderTokens
@@ -65,6 +66,8 @@ class StorageUnit:
     def __init__(self, index: int, config: DataPlaneConfig):
         failpoints.sleep_if_armed(failpoints.UNIT_START)
         parallel_copy.configure(config)  # this process's large copies follow the service
+        # Durable levels: chunk files and a row index that a restarted process re-attaches.
+        files, log = durable_layout.open_unit(config, index)
         self.store = UnitStore(
             index,
             config.unit_capacity_bytes,
@@ -72,6 +75,8 @@ class StorageUnit:
             use_shm=True,
             warm_reserve_bytes=config.unit_warm_reserve_bytes,
             stage_ttl_s=config.stage_ttl_s,
+            files=files,
+            log=log,
         )
         self._sweeper: asyncio.Task | None = None
         self._readers = ReaderTokens()  # same-node readers name their process token by key
@@ -259,6 +264,10 @@ class StorageUnit:
         probe at connect; the unit's transfer engine starts on the first ask)."""
         return await self.payload.offer()
 
+    def payload_chosen(self, backend: str, detail: str) -> None:
+        """A reader on another node reports the path its probe chose to this unit."""
+        self.payload.chosen(backend, detail)
+
     def read_remote(self, request: tuple) -> bytes:
         """Where the fields' bytes sit in this unit's registered memory, for a reader on
         another node to pull with its transfer engine (small fields come inline), under a
@@ -329,7 +338,9 @@ class StorageUnit:
         )
 
     def metrics_snapshot(self) -> UnitSnapshot:
-        return self.store.metrics_snapshot(self.node_id, self.node_ip)
+        snap = self.store.metrics_snapshot(self.node_id, self.node_ip)
+        snap.stats["payload_paths"] = self.payload.paths()  # readers' cross-node paths
+        return snap
 
     # ---- reclaiming what dead or silent processes left ------------------------------
     def _start_sweeper(self) -> None:

@@ -21,7 +21,6 @@ import asyncio
 import logging
 import mmap
 import os
-import zlib
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -29,9 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from dataplane_client.transport.payload import checksum
 from dataplane_client.transport.payload.base import MOONCAKE_TCP, RAY
 from dataplane_client.transport.payload.mooncake import engine_environment
-from dataplane_client.wire import shm
+from dataplane_client.wire import failpoints, shm
 from dataplane_client.wire.encoded import EncodedField
 from dataplane_client.wire.errors import CorruptPayload, PayloadTransferFailed, StageReclaimed
 from dataplane_client.wire.messages import PayloadOffer, RemoteRows
@@ -40,7 +40,9 @@ from dataplane_server.core.unit.store import UnitStore
 log = logging.getLogger(__name__)
 
 _PROBE_BYTES = 4096  # what a reader pulls at connect to prove the path works
-_CRCS_KEPT = 1 << 16  # runs whose CRC-32 a unit remembers
+_CRCS_KEPT = 1 << 16  # runs whose CRC-32C a unit remembers
+_PATHS_KEPT = 32  # distinct (path, reason) pairs readers chose that a unit counts
+_DETAIL_CHARS = 300
 
 
 @dataclass
@@ -82,8 +84,10 @@ class UnitPayload:
         # Remote writes not yet verified: write id -> (writer, {field: (chunk, offset, n)}).
         self._writes: dict[str, tuple[Hashable | None, dict[str, tuple[str, int, int]]]] = {}
         self._probe: np.ndarray | None = None
-        # (block, start, nbytes) -> CRC-32, least recently used first (see ``_crc``).
+        # (block, start, nbytes) -> CRC-32C, least recently used first (see ``_crc``).
         self._crcs: OrderedDict[tuple[int, int, int], int] = OrderedDict()
+        # (backend, detail) -> reader processes on other nodes whose probe chose it.
+        self._chosen: dict[tuple[str, str], int] = {}
 
     # ---- the offer: what a reader's capability probe asks --------------------------
     async def offer(self) -> PayloadOffer:
@@ -102,6 +106,8 @@ class UnitPayload:
             self._offer = PayloadOffer(RAY, reason="cross_node_transport is 'ray'")
         elif not self.store.arena.use_shm:
             self._offer = PayloadOffer(RAY, reason="the unit keeps no shared-memory chunks")
+        elif checksum.missing() is not None:
+            self._offer = PayloadOffer(RAY, reason=f"on the unit's node, {checksum.missing()}")
         else:
             try:
                 self._engine, self._session = await asyncio.to_thread(start_engine, self.host)
@@ -112,11 +118,24 @@ class UnitPayload:
                 reason = f"Mooncake unavailable on the unit's node: {type(e).__name__}: {e}"
                 self._offer = PayloadOffer(RAY, reason=reason)
             else:
-                probe = (self._probe.ctypes.data, _PROBE_BYTES, zlib.crc32(self._probe.data))
+                probe = (self._probe.ctypes.data, _PROBE_BYTES, checksum.of(self._probe.data))
                 self._offer = PayloadOffer(
                     MOONCAKE_TCP, session=self._session, probe=probe, min_bytes=self.min_bytes
                 )
         log.info("unit %d: cross-node payload %s", self.store.index, self._offer)
+
+    def chosen(self, backend: str, detail: str) -> None:
+        """A reader process on another node chose how it reaches this unit's bytes (its
+        probe's answer, sent once as it connects): shown in ``dataplane status`` and the
+        ``dataplane_payload_path_choices`` metric. Distinct reasons are few (a reason
+        names a cause, not a reader), and capped in case one ever does not."""
+        key = (backend, detail[:_DETAIL_CHARS])
+        if key in self._chosen or len(self._chosen) < _PATHS_KEPT:
+            self._chosen[key] = self._chosen.get(key, 0) + 1
+
+    def paths(self) -> list[tuple[str, str, int]]:
+        """(backend, detail, reader processes) per path readers chose, most chosen first."""
+        return sorted(((b, d, n) for (b, d), n in self._chosen.items()), key=lambda p: -p[2])
 
     # ---- reads ----------------------------------------------------------------------
     def read(
@@ -128,7 +147,7 @@ class UnitPayload:
         expect: list[int] | None,
     ) -> dict[str, EncodedField | RemoteRows]:
         """Per field, its bytes (a small one) or where to pull them (``RemoteRows``, under
-        one read lease of ``owner``), each with the CRC-32 the reader checks."""
+        one read lease of ``owner``), each with the CRC-32C the reader checks."""
         if self._engine is None:
             raise PayloadTransferFailed(
                 f"unit {self.store.index} runs no transfer engine ({self._offer})"
@@ -194,7 +213,7 @@ class UnitPayload:
         return out
 
     def verify(self, write_id: str, crcs: dict[str, int]) -> None:
-        """Check the bytes a remote writer pushed against the CRC-32 it computed of what it
+        """Check the bytes a remote writer pushed against the CRC-32C it computed of what it
         sent, before it commits: CorruptPayload naming the fields that differ (the writer
         pushes once more, then gives up and discards). Done either way for this attempt's
         bookkeeping only when they match."""
@@ -209,14 +228,14 @@ class UnitPayload:
         bad = []
         for name, (chunk_name, offset, nbytes) in where.items():
             chunk = self._chunks[chunk_name]
-            got = zlib.crc32(chunk.view[offset : offset + nbytes].data)
+            got = checksum.of(chunk.view[offset : offset + nbytes].data)
             if got != crcs.get(name):
                 bad.append(name)
         if bad:
             self.store.stats.inc("payload_put_corrupt_total")
             raise CorruptPayload(
                 f"unit {self.store.index}: the bytes pushed for write {write_id} do not match "
-                "the writer's CRC-32",
+                "the writer's CRC-32C",
                 fields=bad,
             )
         del self._writes[write_id]
@@ -242,14 +261,14 @@ class UnitPayload:
         self.prune()
 
     def _crc(self, block: int, chunk: _Registered, start: int, nbytes: int) -> int:
-        """The CRC-32 of a block's bytes [start, start + nbytes), remembered: published
+        """The CRC-32C of a block's bytes [start, start + nbytes), remembered: published
         bytes never change while their block lives (``arena``: space is handed out once),
         and block ids are never reused, so a later read of the same run costs nothing (a
         128 MiB field costs about 25 ms here)."""
         key = (block, start, nbytes)
         crc = self._crcs.get(key)
         if crc is None:
-            crc = zlib.crc32(chunk.view[start : start + nbytes].data)
+            crc = checksum.of(chunk.view[start : start + nbytes].data)
             self._crcs[key] = crc
             if len(self._crcs) > _CRCS_KEPT:
                 self._crcs.popitem(last=False)
@@ -278,10 +297,17 @@ class UnitPayload:
         return chunk
 
     def _register(self, addr: int, nbytes: int) -> None:
-        rc = self._engine.register_memory(addr, nbytes)
+        """Register memory with the engine; PayloadTransferFailed when it refuses (counted):
+        the reader then reads those rows through Ray, and nothing stays registered."""
+        if failpoints.countdown_if_armed(failpoints.PAYLOAD_REGISTER):
+            rc = -1  # as the engine answers when it cannot pin the memory
+        else:
+            rc = self._engine.register_memory(addr, nbytes)
         if rc != 0:
             self.store.stats.inc("payload_register_failures_total")
-            raise OSError(f"Mooncake register_memory({nbytes} bytes) returned {rc}")
+            raise PayloadTransferFailed(
+                f"unit {self.store.index}: Mooncake register_memory({nbytes} bytes) returned {rc}"
+            )
         self.store.stats.inc("payload_registered_total")
 
     def prune(self) -> None:

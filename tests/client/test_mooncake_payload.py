@@ -1,7 +1,7 @@
 """The Mooncake backend's pulls against a real peer engine (no Ray, no cluster): a peer
 process registers random bytes with its own engine, as a storage unit does, and this
 process pulls them through ``MooncakeTcp`` (dataplane_client/transport/payload/mooncake.py).
-Bytes identical, a wrong CRC-32 pulled again then ``CorruptPayload``, a dead peer
+Bytes identical, a wrong CRC-32C pulled again then ``CorruptPayload``, a dead peer
 ``PayloadTransferFailed``, the probe's reasons, and every destination buffer back in the
 pool (or unregistered) and the read lease given back whatever happened; a second pull of
 the same size reuses the pooled buffer (no new registration). Skipped where Mooncake's engine does not
@@ -10,15 +10,18 @@ load; under CI=true it must (tests/scenario_run.py)."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import signal
 import subprocess
 import sys
-import zlib
 
 import numpy as np
 import pytest
 from scenario_run import mooncake_loads
 
-from dataplane_client.transport.payload import mooncake
+from dataplane_client.transport.payload import checksum, mooncake
+from dataplane_client.wire import failpoints
 from dataplane_client.wire.encoded import DENSE, EncodedField
 from dataplane_client.wire.errors import CorruptPayload, PayloadTransferFailed
 from dataplane_client.wire.messages import PayloadOffer, RemoteRows
@@ -79,7 +82,7 @@ def _answer(peer: Peer, cuts: list[tuple[int, int]], wrong_crc: bool = False) ->
     """A unit's read_remote answer for one field: rows at the peer's (start, nbytes) cuts,
     back to back, in that order."""
     segments = [(peer.addr + s, n) for s, n in cuts]
-    crcs = [zlib.crc32(peer.data[s : s + n].data) ^ int(wrong_crc) for s, n in cuts]
+    crcs = [checksum.of(peer.data[s : s + n].data) ^ int(wrong_crc) for s, n in cuts]
     nbytes = sum(n for _, n in cuts)
     header = EncodedField(kind=DENSE, dtype="uint8", shape=(nbytes,), num_rows=1)
     return {"x": RemoteRows(header, segments, crcs, lease=7)}
@@ -132,7 +135,7 @@ def test_a_dead_peer_is_payload_transfer_failed_and_leaks_nothing(peer):
 
 
 def test_the_probe_says_why_a_peer_cannot_be_used(peer):
-    good = (peer.addr, 4096, zlib.crc32(peer.data[:4096].data))
+    good = (peer.addr, 4096, checksum.of(peer.data[:4096].data))
     offer = PayloadOffer("mooncake-tcp", session=peer.session, probe=good)
     assert mooncake.probe(offer, "127.0.0.1") is None
     altered = dataclasses.replace(offer, probe=(peer.addr, 4096, good[2] ^ 1))
@@ -152,3 +155,113 @@ def test_a_second_get_of_the_same_size_reuses_the_pooled_buffer(peer):
     del again
     delta = _balanced(before)
     assert delta["registered"] == 0, "pulled into the pooled buffer, registered once"
+
+
+def test_a_peer_killed_mid_pull_is_payload_transfer_failed_and_leaks_nothing(peer, monkeypatch):
+    # Pulled in 1 MiB slices; the peer process is killed once the first has landed.
+    monkeypatch.setattr(mooncake, "PULL_SLICE_BYTES", 1 << 20)
+    seen: list[int] = []
+
+    def kill_peer(pulled: int) -> None:
+        seen.append(pulled)
+        peer.proc.kill()
+        peer.proc.wait(timeout=30)
+
+    unit, before = _Unit(), mooncake.counters()
+    backend = mooncake.MooncakeTcp(2, peer.session, "127.0.0.1")
+    with (
+        failpoints.run_at(failpoints.PAYLOAD_PULLED, kill_peer),
+        pytest.raises(PayloadTransferFailed, match=r"unit 2: pulling .* of 'x' from"),
+    ):
+        backend.complete(unit, _answer(peer, [(0, NBYTES)]))
+    assert seen == [1 << 20], "killed after the first slice, mid-transfer"
+    assert unit.released == [[7]], "the lease goes back"
+    delta = _balanced(before)
+    assert delta["transfer_failures"] == 1
+    assert delta["pulled_bytes"] == 1 << 20
+    assert mooncake.counters()["lent"] == 0, "the destination buffer is back in the pool"
+
+
+def test_a_refused_registration_is_payload_transfer_failed_and_leaks_nothing(peer):
+    # Twice the peer's bytes: larger than any buffer pooled by the other tests, so the pull
+    # registers a new one, which the engine refuses once.
+    cuts = [(0, NBYTES), (0, NBYTES)]
+    unit, before = _Unit(), mooncake.counters()
+    backend = mooncake.MooncakeTcp(4, peer.session, "127.0.0.1")
+    failpoints.arm(failpoints.PAYLOAD_REGISTER, "1")
+    try:
+        with pytest.raises(PayloadTransferFailed, match=r"register_memory of a get's destination"):
+            backend.complete(unit, _answer(peer, cuts))
+    finally:
+        failpoints.disarm(failpoints.PAYLOAD_REGISTER)
+    assert failpoints.fired(failpoints.PAYLOAD_REGISTER) == 1
+    assert unit.released == [[7]]
+    delta = _balanced(before)
+    assert (delta["register_failures"], delta["registered"], delta["pulled_bytes"]) == (1, 0, 0)
+    # The engine takes the next registration: the same get goes through.
+    got = backend.complete(_Unit(), _answer(peer, cuts))
+    assert np.array_equal(got["x"].values, np.concatenate([peer.data, peer.data]))
+    del got
+    assert _balanced(before)["registered"] == 1
+
+
+STALLED = """
+import json, sys, time
+from dataplane_client.transport.payload import mooncake
+from dataplane_client.wire.encoded import DENSE, EncodedField
+from dataplane_client.wire.messages import RemoteRows
+session, addr, n, crc = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+header = EncodedField(kind=DENSE, dtype="uint8", shape=(n,), num_rows=1)
+answer = {"x": RemoteRows(header, [(addr, n)], [0], lease=7)}
+class Unit:
+    def __init__(self):
+        self.release_remote, self.released = self, []
+    def remote(self, leases):
+        self.released.append(leases)
+backend = mooncake.MooncakeTcp(5, session, "127.0.0.1")
+backend.complete(Unit(), {"x": RemoteRows(header, [(addr, n)], [crc], lease=6)})
+print("connected", flush=True)  # the test stops the peer now, then tells us to go on
+sys.stdin.readline()
+unit, t0 = Unit(), time.monotonic()
+try:
+    backend.complete(unit, answer)
+    error = None
+except Exception as e:
+    error = f"{type(e).__name__}: {e}"
+print(json.dumps({"error": error, "s": time.monotonic() - t0, "released": unit.released,
+                  "counters": mooncake.counters()}))
+"""
+
+
+def test_a_stalled_peer_fails_the_pull_after_the_engines_progress_timeout(peer):
+    # A peer that stops answering (SIGSTOP) after its first pull: the next fails typed once
+    # the engine sees no progress for MC_TCP_PROGRESS_TIMEOUT_SEC (2 s here, 30 s by
+    # default), in a process of its own (the setting is read as its engine starts).
+    env = {**os.environ, "MC_TCP_PROGRESS_TIMEOUT_SEC": "2"}
+    args = [peer.session, str(peer.addr), str(NBYTES), str(checksum.of(peer.data.data))]
+    child = subprocess.Popen(
+        [sys.executable, "-c", STALLED, *args],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None
+    assert child.stdout is not None
+    try:
+        assert child.stdout.readline().strip() == "connected"
+        peer.proc.send_signal(signal.SIGSTOP)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        last = child.stdout.readlines()[-1]
+        child.wait(timeout=60)
+    finally:
+        peer.proc.send_signal(signal.SIGCONT)
+        child.kill()
+    out = json.loads(last)
+    assert out["error"].startswith("PayloadTransferFailed: unit 5: pulling"), out
+    assert 1.5 < out["s"] < 30, out
+    assert out["released"] == [[7]]
+    c = out["counters"]
+    assert (c["transfer_failures"], c["lent"]) == (1, 0), c
+    assert c["registered"] - c["unregistered"] == c["pooled"], c

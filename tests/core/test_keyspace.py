@@ -730,3 +730,53 @@ def test_a_numeric_tag_is_kept_once_as_its_column_and_read_back_whole():
     meta = ks.claim(part, "t", ["x"], 2, partial_ok=False)
     assert meta is not None
     assert [t["weight_version"] for t in meta.tags] == [4, 5]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.integers(1, 6), st.integers(-1, 9), st.booleans()),
+        max_size=40,
+    )
+)
+def test_a_rebuild_without_second_copies_equals_the_general_path(rows):
+    """The array path of ``rebuild_partition`` (no id on two units: a restart of a big
+    store) gives the rows, order, units, births, lengths, produced bits and groups the
+    general path gives, commit-order ties included."""
+    from dataplane_server.core.recovery_messages import StoredRows
+
+    by_unit: dict[int, list] = {}
+    for i, (unit, seq, length, grouped) in enumerate(rows):
+        by_unit.setdefault(unit, []).append((f"s{i}", seq, length, grouped))
+    stored = [
+        (
+            u,
+            StoredRows(
+                sample_ids=[r[0] for r in got],
+                seq=[r[1] for r in got],
+                sequence_lengths=[r[2] for r in got],
+                tags=[{"group_id": r[1] % 3} if r[3] else None for r in got],
+                fields={"x": ("dense", "float32", ())},
+                produced={"x": [r[2] % 2 == 0 for r in got]},
+            ),
+        )
+        for u, got in sorted(by_unit.items(), reverse=True)
+    ]
+
+    def rebuilt(fast: bool):
+        ks = KeySpace()
+        ks.unit_alive = [True] * 3
+        if not fast:
+            ks._rebuild_single_copies = lambda part, stored: False
+        part = ks.rebuild_partition("p", Declaration(["x"], None, ["t"], None), stored)
+        n = part.n_rows
+        return (
+            list(part.ids),
+            part.unit[:n].tolist(),
+            part.born[:n].tolist(),
+            part.seq_len[:n].tolist(),
+            part.produced.get("x", np.zeros(0, bool))[:n].tolist(),
+            part.group_code[:n].tolist(),
+        )
+
+    assert rebuilt(fast=True) == rebuilt(fast=False)

@@ -57,7 +57,10 @@ def test_pulls_leave_nothing_registered_nor_leased():
         # Each registered buffer is unregistered or idle in the pool: none stays lent.
         assert c["registered"] > 0, (step, c)
         assert c["registered"] - c["unregistered"] == c["pooled"], (step, c)
-        assert c["transfer_failures"] == 0, (step, c)
+        assert c["lent"] == 0, (step, c)
+    assert out["counters_after_corrupt"]["transfer_failures"] == 0
+    # No pull failed in the race (the one failure before it is the write_failed push's).
+    assert out["counters_after_race"]["transfer_failures"] == 1
     assert out["counters_after_race"]["pulled_bytes"] > out["counters_after_cases"]["pulled_bytes"]
     # Every remote read lease came back and no registered chunk outlived its use.
     assert out["unit_holdings"] == {"read_leases": 0, "orphans": 0}
@@ -112,3 +115,43 @@ def _through_mooncake() -> dict:
     if not mooncake_loads():
         pytest.skip("Mooncake's engine does not load here")
     return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 60)  # the first to ask runs every scenario
+def test_a_registration_the_unit_refuses_is_read_through_ray():
+    refused = _through_mooncake()["register_refused"]
+    # The unit's engine refused the chunk the read named: the read failed typed on the
+    # unit (counted there), and the reader got the right bytes through Ray instead.
+    assert refused["fired"] == 1, refused
+    assert refused["unit_failures"] == 1, refused
+    assert (refused["error"], refused["right_bytes"]) == (None, True), refused
+    c = refused["reader"]
+    assert (c["pulled_bytes"], c["lent"], c["transfer_failures"]) == (0, 0, 0), c
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 60)  # the first to ask runs every scenario
+def test_a_push_whose_engine_fails_after_the_remote_write_lands_once_through_ray():
+    out = _through_mooncake()
+    # The bytes were written into the unit's stage, then the engine reported a failure
+    # (as a late timeout does): that stage is discarded uncommitted, and the put stages
+    # again through Ray under a new write id; read back bit for bit, once.
+    assert out["puts"]["write_failed"] == {"error": None, "read_back": True, "fired": 1}
+    assert out["counters_after_puts"]["transfer_failures"] == 1
+    assert out["unit_holdings"] == {"read_leases": 0, "orphans": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 60)  # the first to ask runs every scenario
+def test_a_unit_killed_mid_pull_is_a_typed_error_and_leaks_nothing_in_the_reader():
+    killed = _through_mooncake()["unit_killed"]
+    # SIGKILLed after the first 1 MiB slice of a 4 MiB pull landed: the pull fails, the
+    # get's fallback through Ray finds the unit gone, and the get raises SamplesLost
+    # (replicas: 1); the destination buffer is back in the reader's pool.
+    assert killed["killed_after"] == [1 << 20], killed
+    assert killed["error"] == "SamplesLost", killed
+    c = killed["counters"]
+    assert c["lent"] == 0, c
+    assert c["registered"] - c["unregistered"] == c["pooled"], c
+    assert c["transfer_failures"] == 2, c  # the write_failed push's, and this pull's

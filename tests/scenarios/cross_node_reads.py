@@ -5,9 +5,11 @@ rows through each cross-node backend (``dataplane_client/transport/payload``): t
 default reader through Mooncake's transfer engine where it is installed (every field,
 ``transfer_min_bytes: 0``), one through Ray's object transfer (``cross_node_transport=
 "ray"``), and one whose process cannot import Mooncake (the probe's fallback). The
-default reader also races a clear and rewrite, and pulls through the failpoint that
-spoils a pull (``payload-corrupt``). tests/e2e/test_cross_node.py asserts on what it
-observed.
+default reader also races a clear and rewrite, and pulls through the failpoints that
+spoil a pull (``payload-corrupt``) and refuse a registration on the unit
+(``payload-register``); its pushed puts meet a spoiled check and an engine that fails
+after the remote write (``payload-write-failed``); last, the unit's process is killed
+mid-pull. tests/e2e/test_cross_node.py asserts on what it observed.
 """
 
 import os
@@ -112,6 +114,37 @@ class Reader:
         got = self.client.get_samples(ids, "p", names)
         return {k: plain(got[k]) for k in names}
 
+    def get_killing_the_unit(self, ids: list, unit_pid: int) -> dict:
+        """A get of partition "w" pulled in 1 MiB slices, whose unit process is killed
+        (SIGKILL) once the first slice has landed: the error it raised, where the kill
+        fell, and this process's transfer-engine counters after."""
+        import gc
+        import signal
+
+        from dataplane_client.transport.payload import mooncake
+        from dataplane_client.wire.errors import DataPlaneError
+
+        seen: list[int] = []
+
+        def kill_unit(pulled: int) -> None:
+            if not seen:
+                os.kill(unit_pid, signal.SIGKILL)
+            seen.append(pulled)
+
+        mooncake.PULL_SLICE_BYTES = 1 << 20
+        error = None
+        try:
+            with failpoints.run_at(failpoints.PAYLOAD_PULLED, kill_unit):
+                self.client.get_samples(ids, "w", ["big"])
+        except DataPlaneError as e:
+            error = type(e).__name__
+        except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
+            error = f"untyped {type(e).__name__}: {e}"
+        finally:
+            mooncake.PULL_SLICE_BYTES = 64 << 20
+        gc.collect()  # the failed flow's frames, which held the pooled buffer's views
+        return {"error": error, "killed_after": seen[:1], "counters": mooncake.counters()}
+
     def race(self, ids: list) -> dict:
         """Gets while the driver clears and rewrites: each row must be one whole version."""
         from dataplane_client.wire.errors import DataPlaneError
@@ -192,6 +225,20 @@ def run(cluster) -> dict:
         "shuffled_subset": ([17, 2, 9, 0, 23, 11], ["dense", "text", "half"]),
         "reversed": (list(range(N))[::-1], ["jag", "dense"]),
     }
+    # The unit's engine refuses to register the chunk the first remote read names: that
+    # read fails typed on the unit, and the reader reads the rows through Ray instead.
+    if os.environ.get(failpoints.ENV):
+        failpoints.arm(failpoints.PAYLOAD_REGISTER, "1")
+        answer = ray.get(reader.get_or_error.remote(ids[:4], ["dense"]))
+        failpoints.disarm(failpoints.PAYLOAD_REGISTER)
+        snap = ray.get(handle.units[0].metrics_snapshot.remote())
+        out["register_refused"] = {
+            "right_bytes": answer.get("ok") == expect([0, 1, 2, 3], ["dense"]),
+            "error": answer.get("error"),
+            "fired": failpoints.fired(failpoints.PAYLOAD_REGISTER),
+            "unit_failures": snap.stats["counters"].get("payload_register_failures_total", 0),
+            "reader": ray.get(reader.counters.remote()),
+        }
     out["cases"], out["cases_ray"], out["cases_bare"] = {}, {}, {}
     for case, (picked, sel) in cases.items():
         want_here = expect(picked, sel)
@@ -222,16 +269,24 @@ def run(cluster) -> dict:
 
     c.register_partition("w", ["big"], None, [])
     out["puts"] = {}
-    for case, spoil in (("clean", 0), ("spoiled_once", 1), ("spoiled_twice", 2)):
+    # write_failed: the engine reports a failure after the bytes were written (a timeout
+    # after the remote write): the put fails typed, and none of it becomes visible.
+    spoiling = failpoints.PAYLOAD_CORRUPT
+    for case, spoil, point in (
+        ("clean", 0, spoiling),
+        ("spoiled_once", 1, spoiling),
+        ("spoiled_twice", 2, spoiling),
+        ("write_failed", 1, failpoints.PAYLOAD_WRITE_FAILED),
+    ):
         if spoil and not os.environ.get(failpoints.ENV):
             continue
         wids, base = [f"{case}-{i}" for i in range(4)], float(10 * spoil)
         if spoil:
-            failpoints.arm(failpoints.PAYLOAD_CORRUPT, str(spoil))
+            failpoints.arm(point, str(spoil))
         answer = ray.get(reader.put_or_error.remote(wids, base))
-        fired = failpoints.fired(failpoints.PAYLOAD_CORRUPT) if spoil else 0
+        fired = failpoints.fired(point) if spoil else 0
         if spoil:
-            failpoints.disarm(failpoints.PAYLOAD_CORRUPT)
+            failpoints.disarm(point)
         try:
             # Read on the unit's node (shared memory): the tensor holds a read lease while it
             # lives, so it is compared at once and dropped (the leak check below counts them).
@@ -271,6 +326,13 @@ def run(cluster) -> dict:
     # The unit's sweeper prunes registrations of chunks closed since the last read.
     wait_until(released, timeout_s=30, what="the remote leases back and no orphan chunk")
     out["unit_registered_chunks"] = ray.get(handle.units[0].holdings.remote()).payload_registered
+
+    # Last (it kills the unit): the unit's process dies mid-pull of a get from node A.
+    if os.environ.get(failpoints.ENV) and out["paths"]["default"][0][0] == "mooncake-tcp":
+        pid = ray.get(handle.units[0].ping.remote()).pid
+        out["unit_killed"] = ray.get(
+            reader.get_killing_the_unit.remote([f"clean-{i}" for i in range(4)], pid)
+        )
     for r in (reader, ray_reader, bare_reader):
         ray.kill(r)
     handle.shutdown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import socket
 import subprocess
 import sys
@@ -85,6 +86,7 @@ def test_status_table_and_json(addr, service):
     assert "UNIT" in out
     assert "NODE_IP" in out
     assert "CAPACITY" in out
+    assert "durability memory" in out  # the level, and no state directory at memory
     info = json.loads(ok(dataplane("status", "--json", address=addr)))  # address from the env
     assert info["name"] == service.config.name
     assert [u["index"] for u in info["units"]] == [0, 1]
@@ -418,3 +420,37 @@ def test_a_reader_that_goes_away_ends_the_cli_quietly(addr, part):
         os.close(write_end)
     assert proc.returncode == 141, proc.stderr
     assert proc.stderr == ""
+
+
+def test_status_and_metrics_show_the_path_cross_node_readers_chose(addr, service):
+    """A reader's capability probe reports its choice to each unit it reaches across nodes:
+    here the probe of a process that sees both units on another node and is told to use
+    Ray (``cross_node_transport: "ray"``): status names the path and why, per unit, and so
+    does ``dataplane_payload_path_choices_total``."""
+    import ray
+    from polling import wait_until
+
+    from dataplane_client.transport.payload import probe
+    from dataplane_server.admin.sources import ActorSources
+
+    units = ActorSources(service.config.name, "dataplane").units()
+    reason = "cross_node_transport is 'ray'"
+    paths = probe.choose(units, ["elsewhere"] * 2, [False] * 2, [True] * 2, "here", "ray")
+    assert [(p.backend, p.detail) for p in paths] == [("ray", reason)] * 2
+    ray.get([u.ping.remote() for u in units])  # the reports (not awaited) arrived before
+
+    def chosen() -> list:
+        info = json.loads(ok(dataplane("status", "--json", "--address", addr)))
+        return [u["payload_paths"] for u in info["units"]]
+
+    wait_until(lambda: all(chosen()), timeout_s=30, what="both units to show the choice")
+    for per_unit in chosen():
+        assert {(p["path"], p["detail"]) for p in per_unit} == {("ray", reason)}
+        assert per_unit[0]["readers"] >= 1
+    text = ok(dataplane("status", "--address", addr))
+    assert re.search(r"^  unit 0: ray x\d+  \(cross_node_transport is 'ray'\)$", text, re.M), text
+    scrape = urllib.request.urlopen(f"http://{service.metrics_address}/metrics", timeout=10)
+    families = {f.name: f for f in text_string_to_metric_families(scrape.read().decode())}
+    samples = families["dataplane_payload_path_choices"].samples
+    got = {(s.labels["unit"], s.labels["path"], s.labels["reason"]) for s in samples}
+    assert got == {("0", "ray", reason), ("1", "ray", reason)}

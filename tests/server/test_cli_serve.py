@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import queue
 import re
 import shutil
 import signal
@@ -34,54 +33,14 @@ from pathlib import Path
 import pytest
 from polling import wait_until
 from ray_heads import RAY, free_ports, ray_env, read, stop_group
+from serve_process import REPO, START_S, process_tree, read_snippet, read_until, start_serve
 
 from dataplane_server.core import checkpoint
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-START_S = 180
 # How ss writes a loopback listener: IPv4, IPv4-mapped IPv6 (gRPC's), IPv6.
 LOOPBACK = {"127.0.0.1", "[::ffff:127.0.0.1]", "[::1]"}
-
-
-def _pump(pipe, lines: queue.Queue) -> None:
-    for line in pipe:
-        lines.put(line.rstrip("\n"))
-    lines.put(None)
-
-
-def start_serve(config: Path, args: list[str], env: dict) -> tuple[subprocess.Popen, queue.Queue]:
-    """``dataplane serve --config config *args``, its output lines pumped into a queue."""
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "dataplane_server", "serve", "--config", str(config), *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_pump, args=(serve.stdout, lines), daemon=True).start()
-    return serve, lines
-
-
-def read_until(
-    lines: queue.Queue, prefix: str, seen: list[str], deadline: float | None = None
-) -> str:
-    """Lines up to the first that starts with ``prefix`` (kept in ``seen``): each within
-    START_S, or all of them before ``deadline`` (monotonic) where one is given."""
-    while True:
-        wait = START_S if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            line = lines.get(timeout=wait)
-        except queue.Empty:
-            pytest.fail(f"no {prefix!r} line in time; got:\n" + "\n".join(seen))
-        if line is None:
-            pytest.fail(f"serve ended before {prefix!r}; got:\n" + "\n".join(seen))
-        seen.append(line)
-        if line.startswith(prefix):
-            return line
 
 
 def _assert_checkpoint_holds(path: str, partition: str, samples: int) -> None:
@@ -93,34 +52,6 @@ def _assert_checkpoint_holds(path: str, partition: str, samples: int) -> None:
         assert hashlib.sha256(data).hexdigest() == f.sha256
     assert sum(f.nbytes for f in files) >= samples * 4 * 4  # the float32 rows at least
     assert partition in state  # the state is keyed by partition id
-
-
-def read_snippet(lines: queue.Queue, seen: list[str]) -> list[str]:
-    """The indented lines after "connect from another process", dedented."""
-    read_until(lines, "connect from another process", seen)
-    snippet = []
-    while (line := lines.get(timeout=START_S)) is not None and line.startswith("    "):
-        seen.append(line)
-        snippet.append(line[4:])
-    seen.append(str(line))
-    return snippet
-
-
-def _process_tree(root: int) -> set[int]:
-    """``root`` and every process below it (Ray's GCS, raylet, workers), from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the process ended while we looked
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        tree.add(pid)
-        todo += children.get(pid, [])
-    return tree
 
 
 def listening_sockets(pids: set[int]) -> list[tuple[str, str]]:
@@ -172,7 +103,7 @@ def test_serve_prints_a_snippet_that_connects_and_drains_on_sigterm(tmp_path):
         assert 'os.environ["RAY_AUTH_MODE"] = "token"  # before ray is imported' in snippet
 
         # Every socket of this Ray's processes is on 127.0.0.1 but the GCS port.
-        sockets = listening_sockets(_process_tree(serve.pid))
+        sockets = listening_sockets(process_tree(serve.pid))
         assert {name for _, name in sockets} >= {"gcs_server", "raylet"}, sockets
         gcs_port = ray_address.rsplit(":", 1)[1]
         elsewhere = [

@@ -6,7 +6,7 @@ side).
 Peer-to-peer handshake (``P2PHANDSHAKE``): no metadata server to run; a peer is named by
 its engine's ``ip:port`` (its session). One engine per process, started on first use.
 A get's segments (runs of rows back to back in one chunk) are pulled in one batch of
-transfers, and each is checked against the CRC-32 the unit stated before the get returns
+transfers, and each is checked against the CRC-32C the unit stated before the get returns
 (Mooncake 0.3.10's TCP path was found to truncate silently, Relax #256): a mismatch is
 pulled once more, and a second one raises ``CorruptPayload``. A get pulls into one
 buffer from a pool of registered ones (:class:`_Pool`), lent until the caller drops its
@@ -22,13 +22,14 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 import traceback
-import zlib
 from typing import Any
 
 import numpy as np
 import ray
 
+from dataplane_client.transport.payload import checksum
 from dataplane_client.transport.payload.base import MOONCAKE_TCP, PayloadBackend
 from dataplane_client.wire import failpoints
 from dataplane_client.wire.encoded import EncodedField
@@ -45,9 +46,10 @@ _counts = {
     "unregistered": 0,  # ... and unregistered again (the difference: the pool's buffers)
     "register_failures": 0,
     "pooled": 0,  # destination buffers idle in the pool, registered (see _Pool)
+    "lent": 0,  # pooled buffers a get's arrays still hold (0 once the caller drops them)
     "pulled_bytes": 0,
     "pushed_bytes": 0,
-    "corrupt": 0,  # pulls whose CRC-32 did not match (each pulled again once)
+    "corrupt": 0,  # pulls whose CRC-32C did not match (each pulled again once)
     "corrupt_raised": 0,  # fields that mismatched twice: CorruptPayload
     "transfer_failures": 0,
 }
@@ -57,6 +59,11 @@ _counts = {
 # default a 128 MiB pull on loopback ran at 0.2-0.7 GB/s here, with 16 MiB at 1.5-2.4 GB/s
 # (2 loaded cores, 2026-11-29). A process that sets it keeps its own.
 TCP_SLICE_BYTES = 16 << 20
+# A pull is asked of the engine in batches of at most this many bytes (one more round trip
+# per 64 MiB; the engine's own slicing above does the moving): a peer that fails stops the
+# pull at the batch it hit, and tests get a point between batches (PAYLOAD_PULLED).
+PULL_SLICE_BYTES = 64 << 20
+VERIFY_TIMEOUT_S = 60.0  # a push's wait for the unit's check, for a put without deadline
 
 
 def engine_environment() -> None:
@@ -83,6 +90,21 @@ def counters() -> dict[str, int]:
 def _count(name: str, n: int = 1) -> None:
     with _lock:
         _counts[name] += n
+
+
+def register(eng: Any, addr: int, nbytes: int, what: str) -> None:
+    """Register ``nbytes`` at ``addr`` with the engine (counted), or PayloadTransferFailed
+    naming ``what`` and the engine's code (counted too; nothing stays registered)."""
+    if failpoints.countdown_if_armed(failpoints.PAYLOAD_REGISTER):
+        rc = -1  # as the engine answers when it cannot pin the memory
+    else:
+        rc = eng.register_memory(addr, nbytes)
+    if rc != 0:
+        _count("register_failures")
+        raise PayloadTransferFailed(
+            f"Mooncake register_memory of {what} ({nbytes} bytes) returned {rc}"
+        )
+    _count("registered")
 
 
 def engine(host: str) -> Any:
@@ -155,22 +177,18 @@ class _Pool:
                 return buf
         size = -(-max(nbytes, 1) // self.ROUND) * self.ROUND
         buf = np.empty(size, dtype=np.uint8)
-        rc = eng.register_memory(buf.ctypes.data, buf.nbytes)
-        if rc != 0:
-            _count("register_failures")
-            raise PayloadTransferFailed(
-                f"Mooncake register_memory of a {buf.nbytes}-byte destination returned {rc}"
-            )
+        register(eng, buf.ctypes.data, buf.nbytes, "a get's destination buffer")
         self._eng = eng
-        _count("registered")
         return buf
 
     def lend(self, buf: np.ndarray) -> np.ndarray:
         """``buf`` as an array whose views give it back once they are all gone."""
+        _count("lent")
         return np.asarray(_Lent(self, buf))
 
     def give_back(self, buf: np.ndarray) -> None:
         with _lock:
+            _counts["lent"] -= 1
             if self._free_bytes + buf.nbytes <= self.KEEP_BYTES:
                 self._free.append(buf)
                 self._free_bytes += buf.nbytes
@@ -186,17 +204,11 @@ _pool = _Pool()
 class _Registered:
     """A buffer registered with the engine for one transfer (unregistered on exit)."""
 
-    def __init__(self, eng: Any, buf: np.ndarray):
-        self.eng, self.addr, self.nbytes = eng, buf.ctypes.data, buf.nbytes
+    def __init__(self, eng: Any, buf: np.ndarray, what: str):
+        self.eng, self.addr, self.nbytes, self.what = eng, buf.ctypes.data, buf.nbytes, what
 
     def __enter__(self) -> _Registered:
-        rc = self.eng.register_memory(self.addr, self.nbytes)
-        if rc != 0:
-            _count("register_failures")
-            raise PayloadTransferFailed(
-                f"Mooncake register_memory of a {self.nbytes}-byte destination returned {rc}"
-            )
-        _count("registered")
+        register(self.eng, self.addr, self.nbytes, self.what)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -206,7 +218,10 @@ class _Registered:
 
 def probe(offer: PayloadOffer, host: str) -> str | None:
     """None when this process can pull from the unit that made ``offer`` (its probe bytes
-    arrive, CRC-32 checked), else why not."""
+    arrive, CRC-32C checked), else why not."""
+    why_not = checksum.missing()
+    if why_not is not None:
+        return f"this process cannot check what it pulls: {why_not}"
     try:
         eng = engine(host)
     except RuntimeError as e:
@@ -215,14 +230,14 @@ def probe(offer: PayloadOffer, host: str) -> str | None:
     addr, nbytes, crc = offer.probe
     buf = np.zeros(nbytes, dtype=np.uint8)
     try:
-        with _Registered(eng, buf):
+        with _Registered(eng, buf, "the probe's destination"):
             rc = eng.transfer_sync_read(offer.session, buf.ctypes.data, addr, nbytes)
     except PayloadTransferFailed as e:
         return str(e)
     if rc != 0:
         return f"the unit's engine at {offer.session} is not reachable (transfer returned {rc})"
-    if zlib.crc32(buf.data) != crc:
-        return f"the probe bytes from {offer.session} arrived altered (CRC-32 mismatch)"
+    if checksum.of(buf.data) != crc:
+        return f"the probe bytes from {offer.session} arrived altered (CRC-32C mismatch)"
     return None
 
 
@@ -262,7 +277,7 @@ class MooncakeTcp(PayloadBackend):
 
     def _pull(self, eng: Any, answer: dict) -> dict[str, np.ndarray]:
         """Every segment of every field to pull in one batch of transfers (the engine runs
-        them together), each checked against its CRC-32; the ones that do not match are
+        them together), each checked against its CRC-32C; the ones that do not match are
         pulled once more, and any still wrong raise CorruptPayload."""
         fields = {k: v for k, v in answer.items() if isinstance(v, RemoteRows)}
         # One pooled buffer for the whole get, each field a slice of it (lent: it goes back
@@ -295,12 +310,12 @@ class MooncakeTcp(PayloadBackend):
             if failpoints.countdown_if_armed(failpoints.PAYLOAD_CORRUPT) and todo:
                 _, dest, _, n, _ = todo[0]  # what a truncated or corrupted transfer leaves
                 _as_array(dest + n - 1, 1)[0] ^= 0xFF
-            bad = [s for s in todo if zlib.crc32(_as_array(s[1], s[3]).data) != s[4]]
+            bad = [s for s in todo if checksum.of(_as_array(s[1], s[3]).data) != s[4]]
             if not bad:
                 return out
             _count("corrupt", len(bad))
             log.warning(
-                "unit %d: %d of %d segments pulled from %s did not match their CRC-32 "
+                "unit %d: %d of %d segments pulled from %s did not match their CRC-32C "
                 "(fields %s; attempt %d of 2)",
                 self.unit_index,
                 len(bad),
@@ -316,22 +331,49 @@ class MooncakeTcp(PayloadBackend):
         raise CorruptPayload(
             f"unit {self.unit_index}: {len(todo)} segment(s) of field(s) "
             f"{', '.join(repr(n) for n in names)} pulled from {self.session} did not match "
-            f"the unit's CRC-32 ({crcs}), twice",
+            f"the unit's CRC-32C ({crcs}), twice",
             fields=names,
         )
 
     def _transfer(self, eng: Any, segs: list[tuple[str, int, int, int, int]]) -> None:
-        if not segs:
-            return
-        if len(segs) == 1:
-            _, dest, src, n, _ = segs[0]
-            rc = eng.transfer_sync_read(self.session, dest, src, n)
-        else:
-            rc = eng.batch_transfer_sync_read(
-                self.session, [s[1] for s in segs], [s[2] for s in segs], [s[3] for s in segs]
-            )
-        _check_transfer(rc, segs, f"unit {self.unit_index}: pulling", f"from {self.session}")
-        _count("pulled_bytes", sum(s[3] for s in segs))
+        """Pull ``segs`` in slices of at most ``PULL_SLICE_BYTES``, one batch each: a peer
+        that dies or stalls fails the slice it hit and no later one is asked for."""
+        pulled = 0
+        for batch in _slices(segs, PULL_SLICE_BYTES):
+            if len(batch) == 1:
+                _, dest, src, n, _ = batch[0]
+                rc = eng.transfer_sync_read(self.session, dest, src, n)
+            else:
+                rc = eng.batch_transfer_sync_read(
+                    self.session,
+                    [s[1] for s in batch],
+                    [s[2] for s in batch],
+                    [s[3] for s in batch],
+                )
+            _check_transfer(rc, batch, f"unit {self.unit_index}: pulling", f"from {self.session}")
+            n = sum(s[3] for s in batch)
+            _count("pulled_bytes", n)
+            pulled += n
+            failpoints.reached(failpoints.PAYLOAD_PULLED, pulled)
+
+
+def _slices(segs: list[tuple[str, int, int, int, int]], limit: int):
+    """``segs`` cut into batches of at most ``limit`` bytes, in order (a segment longer
+    than what is left of a batch is split across batches)."""
+    batch: list[tuple[str, int, int, int, int]] = []
+    room = limit
+    for name, dest, src, n, crc in segs:
+        at = 0
+        while at < n:
+            take = min(n - at, room)
+            batch.append((name, dest + at, src + at, take, crc))
+            at += take
+            room -= take
+            if room == 0:
+                yield batch
+                batch, room = [], limit
+    if batch:
+        yield batch
 
 
 def _check_transfer(rc: int, segs: list, doing: str, peer: str) -> None:
@@ -351,16 +393,31 @@ def _check_transfer(rc: int, segs: list, doing: str, peer: str) -> None:
 class MooncakePush:
     """A cross-node put's stage on one unit through the engine: the unit sets the region
     aside (``alloc_remote``), this process pushes each field's bytes into it
-    (``transfer_sync_write``) and the unit checks them against the CRC-32 this process
+    (``transfer_sync_write``) and the unit checks them against the CRC-32C this process
     computed of what it sent (``verify_remote``), before any commit: a mismatch is pushed
     once more, then CorruptPayload. The commit, the only visibility point, is sent only
     after that, so a push that failed, timed out or was corrupted is never half applied:
-    its stage is discarded (or reclaimed at its deadline), invisible."""
+    its stage is discarded (or reclaimed at its deadline), invisible.
+
+    A timeout after the remote write (the engine reports failure, or the unit does not
+    confirm the bytes before the put's deadline) means exactly that: the bytes may sit in
+    the staged region, but this push raises PayloadTransferFailed, no commit is sent and
+    the stage is discarded; the put stages again through Ray under a new write id (while
+    its deadline lasts), so it lands once or not at all."""
 
     def __init__(self, backend: MooncakeTcp):
         self.backend = backend
 
-    def push(self, unit: Any, write_id: str, values: dict[str, np.ndarray], regions: dict) -> int:
+    def push(
+        self,
+        unit: Any,
+        write_id: str,
+        values: dict[str, np.ndarray],
+        regions: dict,
+        expires_at: float | None = None,
+    ) -> int:
+        """``expires_at``: the put's deadline (``time.time()``); the unit's check of the bytes
+        is awaited until then (``VERIFY_TIMEOUT_S`` without one)."""
         b = self.backend
         eng = engine(b.host)
         srcs = {k: np.ascontiguousarray(v).reshape(-1).view(np.uint8) for k, v in values.items()}
@@ -371,11 +428,11 @@ class MooncakePush:
                     f"push into a {n}-byte region",
                     fields=[name],
                 )
-        crcs = {k: zlib.crc32(v.data) for k, v in srcs.items()}
+        crcs = {k: checksum.of(v.data) for k, v in srcs.items()}
         todo = [k for k in regions if regions[k][1] > 0]
         with contextlib.ExitStack() as registered:
             for k in todo:
-                registered.enter_context(_Registered(eng, srcs[k]))
+                registered.enter_context(_Registered(eng, srcs[k], f"field {k!r} to push"))
             for attempt in (1, 2):
                 segs = [(k, srcs[k].ctypes.data, regions[k][0], regions[k][1], 0) for k in todo]
                 self._write(eng, segs)
@@ -383,7 +440,7 @@ class MooncakePush:
                 if failpoints.countdown_if_armed(failpoints.PAYLOAD_CORRUPT) and todo:
                     stated[todo[0]] ^= 1  # as if the bytes had changed on the way
                 try:
-                    _wait(unit.verify_remote.remote(write_id, stated))
+                    self._verified(unit, write_id, stated, expires_at)
                 except CorruptPayload as e:
                     _count("corrupt")
                     log.warning("%s (attempt %d of 2)", e, attempt)
@@ -391,12 +448,28 @@ class MooncakePush:
                         _count("corrupt_raised")
                         raise CorruptPayload(
                             f"unit {b.unit_index}: the bytes pushed to {b.session} for "
-                            f"write {write_id} did not match their CRC-32, twice",
+                            f"write {write_id} did not match their CRC-32C, twice",
                             fields=e.fields,
                         ) from None
                     continue
                 return sum(n for _, (_, n) in regions.items())
         raise AssertionError("unreachable")
+
+    def _verified(self, unit: Any, write_id: str, crcs: dict, expires_at: float | None) -> None:
+        """The unit's check of the pushed bytes; PayloadTransferFailed when it does not
+        answer in time (the bytes' fate unknown: the put discards the stage and stages
+        again through Ray). A unit that died raises RayActorError, as any unit call does
+        (the put's rerouting handles it)."""
+        b = self.backend
+        wait_s = VERIFY_TIMEOUT_S if expires_at is None else max(expires_at - time.time(), 0.0)
+        try:
+            _wait(unit.verify_remote.remote(write_id, crcs), wait_s)
+        except ray.exceptions.GetTimeoutError:
+            _count("transfer_failures")
+            raise PayloadTransferFailed(
+                f"unit {b.unit_index} did not confirm the bytes pushed to {b.session} for "
+                f"write {write_id} within {wait_s:.1f}s (the put's deadline): nothing committed"
+            ) from None
 
     def _write(self, eng: Any, segs: list[tuple[str, int, int, int, int]]) -> None:
         b = self.backend
@@ -405,14 +478,16 @@ class MooncakePush:
         rc = eng.batch_transfer_sync_write(
             b.session, [s[1] for s in segs], [s[2] for s in segs], [s[3] for s in segs]
         )
+        if rc == 0 and failpoints.countdown_if_armed(failpoints.PAYLOAD_WRITE_FAILED):
+            rc = -1  # the bytes landed, yet the engine says the write failed (a late timeout)
         _check_transfer(rc, segs, f"unit {b.unit_index}: pushing", f"to {b.session}")
         _count("pushed_bytes", sum(s[3] for s in segs))
 
 
-def _wait(ref: Any) -> Any:
+def _wait(ref: Any, timeout_s: float | None = None) -> Any:
     """A unit call's answer, its typed error raised as itself."""
     try:
-        return ray.get(ref)
+        return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.RayTaskError as e:
         cause = getattr(e, "cause", None)
         if isinstance(cause, Exception):

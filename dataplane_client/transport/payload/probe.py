@@ -5,7 +5,7 @@ Per unit: same node with shared memory -> ``shm`` (not a payload backend at all)
 node -> Mooncake over TCP when (1) the service allows it (``cross_node_transport`` is
 ``auto``), (2) the package imports here, (3) the unit's engine runs (its
 ``payload_offer``), (4) this process's engine starts and (5) pulls the unit's probe bytes,
-CRC-32 checked (the peer is reachable); else Ray's object transfer, with the first reason
+CRC-32C checked (the peer is reachable); else Ray's object transfer, with the first reason
 that failed. Each choice is logged once per process and unit node, and shown in
 ``service_info().payload_paths``.
 """
@@ -100,7 +100,18 @@ def choose(
     assert len(chosen) == len(units)
     for p in chosen:
         _log_once(p)
+        if p.backend != SHM and alive[p.unit]:
+            _tell_unit(units[p.unit], p)
     return chosen
+
+
+def _tell_unit(unit, path: PayloadPath) -> None:
+    """Report our choice to the unit (``dataplane status``, metrics); not awaited, and a
+    unit that cannot take it changes nothing here."""
+    try:
+        unit.payload_chosen.remote(path.backend, path.detail)
+    except Exception:  # noqa: BLE001 - Ray shut down, or a stand-in without the method
+        pass
 
 
 def _log_once(path: PayloadPath) -> None:

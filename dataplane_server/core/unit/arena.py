@@ -21,10 +21,16 @@ Writers keep their mappings of chunks (see wire/shm.py); ``closed_since`` tells 
 which chunks were closed, so they drop mappings nothing will write into again.
 
 Capacity counts what the unit holds: a slab counts in full from its creation.
+
+A durable unit's chunks are named files (``files``, unit/chunk_files.py), recycled as
+memfds are at ``process`` level and removed when freed at ``machine`` level (see there
+why); a restarted unit re-attaches the blocks its row index names (``attach``), sealed: nothing new is placed in them, as a writer of the dead
+process may still copy into a region it was given there.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -33,6 +39,7 @@ import numpy as np
 from dataplane_client.wire import shm
 from dataplane_client.wire.encoded import contiguous_runs
 from dataplane_client.wire.messages import ChunkRef
+from dataplane_server.core.unit.chunk_files import ChunkFiles
 from dataplane_server.core.unit.warm_reserve import WarmReserve
 
 SLAB_BYTES = 4 << 20
@@ -51,7 +58,14 @@ class _Block:
 
 
 class Arena:
-    def __init__(self, capacity_bytes: int, use_shm: bool, reserve: WarmReserve):
+    def __init__(
+        self,
+        capacity_bytes: int,
+        use_shm: bool,
+        reserve: WarmReserve,
+        files: ChunkFiles | None = None,
+    ):
+        self.files = files  # a durable unit's: chunks are files that outlive the process
         self.slab_bytes = max(1, min(SLAB_BYTES, capacity_bytes // _SLABS_PER_CAPACITY))
         self.use_shm = use_shm
         self.reserve = reserve
@@ -61,7 +75,9 @@ class Arena:
         self._next_id = 0
         self.recycled = 0  # blocks whose memfd went back to the reserve on freeing
         self._closed: deque[tuple[int, str]] = deque(maxlen=_CLOSED_REMEMBERED)
-        self._closed_seq = 0
+        # A durable unit's restarted process numbers closures above its dead one's (in
+        # microseconds of the wall clock), so a writer's last seq never hides new ones.
+        self._closed_seq = time.time_ns() // 1000 if files is not None else 0
 
     def is_small(self, nbytes: int) -> bool:
         """Whether a region of ``nbytes`` goes into a slab (else a block of its own)."""
@@ -131,10 +147,13 @@ class Arena:
     def _new_block(self, nbytes: int) -> int:
         store: shm.MemFd | np.ndarray
         if self.use_shm:
-            store = self.reserve.take(nbytes) or shm.create(nbytes)
+            store = self.reserve.take(nbytes) or self._make(nbytes)
         else:
             store = np.empty(nbytes, dtype=np.uint8)
         return self._add_block(store, nbytes)
+
+    def _make(self, nbytes: int) -> shm.MemFd:
+        return self.files.make(nbytes) if self.files is not None else shm.create(nbytes)
 
     def _add_block(self, store: shm.MemFd | np.ndarray, nbytes: int) -> int:
         block = self._next_id
@@ -142,6 +161,22 @@ class Arena:
         self.blocks[block] = _Block(store, nbytes)
         self.used_bytes += nbytes
         return block
+
+    def attach(self, block: int, store: shm.MemFd, nbytes: int, refs: int) -> None:
+        """Take back a block an earlier process of this durable unit made, full (sealed)."""
+        self.blocks[block] = _Block(store, nbytes, used=nbytes, refs=refs)
+        self.used_bytes += nbytes
+        self._next_id = max(self._next_id, block + 1)
+
+    def skip_ids(self, below: int) -> None:
+        """Never hand out a block id below ``below`` (ids an earlier process used)."""
+        self._next_id = max(self._next_id, below)
+
+    def file_of(self, block: int) -> tuple[str, int]:
+        """(chunk file name, block size) of a durable unit's block."""
+        b = self.blocks[block]
+        assert isinstance(b.store, shm.MemFd)
+        return b.store.name, b.size
 
     def hold(self, block: int, count: int) -> None:
         self.blocks[block].refs += count
@@ -164,13 +199,19 @@ class Arena:
         self.used_bytes -= b.size
         if not isinstance(b.store, shm.MemFd):
             return
-        if b.readers == 0 and not b.tainted:
+        if self.files is not None and not self.files.recycle:  # machine level: never reused
+            self.files.remove(b.store)
+            closed = [b.store.name]
+        elif b.readers == 0 and not b.tainted:
             closed = self.reserve.recycle(b.store)  # closes what it does not keep
             self.recycled += b.store.name not in closed
         else:
             # Readers that mapped the chunk keep their bytes; the memory goes back to
             # the kernel when the last mapping does.
-            b.store.close()
+            if self.files is not None:
+                self.files.remove(b.store)
+            else:
+                b.store.close()
             closed = [b.store.name]
         for name in closed:
             self._closed_seq += 1
@@ -204,6 +245,11 @@ class Arena:
         return [name for s, name in self._closed if s > seq], self._closed_seq, False
 
     def close(self) -> None:
+        if self.files is not None:  # the files outlive the process: a restart re-attaches
+            for b in self.blocks.values():
+                if isinstance(b.store, shm.MemFd):
+                    b.store.close()
+            self.blocks.clear()
         for block in list(self.blocks):
             self._free(block)
         self._slab = None

@@ -241,8 +241,12 @@ class UnitPartition:
 
     def stored_rows(self, skip: frozenset[str] = frozenset()) -> StoredRows:
         """Every sample but ``skip``: ids, commit metadata, schemas, produced bits."""
-        ids = [s for s in self.slot_of if s not in skip]
-        slots = np.fromiter((self.slot_of[s] for s in ids), dtype=np.int64, count=len(ids))
+        if skip:
+            ids = [s for s in self.slot_of if s not in skip]
+            slots = np.fromiter((self.slot_of[s] for s in ids), dtype=np.int64, count=len(ids))
+        else:  # a restart's view of every row: no Python step per sample
+            ids = list(self.slot_of)
+            slots = np.fromiter(self.slot_of.values(), dtype=np.int64, count=len(ids))
         self.grow_meta()
         produced = {}
         for name, col in self.columns.items():
@@ -252,7 +256,7 @@ class UnitPartition:
             sample_ids=ids,
             seq=self.seq[slots].tolist(),
             sequence_lengths=self.seq_len[slots].tolist(),
-            tags=[self.tags.get(s) for s in slots.tolist()],
+            tags=[self.tags.get(s) for s in slots.tolist()] if self.tags else [None] * len(ids),
             fields={name: col.schema for name, col in self.columns.items()},
             produced=produced,
         )

@@ -26,6 +26,12 @@ order, length and tags, and remembers recently published write ids, so a
 restarted controller rebuilds its key space from the units (``recovery_view``)
 and a retried commit is a no-op.
 
+A durable unit (``files`` and ``log`` given: durability ``process`` or ``machine``)
+keeps its chunks as files and its row index in a log (unit/chunk_files.py,
+unit/row_log.py): each publish, undo and clear is recorded before the blocks it
+stops naming are freed, and a new process of the unit re-attaches both, so a
+unit's restart loses no committed sample.
+
 A write that does not fit waits here for room (asyncio, up to
 ``put_wait_timeout_s``): the wait ends in the same step as the allocation it
 made room for, with no await between the check and the allocation, which only
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import secrets
 import time
 import weakref
 from collections import OrderedDict
@@ -76,8 +83,10 @@ from dataplane_server.core.unit import checkpoint as unit_checkpoint
 from dataplane_server.core.unit import groups as unit_groups
 from dataplane_server.core.unit import preview as unit_preview
 from dataplane_server.core.unit.arena import Arena
+from dataplane_server.core.unit.chunk_files import ChunkFiles
 from dataplane_server.core.unit.leases import LeasedRegion, Leases
 from dataplane_server.core.unit.partition import UnitPartition
+from dataplane_server.core.unit.row_log import RowLog
 from dataplane_server.core.unit.undo import Cells, PublishedWrite, PublishedWrites
 from dataplane_server.core.unit.warm_reserve import WarmReserve
 
@@ -140,14 +149,23 @@ class UnitStore:
         use_shm: bool,
         warm_reserve_bytes: int,
         stage_ttl_s: float,
+        files: ChunkFiles | None = None,
+        log: RowLog | None = None,
     ):
         # No defaults: the settings come from the service's DataPlaneConfig (the actor,
         # StorageUnit, passes them), so each has one default, the config's.
         self.index = index
         self.use_shm = bool(use_shm) and shm.supported()
-        self.reserve = WarmReserve(warm_reserve_bytes if self.use_shm else 0)
+        if (files is None) != (log is None) or (files is not None and not self.use_shm):
+            raise ValueError("a durable unit needs both its chunk files and its row log, on Linux")
+        self.files, self.log = files, log
+        self.reserve = WarmReserve(
+            warm_reserve_bytes if self.use_shm else 0,
+            make=files.make if files is not None else None,
+            discard=files.remove if files is not None else None,
+        )
         self.capacity_bytes = int(capacity_bytes)
-        self.arena = Arena(self.capacity_bytes, self.use_shm, self.reserve)
+        self.arena = Arena(self.capacity_bytes, self.use_shm, self.reserve, files)
         self.put_wait_timeout_s = float(put_wait_timeout_s)
         self.stage_ttl_s = float(stage_ttl_s)
         self.partitions: dict[str, UnitPartition] = {}
@@ -158,15 +176,74 @@ class UnitStore:
         self.stats = Stats()
         self.leases = Leases(self.arena, self._release, self.stats)
         self._room_waiters: list[asyncio.Future] = []  # writes waiting for memory to be freed
+        if log is not None:
+            self._reattach()
 
     @property
     def used_bytes(self) -> int:
         return self.arena.used_bytes
 
     def close(self) -> None:
-        """Free every block and stop the reserve (an actor's memory goes with its process)."""
+        """Free every block and stop the reserve (an actor's memory goes with its process;
+        a durable unit's files stay for its next process)."""
         self.arena.close()
         self.reserve.close()
+        if self.log is not None:
+            self.log.close()
+
+    # ---- durability: the row index on file ------------------------------------------
+    def _reattach(self) -> None:
+        """Take back what an earlier process of this unit left: its row index and the
+        chunk files it names; remove every other chunk file (stages never committed)."""
+        assert self.log is not None
+        assert self.files is not None
+        t0 = time.perf_counter()
+        state = self.log.restore()
+        self.arena.skip_ids(state.next_block)
+        self.partitions, self.published = state.partitions, state.published
+        lost = set()
+        for block, refs in _cell_counts(self.partitions).items():
+            name, size = state.blocks.get(block, ("", 0))
+            chunk = self.files.open(name) if name else None
+            if chunk is None:
+                lost.add(block)
+                continue
+            self.arena.attach(block, chunk, size, refs)
+        if lost:  # files gone under the index (a machine crash): those cells are lost
+            for part in self.partitions.values():
+                for col in part.columns.values():
+                    col.chunk[np.isin(col.chunk, list(lost))] = -1
+                part.forget_if_empty(list(part.slot_of), list(part.columns))
+        self.files.remove_others({self.arena.file_of(b)[0] for b in self.arena.blocks})
+        # Lease ids of the dead process must never match this one's (a late writer's).
+        self.leases.next_id = secrets.randbits(48)
+        if lost:
+            self._compact()  # the index names no lost block from now on
+        self.stats.inc("unit_restores_total")
+        self.stats.inc("unit_restore_seconds_total", time.perf_counter() - t0)
+
+    def _log_rows(self, partition_id: str, sample_ids: list[str], published: str | None) -> None:
+        """Record these samples' rows as they are now (before any block is freed)."""
+        assert self.log is not None
+        part = self.partitions.get(partition_id)
+        blocks: set[int] = set()
+        if part is not None:
+            slots = [part.slot_of[s] for s in sample_ids if s in part.slot_of]
+            for col in part.columns.values():
+                col.ensure(part.next_slot)
+                blocks.update(col.chunk[slots].tolist())
+        blocks.discard(-1)
+        files = {b: self.arena.blocks[b].store for b in blocks}
+        self.log.rows(partition_id, part, sample_ids, files, published)  # type: ignore[arg-type]
+
+    def _compact_if_due(self) -> None:
+        if self.log is not None and self.log.due():
+            self._compact()
+
+    def _compact(self) -> None:
+        assert self.log is not None
+        files = {b: self.arena.blocks[b].store for b in _cell_counts(self.partitions)}
+        self.log.compact(self.partitions, self.published, files)  # type: ignore[arg-type]
 
     # ---- write path ---------------------------------------------------------------
     async def stage(
@@ -564,7 +641,10 @@ class UnitStore:
             blocks, counts = np.unique(col.chunk[slots], return_counts=True)
             for b, n in zip(blocks.tolist(), counts.tolist()):
                 self.arena.hold(b, n)
+        if self.log is not None:
+            self._log_rows(st.partition_id, st.sample_ids, write_id)
         self._release([*replaced, st.blocks()])
+        self._compact_if_due()
         self.undo.add(write_id, PublishedWrite(st.partition_id, st.sample_ids, cells))
         self.published[write_id] = None
         while len(self.published) > _PUBLISHED_REMEMBERED:
@@ -606,6 +686,8 @@ class UnitStore:
         """
         if sample_ids is None:
             self.published.pop(write_id, None)
+            if self.log is not None:
+                self.log.unpublished(write_id)
         write = self.undo.pop(write_id)
         part = self.partitions.get(partition_id)
         if write is None or part is None or write.partition_id != partition_id:
@@ -627,7 +709,10 @@ class UnitStore:
         part.forget_if_empty([s for s, keep in zip(ids, only.tolist()) if keep], list(write.fields))
         if not part.slot_of:
             del self.partitions[partition_id]
+        if self.log is not None:
+            self._log_rows(partition_id, ids, None)
         self._release(held)
+        self._compact_if_due()
         return dropped
 
     def discard(self, write_id: str) -> None:
@@ -697,7 +782,13 @@ class UnitStore:
     def load(self, directory: str, dumped: DumpedFile) -> int:
         """Store the samples of a file ``dump`` wrote (the unit must hold none of its
         partitions). Returns the number of samples loaded."""
-        return unit_checkpoint.load(self, directory, dumped)
+        before = set(self.partitions)
+        loaded = unit_checkpoint.load(self, directory, dumped)
+        if self.log is not None:
+            for pid in set(self.partitions) - before:
+                self._log_rows(pid, list(self.partitions[pid].slot_of), None)
+            self._compact_if_due()
+        return loaded
 
     # ---- read path ----------------------------------------------------------------
     def _check_generations(
@@ -916,7 +1007,10 @@ class UnitStore:
         if sample_ids is None:
             del self.partitions[partition_id]
         dropped, held = part.drop(sample_ids)
+        if self.log is not None:
+            self.log.drop(partition_id, sample_ids)
         self._release(held)
+        self._compact_if_due()
         return dropped
 
     # ---- inspection ---------------------------------------------------------------
@@ -958,3 +1052,15 @@ class UnitStore:
             partition_bytes=self.partition_bytes(),
             stats=self.stats.snapshot(),
         )
+
+
+def _cell_counts(partitions: dict[str, UnitPartition]) -> dict[int, int]:
+    """Per block, the cells pointing into it: the references rows hold (as publish counts)."""
+    counts: dict[int, int] = {}
+    for part in partitions.values():
+        for col in part.columns.values():
+            cells = col.chunk[: part.next_slot]
+            blocks, n = np.unique(cells[cells >= 0], return_counts=True)
+            for b, k in zip(blocks.tolist(), n.tolist()):
+                counts[b] = counts.get(b, 0) + k
+    return counts

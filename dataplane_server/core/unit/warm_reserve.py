@@ -25,6 +25,7 @@ could not keep (one made beside a chunk coming back, or with no room now).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from dataplane_client.wire import shm
 
@@ -44,9 +45,22 @@ def _set_latest(sizes: dict[int, int], size: int, value: int) -> None:
         del sizes[next(iter(sizes))]
 
 
+def _close(chunk: shm.MemFd) -> None:
+    chunk.close()
+
+
 class WarmReserve:
-    def __init__(self, limit_bytes: int):
+    def __init__(
+        self,
+        limit_bytes: int,
+        make: Callable[[int], shm.MemFd] | None = None,
+        discard: Callable[[shm.MemFd], None] | None = None,
+    ):
         self.configured = int(limit_bytes)
+        # A durable unit's chunks are files in its directory (made there, removed when
+        # dropped); else memfds, closed when dropped.
+        self._make = make
+        self._discard = discard or _close
         self.limit = self.configured  # grows to the largest write seen (never when 0 = off)
         self._ready: list[shm.MemFd] = []  # faulted in
         self._wanted: list[int] = []  # sizes to make next
@@ -183,7 +197,7 @@ class WarmReserve:
                 self._ready.extend(evicted)
             evicted = [chunk]
         for c in evicted:
-            c.close()
+            self._discard(c)
         return [c.name for c in evicted]
 
     def close(self) -> None:
@@ -192,7 +206,7 @@ class WarmReserve:
             ready, self._ready = self._ready, []
             self._wake.notify()
         for chunk in ready:
-            chunk.close()
+            self._discard(chunk)
 
     def _fill(self) -> None:
         while True:
@@ -206,7 +220,9 @@ class WarmReserve:
                     continue
                 self._making = size
             try:
-                made = shm.create(size)  # the zeroing happens here, off the write path
+                made = (self._make or shm.create)(
+                    size
+                )  # the zeroing happens here, off the write path
             except OSError:  # out of descriptors or memory: the write path reports its own
                 made = None
             with self._lock:
@@ -220,6 +236,6 @@ class WarmReserve:
                     self._ready.append(made)
                     self._wake.notify_all()
             if unwanted:
-                made.close()
+                self._discard(made)
                 if self._closed:
                     return
