@@ -398,6 +398,24 @@ class UnitStatus:
 
 
 @dataclass(frozen=True)
+class CheckpointSummary:
+    """The last checkpoint this service saved: where, its cut's position (the last commit
+    sequence number in it; the journal's generation and record count then, -1 without a
+    journal) and time, and what it cost (bytes written, bytes linked from its parent)."""
+
+    directory: str
+    position: int
+    journal_generation: int
+    journal_records: int
+    taken_at: float
+    parent: str  # "" for a full checkpoint
+    samples: int
+    bytes_written: int
+    bytes_linked: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class ServiceInfo:
     name: str
     namespace: str
@@ -413,6 +431,7 @@ class ServiceInfo:
     # How the asking client process reaches each unit's bytes (filled in by the Ray
     # client, from its capability probe at connect; empty from the service itself).
     payload_paths: list[PayloadPath] = field(default_factory=list)
+    last_checkpoint: CheckpointSummary | None = None  # none saved since the controller started
 
 
 @dataclass(frozen=True)
@@ -492,6 +511,7 @@ class ControllerSnapshot:
     # Put admission, over the writer processes' latest reports (``WriterLoad``).
     puts_waiting: int = 0
     puts_in_flight: int = 0
+    last_checkpoint: CheckpointSummary | None = None
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import numpy as np
 
 from dataplane_client.wire.errors import InvalidBatch, SamplesNotFound
 from dataplane_client.wire.messages import (
+    CheckpointSummary,
     FieldSummary,
     GroupDeadlineInfo,
     PartitionDescription,
@@ -45,6 +46,7 @@ def service_info(
     started_at: float,
     draining: bool,
     default_capacity: int,
+    last_checkpoint: CheckpointSummary | None = None,
 ) -> ServiceInfo:
     units = [
         UnitStatus(
@@ -70,6 +72,7 @@ def service_info(
         bytes=sum(u.bytes for u in units),
         capacity_bytes=sum(u.capacity_bytes for u in units),
         units=units,
+        last_checkpoint=last_checkpoint,
     )
 
 
