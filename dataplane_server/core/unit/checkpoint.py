@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgpack
 import numpy as np
 
+from dataplane_client.wire import failpoints
 from dataplane_client.wire.encoded import contiguous_runs
 from dataplane_client.wire.errors import (
     CapacityExceeded,
@@ -127,6 +128,7 @@ class Pins:
         if pinned is None:
             raise CheckpointError(f"unit {store.index} holds no cut of checkpoint {checkpoint_id}")
         try:
+            await failpoints.pause_if_armed(failpoints.CHECKPOINT_COPY)
             return await asyncio.to_thread(
                 write, store, pinned, directory, checkpoint_id, cut, parent_dir, parent_files
             )
