@@ -547,9 +547,7 @@ def _checkpoint(store, directory, cut, parent=None, checkpoint_id="c1"):
     )
 
 
-def test_a_checkpoint_loads_into_a_fresh_store_with_its_bytes_and_commit_metadata(
-    stores, tmp_path
-):
+def test_a_checkpoint_loads_into_a_fresh_store_with_its_bytes_and_commit_metadata(stores, tmp_path):
     store = stores()
     jagged = [torch.arange(n, dtype=torch.float32) for n in (3, 1, 4)]
     _put(store, "p", "w1", ["a", "b", "c"], {"x": jagged}, SampleMeta(1, {"a": 3}, {"b": {"g": 1}}))
@@ -601,9 +599,7 @@ def test_a_pinned_cut_is_written_as_it_was_while_the_store_changes(stores, tmp_p
     assert store.used_bytes == 0  # the pin's references are gone with it
 
 
-def test_an_incremental_checkpoint_writes_only_new_values_and_outlives_its_parent(
-    stores, tmp_path
-):
+def test_an_incremental_checkpoint_writes_only_new_values_and_outlives_its_parent(stores, tmp_path):
     store = stores()
     _put(store, "p", "w1", _ids("s", 8), {"x": _rows(8, 4096)}, SampleMeta(1))
     first = _checkpoint(store, tmp_path / "a", {"p": _ids("s", 8)})

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import ray
 import torch
 from polling import wait_until
 
@@ -89,6 +90,17 @@ class Load:
         assert not self.errors, self.errors
 
 
+def _commit_seqs(handle) -> dict[str, int]:
+    """Each sample the service's units hold now, with the commit sequence number that
+    wrote it."""
+    seqs = {}
+    for unit in handle.units:
+        rows = ray.get(unit.recovery_view.remote(), timeout=60).partitions.get("p")
+        if rows is not None:
+            seqs.update(zip(rows.sample_ids, rows.seq))
+    return seqs
+
+
 def _during(calls, start: float, end: float) -> int:
     """How many calls both began and returned inside [start, end]."""
     return sum(1 for *_, t0, t1 in calls if t0 > start and t1 < end)
@@ -143,9 +155,14 @@ def test_a_checkpoint_taken_under_load_restores_exactly_its_cut(two_services, tm
 
     restored = dst.restore(path)
     last = src.service_info().last_checkpoint
-    assert last is not None and last.directory == path and last.samples == restored
+    assert last is not None
+    assert last.directory == path
+    assert last.samples == restored
     held = set(dst.claim_meta("p", "all", ["x"], 100_000, blocking=False).sample_ids)
     assert len(held) == restored
+    # The cut's position: every sample committed at or below it is in it, none above.
+    born = _commit_seqs(two_services[0])
+    assert {sid for sid, seq in born.items() if seq <= last.position} == held - set(cleared_later)
     for w, puts in enumerate(load.puts):
         ids = [sid for sid, *_ in puts]
         kept = [sid in held for sid in ids]
@@ -169,9 +186,7 @@ def test_a_checkpoint_taken_under_load_restores_exactly_its_cut(two_services, tm
     assert all(ok for ok, (_, _, end) in zip(in_cut, claimed) if end < t0)
 
 
-def test_an_incremental_checkpoint_copies_only_new_bytes_and_restores_whole(
-    two_services, tmp_path
-):
+def test_an_incremental_checkpoint_copies_only_new_bytes_and_restores_whole(two_services, tmp_path):
     """After a full checkpoint of 64 samples of 64 KiB, 4 more puts and a clear: the child
     writes those 4 samples' bytes (and its indexes), hard-links the rest, restores whole
     with the parent deleted, and service_info and metrics name it with its position."""
@@ -182,13 +197,16 @@ def test_an_incremental_checkpoint_copies_only_new_bytes_and_restores_whole(
     src.put_samples(first_ids, "p", {"x": torch.ones(64, row, dtype=torch.uint8)})
     full = src.checkpoint(str(tmp_path / "full"))
     first = src.service_info().last_checkpoint
-    assert first.bytes_written >= 64 * row and first.bytes_linked == 0 and first.parent == ""
+    assert first.bytes_written >= 64 * row
+    assert first.bytes_linked == 0
+    assert first.parent == ""
     new_ids = [f"b{i}" for i in range(4)]
     src.put_samples(new_ids, "p", {"x": torch.full((4, row), 2, dtype=torch.uint8)})
     src.clear_samples(first_ids[:8], "p")
     child = src.checkpoint(str(tmp_path / "child"), parent=full)
     last = src.service_info().last_checkpoint
-    assert last.parent == full and last.position > first.position
+    assert last.parent == full
+    assert last.position > first.position
     assert 4 * row <= last.bytes_written < 5 * row  # the new bytes, and small indexes
     assert last.bytes_linked >= 56 * row
     shutil.rmtree(full)
