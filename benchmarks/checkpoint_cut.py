@@ -70,9 +70,11 @@ class _Load:
     def _claim(self) -> None:
         try:
             while not self.stop.is_set():
-                got = self.client.claim_meta(self.pid, "t", ["x"], 16, timeout_s=1.0)
+                got = self.client.claim_meta(self.pid, "t", ["x"], 16, blocking=False)
                 if got is not None and got.size:
                     self.claims.extend([time.perf_counter()] * got.size)
+                else:
+                    time.sleep(0.005)  # caught up with the writers
         except BaseException as e:  # noqa: BLE001
             self.errors.append(e)
 
