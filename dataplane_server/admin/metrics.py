@@ -147,6 +147,10 @@ CONTROLLER_COUNTERS = {
     ),
     "checkpoints_total": ("dataplane_checkpoints", "Checkpoints of the whole store written."),
     "restores_total": ("dataplane_restores", "Checkpoints restored into this service."),
+    "checkpoint_bytes_written_total": (
+        "dataplane_checkpoint_bytes_written",
+        "Bytes checkpoints copied (an incremental one copies only what its parent lacks).",
+    ),
 }
 UNIT_COUNTERS = {
     "put_bytes_total": ("dataplane_put_bytes", "Bytes written into the storage unit."),
