@@ -245,11 +245,11 @@ def write(
     index_parts = {}
     with open(os.path.join(directory, data_name), "wb") as out:
         for pid, ids in cut.items():
+            if not ids:
+                continue  # none of the partition's samples live here
             part = pinned.partitions.get(pid)
             if part is None:
-                if ids:
-                    raise CheckpointError(f"unit {store.index} holds none of partition {pid!r}")
-                continue
+                raise CheckpointError(f"unit {store.index} holds none of partition {pid!r}")
             slots = _slots(store.index, pid, part, ids)
             fields = {}
             for name, col in part.columns.items():
