@@ -293,24 +293,22 @@ class DataPlaneCollector(Collector):
 
 
 def _last_checkpoint(last: CheckpointSummary | None) -> Iterable[Metric]:
-    """The last checkpoint's cut: its position and time (absent before the first)."""
-    if last is None:
-        return
+    """The last checkpoint's cut: its position and time (-1, 0 and 0 before the first)."""
     for name, text, value in (
         (
             "dataplane_last_checkpoint_position",
-            "The last commit sequence number in the last checkpoint's cut.",
-            last.position,
+            "The last commit sequence number in the last checkpoint's cut (-1: none yet).",
+            -1 if last is None else last.position,
         ),
         (
             "dataplane_last_checkpoint_timestamp_seconds",
-            "When the last checkpoint's cut was taken (Unix time).",
-            last.taken_at,
+            "When the last checkpoint's cut was taken (Unix time; 0: none yet).",
+            0.0 if last is None else last.taken_at,
         ),
         (
             "dataplane_last_checkpoint_bytes_written",
             "Bytes the last checkpoint wrote (its parent's are linked, not counted).",
-            last.bytes_written,
+            0 if last is None else last.bytes_written,
         ),
     ):
         gauge = GaugeMetricFamily(name, text)
