@@ -172,8 +172,8 @@ def _mib(n: float) -> str:
 
 def run(opts: Options) -> Section:
     stored_load = 16 * MiB if opts.quick else 256 * MiB
-    sizes = [8 * MiB, 32 * MiB] if opts.quick else [128 * MiB, 512 * MiB]
-    news = [256 * 1024, 2 * MiB] if opts.quick else [4 * MiB, 32 * MiB]
+    sizes = [8 * MiB, 32 * MiB] if opts.quick else [64 * MiB, 512 * MiB]
+    news = [256 * 1024, 2 * MiB] if opts.quick else [2 * MiB, 16 * MiB]
     repeats = 1 if opts.quick else max(3, opts.repeats)
     capacity = 2 * max(sizes) + 2 * sum(news) + 2 * stored_load
     handle = start_service(

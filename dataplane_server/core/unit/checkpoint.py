@@ -29,10 +29,13 @@ size and sha256; a restore checks every file it reads before storing anything.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import os
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -55,7 +58,7 @@ if TYPE_CHECKING:
 
 FORMAT = 2
 _KEY_SHIFT = 40  # a value's key: block << 40 | offset (a block is far below 2**40 bytes)
-_BATCH_BYTES = 64 << 20  # new values are gathered and written this much at a time
+_BATCH_BYTES = 8 << 20  # new values are gathered and written this much at a time
 _HASH_BYTES = 8 << 20
 
 
@@ -106,6 +109,9 @@ class Pins:
 
     def __init__(self) -> None:
         self._pinned: dict[str, Pinned] = {}
+        # Copies run in a thread of their own, never a shared pool's: it stays at the
+        # lowest priority (raising it back would need a privilege).
+        self._copier = ThreadPoolExecutor(1, "checkpoint-copy", initializer=_lowest_priority)
 
     def pin(self, store: StoreParts, checkpoint_id: str) -> None:
         """Pin the unit's rows now. A cut pinned before and never written (its controller
@@ -129,8 +135,16 @@ class Pins:
             raise CheckpointError(f"unit {store.index} holds no cut of checkpoint {checkpoint_id}")
         try:
             await failpoints.pause_if_armed(failpoints.CHECKPOINT_COPY)
-            return await asyncio.to_thread(
-                write, store, pinned, directory, checkpoint_id, cut, parent_dir, parent_files
+            return await asyncio.get_running_loop().run_in_executor(
+                self._copier,
+                write,
+                store,
+                pinned,
+                directory,
+                checkpoint_id,
+                cut,
+                parent_dir,
+                parent_files,
             )
         finally:
             if self._pinned.get(checkpoint_id) is pinned:
@@ -139,6 +153,14 @@ class Pins:
     @property
     def held(self) -> int:
         return len(self._pinned)
+
+
+def _lowest_priority() -> None:
+    """The copying thread at the lowest CPU priority (Linux takes a thread id as a process
+    id here): the copy yields to the unit's serving and to the writers and claimers of
+    the same machine, which is what "pauses nothing" asks."""
+    with contextlib.suppress(OSError):  # not permitted here: it runs at the unit's priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def index_name(unit: int) -> str:
