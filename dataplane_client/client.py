@@ -1013,10 +1013,16 @@ class RayDataPlaneClient(DataPlaneService):
 
     # ---- Ray only: the store to files and back ---------------------------------------
     @verb
-    def checkpoint(self, directory: str) -> str:
-        """Save the whole store (declarations, samples, cursors, leases) to a new directory,
-        reachable from every storage unit's node; returns its absolute path."""
-        return checked(arguments.directory(directory))
+    def checkpoint(self, directory: str, parent: str | None = None) -> str:
+        """Save the whole store (declarations, samples, cursors, leases) as of one instant to
+        a new directory, reachable from every storage unit's node, while writers and
+        claimers go on; returns its absolute path. ``parent``: an earlier checkpoint of
+        this service, whose files are hard-linked for the bytes it holds already, so only
+        bytes new since it are copied."""
+        return checked(
+            arguments.directory(directory),
+            None if parent is None else arguments.directory(parent),
+        )
 
     checkpoint_async = awaitable(checkpoint)
 
@@ -1027,8 +1033,8 @@ class RayDataPlaneClient(DataPlaneService):
 
     restore_async = awaitable(restore)
 
-    def _checkpoint(self, directory: str) -> Any:
-        return self._open_controller().checkpoint.remote(directory)
+    def _checkpoint(self, directory: str, parent: str | None) -> Any:
+        return self._open_controller().checkpoint.remote(directory, parent)
 
     def _restore(self, directory: str) -> Any:
         return self._open_controller().restore.remote(directory)

@@ -48,6 +48,10 @@ COMMIT_BEFORE_PUBLISH = "commit-before-publish"
 # checked: commits that queued that long behind other writers' (put deadlines).
 COMMIT_QUEUED = "commit-queued"
 
+# A storage unit pauses (the file holds the seconds) after a checkpoint's cut is pinned,
+# before it copies the bytes: commits, claims and clears go on in that window.
+CHECKPOINT_COPY = "checkpoint-copy"
+
 # A storage unit's constructor sleeps (the file holds the seconds): a unit process
 # still starting on a loaded node, slow to answer the controller's first ping.
 UNIT_START = "unit-start"

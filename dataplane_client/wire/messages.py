@@ -420,6 +420,24 @@ class PayloadChoice:
 
 
 @dataclass(frozen=True)
+class CheckpointSummary:
+    """The last checkpoint this service saved: where, its cut's position (the last commit
+    sequence number in it; the journal's generation and record count then, -1 without a
+    journal) and time, and what it cost (bytes written, bytes linked from its parent)."""
+
+    directory: str
+    position: int
+    journal_generation: int
+    journal_records: int
+    taken_at: float
+    parent: str  # "" for a full checkpoint
+    samples: int
+    bytes_written: int
+    bytes_linked: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class ServiceInfo:
     name: str
     namespace: str
@@ -438,6 +456,7 @@ class ServiceInfo:
     # What a committed sample survives (DataPlaneConfig.durability) and where it is kept.
     durability: str = "memory"
     state_dir: str = ""
+    last_checkpoint: CheckpointSummary | None = None  # none saved since the controller started
 
 
 @dataclass(frozen=True)
@@ -517,6 +536,7 @@ class ControllerSnapshot:
     # Put admission, over the writer processes' latest reports (``WriterLoad``).
     puts_waiting: int = 0
     puts_in_flight: int = 0
+    last_checkpoint: CheckpointSummary | None = None
 
 
 @dataclass(frozen=True)

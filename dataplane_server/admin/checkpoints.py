@@ -51,11 +51,14 @@ def timeout_for(context: grpc.ServicerContext) -> float | None:
 
 
 def directory_of(request) -> str:
-    path = request.directory
+    return _absolute(request.directory, "directory")
+
+
+def _absolute(path: str, name: str) -> str:
     if not path or not os.path.isabs(path):
         raise CheckpointAbort(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"directory must be an absolute path on the service's nodes, got {path!r}",
+            f"{name} must be an absolute path on the service's nodes, got {path!r}",
         )
     try:
         return arguments.directory(path)  # e.g. a NUL byte, which no file name holds
@@ -75,9 +78,9 @@ def _mapped(exc: BaseException) -> CheckpointAbort | None:
     return None
 
 
-def _call(sources: ActorSources, method: str, directory: str, timeout_s: float | None):
+def _call(sources: ActorSources, method: str, timeout_s: float | None, *args):
     try:
-        return sources.call(method, directory, timeout_s=timeout_s)
+        return sources.call(method, *args, timeout_s=timeout_s)
     except Exception as exc:
         mapped = _mapped(exc)
         if mapped is None:
@@ -86,11 +89,12 @@ def _call(sources: ActorSources, method: str, directory: str, timeout_s: float |
 
 
 def save(sources: ActorSources, request, context) -> admin_pb2.SaveCheckpointResponse:
-    path = _call(sources, "checkpoint", directory_of(request), timeout_for(context))
+    parent = _absolute(request.parent, "parent") if request.parent else None
+    path = _call(sources, "checkpoint", timeout_for(context), directory_of(request), parent)
     return admin_pb2.SaveCheckpointResponse(directory=path)
 
 
 def restore(sources: ActorSources, request, context) -> admin_pb2.RestoreCheckpointResponse:
     directory = directory_of(request)
-    count = _call(sources, "restore", directory, timeout_for(context))
+    count = _call(sources, "restore", timeout_for(context), directory)
     return admin_pb2.RestoreCheckpointResponse(directory=directory, restored_samples=int(count))

@@ -25,6 +25,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from dataplane_client.wire.messages import CheckpointSummary
 from dataplane_client.wire.version import __version__
 from dataplane_server.admin.server import advertised_host, join_host_port
 from dataplane_server.admin.sources import ActorSources, StatsPull, counter
@@ -146,6 +147,10 @@ CONTROLLER_COUNTERS = {
     ),
     "checkpoints_total": ("dataplane_checkpoints", "Checkpoints of the whole store written."),
     "restores_total": ("dataplane_restores", "Checkpoints restored into this service."),
+    "checkpoint_bytes_written_total": (
+        "dataplane_checkpoint_bytes_written",
+        "Bytes checkpoints copied (an incremental one copies only what its parent lacks).",
+    ),
 }
 UNIT_COUNTERS = {
     "put_bytes_total": ("dataplane_put_bytes", "Bytes written into the storage unit."),
@@ -299,6 +304,30 @@ class DataPlaneCollector(Collector):
         yield from _unit_families(pull)
 
 
+def _last_checkpoint(last: CheckpointSummary | None) -> Iterable[Metric]:
+    """The last checkpoint's cut: its position and time (-1, 0 and 0 before the first)."""
+    for name, text, value in (
+        (
+            "dataplane_last_checkpoint_position",
+            "The last commit sequence number in the last checkpoint's cut (-1: none yet).",
+            -1 if last is None else last.position,
+        ),
+        (
+            "dataplane_last_checkpoint_timestamp_seconds",
+            "When the last checkpoint's cut was taken (Unix time; 0: none yet).",
+            0.0 if last is None else last.taken_at,
+        ),
+        (
+            "dataplane_last_checkpoint_bytes_written",
+            "Bytes the last checkpoint wrote (its parent's are linked, not counted).",
+            0 if last is None else last.bytes_written,
+        ),
+    ):
+        gauge = GaugeMetricFamily(name, text)
+        gauge.add_metric([], float(value))
+        yield gauge
+
+
 def _controller_families(pull: StatsPull) -> Iterable[Metric]:
     ctrl = pull.controller
     claims = GaugeMetricFamily("dataplane_claims_waiting", "claim_meta calls blocked now.")
@@ -317,6 +346,7 @@ def _controller_families(pull: StatsPull) -> Iterable[Metric]:
     )
     in_flight.add_metric([], float(ctrl.puts_in_flight))
     yield in_flight
+    yield from _last_checkpoint(ctrl.last_checkpoint)
 
     # Rebuilt from the live partitions on every scrape: a deleted partition's series end.
     p_samples = GaugeMetricFamily(

@@ -272,6 +272,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 )
                 for u in info.units
             ],
+            last_checkpoint=None
+            if info.last_checkpoint is None
+            else _proto(admin_pb2.CheckpointInfo, info.last_checkpoint),
         )
 
     @_unary

@@ -23,7 +23,7 @@ ACTIONS = {
     "save": (
         "SaveCheckpoint",
         admin_pb2.SaveCheckpointRequest,
-        "write every partition, sample and cursor to DIR (must not exist)",
+        "write every partition, sample and cursor, as of one instant, to DIR (must not exist)",
         "saved checkpoint {directory}",
     ),
     "restore": (
@@ -44,13 +44,22 @@ def register(sub, endpoint_options) -> None:
     for name, (_, _, text, _) in ACTIONS.items():
         a = actions.add_parser(name, parents=[endpoint_options], help=f"{text} (needs the token)")
         a.add_argument("directory", metavar="DIR", help="path on the service's nodes")
+        if name == "save":
+            a.add_argument(
+                "--parent",
+                metavar="DIR",
+                help="an earlier checkpoint: copy only bytes new since it, link the rest",
+            )
         # Instead of the 5 s other commands wait: this moves the whole store.
         a.set_defaults(endpoint_cmd=run, default_timeout=DEFAULT_TIMEOUT_S)
 
 
 def run(ep, args) -> None:
     method, request, _, done = ACTIONS[args.action]
-    got = to_builtin(ep.call(method, request(directory=os.path.abspath(args.directory))))
+    given = {"directory": os.path.abspath(args.directory)}
+    if getattr(args, "parent", None):
+        given["parent"] = os.path.abspath(args.parent)
+    got = to_builtin(ep.call(method, request(**given)))
     if args.json:
         return emit_json(got)
     say(done.format(**got))

@@ -57,6 +57,7 @@ def run(ep, args) -> None:
         f"{stored} stored, {human_bytes(info['bytes'])} allocated of "
         f"{human_bytes(info['capacity_bytes'])} capacity"
     )
+    say(f"checkpoint {_last_checkpoint(info.get('last_checkpoint'))}")
     say()
     rows = [
         [
@@ -77,3 +78,18 @@ def run(ep, args) -> None:
         say("cross-node readers reach the units' bytes by (their probes' choices):")
         for index, p in paths:
             say(f"  unit {index}: {p['path']} x{p['readers']}  ({p['detail'] or '-'})")
+
+
+def _last_checkpoint(last: dict | None) -> str:
+    """Where the last checkpoint is, its cut's position and time, and what it cost."""
+    if not last:
+        return "none saved since the controller started"
+    journal = ""
+    if int(last.get("journal_generation", -1)) >= 0:
+        journal = f", journal {last['journal_generation']}:{last.get('journal_records', 0)}"
+    kind = f"incremental to {last['parent']}" if last.get("parent") else "full"
+    return (
+        f"{last['directory']} at position {last.get('position', 0)}{journal}, "
+        f"{human_time(last['taken_at'])}, {kind}: {human_bytes(int(last.get('bytes_written', 0)))}"
+        f" written, {human_bytes(int(last.get('bytes_linked', 0)))} linked"
+    )

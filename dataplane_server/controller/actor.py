@@ -17,6 +17,7 @@ calls the key space and talks to units.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from dataplane_client.wire.errors import (
     UnknownPartition,
 )
 from dataplane_client.wire.messages import (
+    CheckpointSummary,
     ClaimOutcome,
     ClaimRequest,
     ClearResult,
@@ -50,6 +52,8 @@ from dataplane_client.wire.meta import KVBatchMeta
 from dataplane_client.wire.put_deadline import late_commit
 from dataplane_server.controller import checkpoint, claim_wait, liveness, publish, unit_lookup
 from dataplane_server.controller.async_rl_verbs import AsyncRLVerbs, Changes
+from dataplane_server.controller.checkpoint import Cut
+from dataplane_server.controller.cut_gate import CutGate
 from dataplane_server.controller.inspection import Inspection
 from dataplane_server.controller.verbs import served
 from dataplane_server.controller.writer_loads import WriterLoads
@@ -99,6 +103,11 @@ class Controller(Inspection, AsyncRLVerbs):
         self._waits = claim_wait.ClaimWaits()  # blocking claims wait here, per partition
         self.changes = Changes()  # rollout admissions wait here, per partition
         self._lifecycle = asyncio.Lock()  # register / delete of one id never interleave
+        # A checkpoint's cut holds commits and frees back while the units pin (cut_gate.py);
+        # checkpoints are taken one at a time (a unit keeps one pinned cut).
+        self._cut_gate = CutGate()
+        self._checkpointing = asyncio.Lock()
+        self.last_checkpoint: CheckpointSummary | None = None
         # partition -> {id: birth} of removed samples whose bytes the units are freeing now:
         # a snapshot taken meanwhile must still name them (``_durable_state``).
         self._freeing: dict[str, dict[str, int]] = {}
@@ -211,6 +220,7 @@ class Controller(Inspection, AsyncRLVerbs):
         """Free removed samples' bytes on their units; from then on no snapshot names them
         (unless the same id was removed again meanwhile: a later birth stays named)."""
         try:
+            await self._cut_gate.freeing()
             return await unit_calls.free(self.units, removed.partition_id, removed.targets)
         finally:
             freeing = self._freeing.get(removed.partition_id, {})
@@ -331,6 +341,7 @@ class Controller(Inspection, AsyncRLVerbs):
         await self._waits.wake(partition_id)
         self._waits.drop(partition_id)
         self.changes.notify(partition_id)
+        await self._cut_gate.freeing()
         freed = await unit_calls.free(
             self.units, partition_id, dict.fromkeys(self.keys.live_units())
         )
@@ -372,6 +383,10 @@ class Controller(Inspection, AsyncRLVerbs):
         return answers
 
     async def _commit_together(self, requests: list[CommitRequest]) -> list:
+        async with self._cut_gate.publishing():  # a checkpoint's cut never sees half a commit
+            return await self._commit_now(requests)
+
+    async def _commit_now(self, requests: list[CommitRequest]) -> list:
         """Each commit as ``commit`` says, in one pass: every request checked, then all
         published at once (a one-unit publish shares one call per unit with every other
         batch's, ``publish.UnitPublishes``), then every published one applied, with no
@@ -666,20 +681,31 @@ class Controller(Inspection, AsyncRLVerbs):
 
     # ---- checkpoint and restore of the whole store ------------------------------------
     @served
-    async def checkpoint(self, directory: str) -> str:
-        """Save declarations, samples (metadata and bytes), consumption and leases.
+    async def checkpoint(self, directory: str, parent: str | None = None) -> str:
+        """Save a cut of the store: declarations, samples (metadata and bytes), consumption
+        and leases as of one commit sequence number, while commits and claims go on.
 
-        Each unit writes its own file (the directory must be reachable from every
-        unit's node); the manifest with every checksum is written last and the
-        directory renamed into place, so a crash mid-save never leaves one that loads.
-        Returns the checkpoint's absolute path.
+        Each unit writes its own files (the directory must be reachable from every
+        unit's node), copying only values ``parent`` (an earlier checkpoint) lacks; the
+        manifest with every checksum is written last and the directory renamed into
+        place, so a crash mid-save never leaves one that loads. Returns its absolute path.
         """
-        path = await checkpoint.save(directory, self.units, self._lifecycle, self._keys_now)
+        async with self._checkpointing:
+            summary = await checkpoint.save(
+                directory, self.units, self._holding_for_cut, self._cut_now, parent
+            )
+        self.last_checkpoint = summary
         self.stats.inc("checkpoints_total")
-        return path
+        self.stats.inc("checkpoint_bytes_written_total", summary.bytes_written)
+        return summary.directory
 
-    def _keys_now(self) -> KeySpace:
-        return self.keys
+    @contextlib.asynccontextmanager
+    async def _holding_for_cut(self):
+        async with self._lifecycle, self._cut_gate.closed():
+            yield
+
+    def _cut_now(self) -> Cut:
+        return checkpoint.cut(self.keys, self._next_seq - 1, self.journal)
 
     @served
     async def restore(self, directory: str) -> int:

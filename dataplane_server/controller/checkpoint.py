@@ -1,47 +1,105 @@
 """Saving and restoring the whole store: the controller's side of a checkpoint.
 
 The directory format (manifest, checksums, temporary name then rename) is
-``checkpoint``'s; here the units are asked to dump or load their files, and
-after a restore the key space is rebuilt exactly as after a restart.
+``checkpoint``'s; here the cut is taken, the units are asked to pin, write or load
+their files, and after a restore the key space is rebuilt exactly as after a restart.
 
-With ``replicas: 2`` each unit leaves the second copies it holds out of its file,
-so a checkpoint holds each sample once; a restore brings each sample back with
-that one copy (it is not re-replicated).
+A save pauses nothing but commits' and frees' step onto the units, for as long as
+the units take to pin their rows (``cut_gate``): under the gate the controller
+reads its state and the samples each unit holds as of one commit sequence number
+(the cut's position), the units pin those rows' bytes, and the gate opens; the
+units copy in the background while writers, claimers and clears go on.
+
+With ``replicas: 2`` the cut names each sample on its first copy's unit only, so a
+checkpoint holds each sample once; a restore brings each sample back with that one
+copy (it is not re-replicated).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import time
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from dataplane_client.wire.errors import CorruptPayload, DataPlaneError, InvalidBatch
+from dataplane_client.wire.messages import CheckpointSummary
 from dataplane_server.core import checkpoint, recovery, unit_calls
 from dataplane_server.core.journal import Journal
 from dataplane_server.core.keyspace import KeySpace
 
 
-async def save(
-    directory: str, units: list, lifecycle: asyncio.Lock, keys_now: Callable[[], KeySpace]
-) -> str:
-    """Write a checkpoint of the store to ``directory``; returns its absolute path.
+@dataclass(frozen=True)
+class Cut:
+    """What the controller knows at the cut: its state, the samples each live unit is to
+    write (unit -> partition -> ids) and the cut's position."""
 
-    The state and the units' files are taken under ``lifecycle`` (no partition
-    appears or goes while saving); syncing and renaming happen after, so a slow
-    disk does not hold registrations up. A failure, or a crash, leaves only the
-    temporary directory, which never loads.
+    state: dict
+    rows: dict[int, dict[str, list[str]]]
+    position: int  # the last commit sequence number in the cut
+    journal: tuple[int, int] | None  # (generation, records) of the journal at the cut
+    taken_at: float
+
+
+def cut(keys: KeySpace, position: int, journal: Journal | None) -> Cut:
+    """The cut of ``keys`` now (synchronous: nothing changes while it runs)."""
+    rows: dict[int, dict[str, list[str]]] = {u: {} for u in keys.live_units()}
+    for pid, part in keys.partitions.items():
+        n = part.n_rows
+        live, unit = part.live[:n], part.unit[:n]
+        for u, got in rows.items():
+            got[pid] = [part.ids[r] for r in np.nonzero(live & (unit == u))[0].tolist()]
+    where = None if journal is None else (journal.generation, journal.records)
+    return Cut(keys.export_state(), rows, position, where, time.time())
+
+
+async def save(
+    directory: str,
+    units: list,
+    hold: Callable[[], contextlib.AbstractAsyncContextManager],
+    cut_now: Callable[[], Cut],
+    parent: str | None = None,
+) -> CheckpointSummary:
+    """Write a checkpoint of the store to ``directory``: a cut taken under ``hold`` (the
+    lifecycle lock and the closed cut gate), copied after it. ``parent``: an earlier
+    checkpoint whose files are linked, not copied, for values it holds already.
+
+    A failure, or a crash, leaves only the temporary directory, which never loads.
     """
+    t0 = time.perf_counter()
+    parent_path = None if parent is None else os.path.abspath(parent)
+    parent_files = (
+        {} if parent_path is None else checkpoint.unit_files(checkpoint.manifest(parent_path))
+    )
     tmp = checkpoint.start(directory)
+    checkpoint_id = uuid.uuid4().hex[:12]
     try:
-        async with lifecycle:
-            keys = keys_now()
-            state = keys.export_state()
-            files = await asyncio.gather(
-                *[units[u].dump.remote(tmp, second_copies(keys, u)) for u in keys.live_units()]
+        async with hold():
+            taken = cut_now()
+            await asyncio.gather(
+                *[units[u].pin_checkpoint.remote(checkpoint_id) for u in taken.rows]
             )
-        checkpoint.finish(tmp, directory, list(files), state)
+        dumped = await asyncio.gather(
+            *[
+                units[u].write_checkpoint.remote(
+                    checkpoint_id, tmp, rows, parent_path, parent_files.get(u)
+                )
+                for u, rows in taken.rows.items()
+            ]
+        )
+        about = {
+            "id": checkpoint_id,
+            "position": taken.position,
+            "journal": taken.journal,
+            "taken_at": taken.taken_at,
+            "parent": parent_path,
+        }
+        checkpoint.finish(tmp, directory, list(dumped), taken.state, about)
     except BaseException as e:
         checkpoint.abandon(tmp)
         if isinstance(e, Exception):
@@ -50,7 +108,18 @@ async def save(
                 raise checkpoint.save_failed(os.path.abspath(directory), failure) from None
             raise unit_calls.typed(e) from None
         raise
-    return os.path.abspath(directory)
+    return CheckpointSummary(
+        directory=os.path.abspath(directory),
+        position=taken.position,
+        journal_generation=-1 if taken.journal is None else taken.journal[0],
+        journal_records=-1 if taken.journal is None else taken.journal[1],
+        taken_at=taken.taken_at,
+        parent=parent_path or "",
+        samples=sum(d.samples for d in dumped),
+        bytes_written=sum(d.written for d in dumped),
+        bytes_linked=sum(d.linked for d in dumped),
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def _os_error(exc: BaseException) -> OSError | None:
@@ -62,18 +131,6 @@ def _os_error(exc: BaseException) -> OSError | None:
     ):
         return cause
     return None
-
-
-def second_copies(keys: KeySpace, unit: int) -> dict[str, list[str]]:
-    """Per partition, the samples whose second copy (``replicas: 2``) ``unit`` holds: left
-    out of its file, so a checkpoint holds each sample once (from its first copy's unit)."""
-    out = {}
-    for pid, part in keys.partitions.items():
-        n = part.n_rows
-        rows = np.nonzero(part.live[:n] & (part.replica[:n] == unit))[0]
-        if len(rows):
-            out[pid] = [part.ids[r] for r in rows.tolist()]
-    return out
 
 
 async def restore(
@@ -92,12 +149,16 @@ async def restore(
             f"restore needs an empty service; this one holds {len(keys.partitions)} partitions"
         )
     alive = keys.live_units()
-    if len(files) > len(alive):
+    by_unit: dict[int, list] = {}
+    for f in files:
+        by_unit.setdefault(f.unit, []).append(f)
+    if len(by_unit) > len(alive):
         raise InvalidBatch(
-            f"the checkpoint has {len(files)} unit files; this service has {len(alive)} live units"
+            f"the checkpoint has files of {len(by_unit)} units; this service has {len(alive)} "
+            "live units"
         )
     path = os.path.abspath(directory)
-    loads = [units[u].load.remote(path, f) for u, f in zip(alive, files)]
+    loads = [units[u].load.remote(path, f) for u, f in zip(alive, by_unit.values())]
     results = await asyncio.gather(*loads, return_exceptions=True)
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:  # undo what did load: the service stays empty

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataplane_client.wire.config import DataPlaneConfig
 from dataplane_client.wire.messages import (
+    CheckpointSummary,
     ControllerSnapshot,
     PartitionDescription,
     PartitionStats,
@@ -37,6 +38,7 @@ class Inspection:
     started_at: float
     draining: bool
     writer_loads: WriterLoads
+    last_checkpoint: CheckpointSummary | None
 
     async def _unit_snapshots(self) -> list[UnitSnapshot | None]:
         return await unit_calls.snapshots(self.units, self.keys.unit_alive)
@@ -55,6 +57,7 @@ class Inspection:
             default_capacity=self.config.unit_capacity_bytes,
             durability=self.config.durability,
             state_dir=self.config.state_dir or "",
+            last_checkpoint=self.last_checkpoint,
         )
 
     @served
@@ -84,6 +87,7 @@ class Inspection:
         return ControllerSnapshot(
             puts_waiting=waiting,
             puts_in_flight=in_flight,
+            last_checkpoint=self.last_checkpoint,
             stats=self.stats.snapshot(),
             claims_waiting=sum(p.waiting_claims for p in self.keys.partitions.values()),
             partitions=[

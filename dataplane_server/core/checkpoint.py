@@ -1,17 +1,20 @@
 """Checkpoint directories: layout, manifest and checksums (no Ray here).
 
-A checkpoint is one directory:
+A checkpoint is one directory holding a cut of the store at one position:
 
-- ``unit-<i>.bin``: every sample unit ``i`` held (ids, commit order, lengths,
-  tags, and the bytes of every field), written by the unit itself;
+- per unit ``u``, ``unit-<u>.index`` and the data segments it uses, written by the
+  unit itself (``core/unit/checkpoint.py``: a segment a parent checkpoint wrote is
+  hard-linked, not copied);
 - ``state.msgpack``: what only the controller knows (declarations,
-  consumption and leases by sample id);
-- ``manifest.json``: format version, the files with their sizes and SHA-256.
+  consumption and leases by sample id), as of the cut;
+- ``manifest.json``: format version, the checkpoint's id, the cut's position and
+  time, its parent, and every file with its size and SHA-256.
 
 Everything is written into ``<dir>.tmp-<random>`` and renamed to ``<dir>`` only
 once the manifest is complete and synced, so a crash mid-save leaves no
 directory of the final name, and a directory without a valid manifest never
-loads.
+loads. A checkpoint of format 1 (one ``unit-<u>.bin`` each, no cut) is refused
+with a typed error naming its format.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ import msgpack
 
 from dataplane_client.wire import atomic_dir
 from dataplane_client.wire.errors import CheckpointError, CorruptPayload, InvalidBatch
-from dataplane_server.core.recovery_messages import DumpedFile
+from dataplane_server.core.recovery_messages import DumpedFile, DumpedUnit
 
-FORMAT = 1
+FORMAT = 2
 MANIFEST = "manifest.json"
 STATE = "state.msgpack"
 
@@ -73,37 +76,67 @@ def save_failed(directory: str, e: OSError) -> CheckpointError:
     return CheckpointError(f"cannot save a checkpoint to {directory}: {why}")
 
 
-def finish(tmp: str, directory: str, files: list[DumpedFile], state: dict) -> None:
-    """Write state and manifest into ``tmp``, sync everything, rename it to ``directory``."""
+def finish(tmp: str, directory: str, units: list[DumpedUnit], state: dict, about: dict) -> None:
+    """Write state and manifest into ``tmp``, sync everything, rename it to ``directory``.
+
+    ``about``: the checkpoint's id, position, time and parent, kept in the manifest."""
     data = msgpack.packb(state, use_bin_type=True)
     with open(os.path.join(tmp, STATE), "wb") as f:
         f.write(data)
     manifest = {
         "format": FORMAT,
+        **about,
         "units": [
-            {"unit": d.unit, "name": d.name, "nbytes": d.nbytes, "sha256": d.sha256} for d in files
+            {
+                "unit": d.unit,
+                "samples": d.samples,
+                "files": [
+                    {"name": f.name, "nbytes": f.nbytes, "sha256": f.sha256} for f in d.files
+                ],
+            }
+            for d in units
         ],
         "state": {"name": STATE, "nbytes": len(data), "sha256": hashlib.sha256(data).hexdigest()},
     }
-    with open(os.path.join(tmp, MANIFEST), "w") as f:
-        json.dump(manifest, f, indent=1)
+    with open(os.path.join(tmp, MANIFEST), "w") as text:
+        json.dump(manifest, text, indent=1)
     atomic_dir.publish(tmp, directory)
 
 
 abandon = atomic_dir.abandon
 
 
-def read(directory: str) -> tuple[list[DumpedFile], dict]:
-    """The unit files (checked by each unit as it loads) and the verified state."""
+def manifest(directory: str) -> dict:
+    """A checkpoint's manifest, of this format (``InvalidBatch`` naming another format)."""
     directory = os.path.abspath(directory)
     try:
         with open(os.path.join(directory, MANIFEST)) as f:
-            manifest = json.load(f)
+            got = json.load(f)
     except (OSError, ValueError) as e:
         raise CorruptPayload(f"{directory} holds no readable checkpoint manifest ({e})") from None
-    if manifest.get("format") != FORMAT:
-        raise CorruptPayload(f"{directory}: checkpoint format {manifest.get('format')!r} unknown")
-    st = manifest["state"]
+    if got.get("format") == 1:
+        raise InvalidBatch(
+            f"{directory} is a checkpoint of format 1, which this version does not read (it "
+            f"reads format {FORMAT}); restore it with the version that saved it and save again"
+        )
+    if got.get("format") != FORMAT:
+        raise CorruptPayload(f"{directory}: checkpoint format {got.get('format')!r} unknown")
+    return got
+
+
+def unit_files(got: dict) -> dict[int, list[DumpedFile]]:
+    """Per unit of a manifest, its files (its index first)."""
+    return {
+        u["unit"]: [DumpedFile(u["unit"], f["name"], f["nbytes"], f["sha256"]) for f in u["files"]]
+        for u in got["units"]
+    }
+
+
+def read(directory: str) -> tuple[list[DumpedFile], dict]:
+    """Every file of a checkpoint (checked by each unit as it loads) and the verified state."""
+    directory = os.path.abspath(directory)
+    got = manifest(directory)
+    st = got["state"]
     try:
         with open(os.path.join(directory, st["name"]), "rb") as f:
             data = f.read()
@@ -111,5 +144,5 @@ def read(directory: str) -> tuple[list[DumpedFile], dict]:
         raise CorruptPayload(f"{directory}: cannot read the checkpoint state ({e})") from None
     if len(data) != st["nbytes"] or hashlib.sha256(data).hexdigest() != st["sha256"]:
         raise CorruptPayload(f"{directory}: the checkpoint state does not match its manifest")
-    files = [DumpedFile(u["unit"], u["name"], u["nbytes"], u["sha256"]) for u in manifest["units"]]
+    files = [f for fs in unit_files(got).values() for f in fs]
     return files, msgpack.unpackb(data, raw=False)

@@ -58,3 +58,15 @@ class DumpedFile:
     name: str  # relative to the checkpoint directory
     nbytes: int
     sha256: str
+
+
+@dataclass(frozen=True)
+class DumpedUnit:
+    """A unit's share of a checkpoint: its files (its index first, then the segments it
+    uses), the bytes it wrote and those it hard-linked from the parent, its samples."""
+
+    unit: int
+    files: list[DumpedFile]
+    written: int
+    linked: int
+    samples: int

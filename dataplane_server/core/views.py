@@ -12,6 +12,7 @@ import numpy as np
 
 from dataplane_client.wire.errors import InvalidBatch, SamplesNotFound
 from dataplane_client.wire.messages import (
+    CheckpointSummary,
     FieldSummary,
     GroupDeadlineInfo,
     PartitionDescription,
@@ -48,6 +49,7 @@ def service_info(
     default_capacity: int,
     durability: str = "memory",
     state_dir: str = "",
+    last_checkpoint: CheckpointSummary | None = None,
 ) -> ServiceInfo:
     units = [
         UnitStatus(
@@ -78,6 +80,7 @@ def service_info(
         units=units,
         durability=durability,
         state_dir=state_dir,
+        last_checkpoint=last_checkpoint,
     )
 
 

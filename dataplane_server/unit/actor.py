@@ -39,7 +39,12 @@ from dataplane_client.wire.messages import (
     UnitSnapshot,
     pack_read_answer,
 )
-from dataplane_server.core.recovery_messages import DumpedFile, SampleMeta, UnitRecovery
+from dataplane_server.core.recovery_messages import (
+    DumpedFile,
+    DumpedUnit,
+    SampleMeta,
+    UnitRecovery,
+)
 from dataplane_server.core.unit import durable_layout
 from dataplane_server.core.unit.store import UnitHoldings, UnitStore
 from dataplane_server.unit.payload import UnitPayload
@@ -220,11 +225,23 @@ class StorageUnit:
     def recovery_view(self) -> UnitRecovery:
         return self.store.recovery_view()
 
-    def dump(self, directory: str, skip: dict[str, list[str]] | None = None) -> DumpedFile:
-        return self.store.dump(directory, skip)
+    def pin_checkpoint(self, checkpoint_id: str) -> None:
+        self.store.pin_checkpoint(checkpoint_id)
 
-    def load(self, directory: str, dumped: DumpedFile) -> int:
-        return self.store.load(directory, dumped)
+    async def write_checkpoint(
+        self,
+        checkpoint_id: str,
+        directory: str,
+        cut: dict[str, list[str]],
+        parent_dir: str | None = None,
+        parent_files: list[DumpedFile] | None = None,
+    ) -> DumpedUnit:
+        return await self.store.write_checkpoint(
+            checkpoint_id, directory, cut, parent_dir, parent_files
+        )
+
+    def load(self, directory: str, files: list[DumpedFile]) -> int:
+        return self.store.load(directory, files)
 
     # ---- read path ----------------------------------------------------------------
     def read(

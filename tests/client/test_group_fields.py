@@ -190,7 +190,7 @@ def _stage_group(store, wid, ids, groups, prompts, responses):
     return SampleMeta(seq=1, tags=dict(zip(ids, tags)))
 
 
-def test_a_unit_dump_and_load_keep_one_copy_per_group(store, tmp_path):
+def test_a_unit_checkpoint_and_load_keep_one_copy_per_group(store, tmp_path):
     ids = [f"s{i}" for i in range(8)]
     groups = [i // 4 for i in range(8)]
     meta = _stage_group(
@@ -199,10 +199,12 @@ def test_a_unit_dump_and_load_keep_one_copy_per_group(store, tmp_path):
     assert store.publish("w1", meta)
     held = store.partition_bytes()["p"]
     assert held == 2 * _prompt(0).nbytes + _responses_bytes(range(8))
-    dumped = store.dump(str(tmp_path))
+    store.pin_checkpoint("c1")
+    dumped = asyncio.run(store.write_checkpoint("c1", str(tmp_path), {"p": ids}))
+    assert dumped.written - dumped.files[0].nbytes == held  # each group's prompt once
     fresh = _unit_store()
     try:
-        assert fresh.load(str(tmp_path), dumped) == 8
+        assert fresh.load(str(tmp_path), dumped.files) == 8
         assert fresh.partition_bytes()["p"] == held
         out = fresh.read("p", ids, ["prompt_ids"])["prompt_ids"]
         expected = np.concatenate([_prompt(g).numpy().view(np.uint8) for g in groups])

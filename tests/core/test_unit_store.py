@@ -11,7 +11,9 @@ can tell that a process died (``owners_died`` is what it calls then).
 
 import asyncio
 import dataclasses
+import os
 import pickle
+import shutil
 import time
 
 import numpy as np
@@ -529,30 +531,103 @@ def test_unpublish_of_some_samples_keeps_the_rest_and_the_write_published(stores
 # ---- checkpoints, recovery, previews ------------------------------------------------------
 
 
-def test_a_dump_loads_into_a_fresh_store_with_its_bytes_and_commit_metadata(stores, tmp_path):
+def _checkpoint(store, directory, cut, parent=None, checkpoint_id="c1"):
+    """Pin ``store`` now and write the rows ``cut`` names (what a controller's save does)."""
+    store.pin_checkpoint(checkpoint_id)
+    directory.mkdir()
+    parent_files = None if parent is None else parent[1].files
+    return asyncio.run(
+        store.write_checkpoint(
+            checkpoint_id,
+            str(directory),
+            cut,
+            None if parent is None else str(parent[0]),
+            parent_files,
+        )
+    )
+
+
+def test_a_checkpoint_loads_into_a_fresh_store_with_its_bytes_and_commit_metadata(stores, tmp_path):
     store = stores()
     jagged = [torch.arange(n, dtype=torch.float32) for n in (3, 1, 4)]
     _put(store, "p", "w1", ["a", "b", "c"], {"x": jagged}, SampleMeta(1, {"a": 3}, {"b": {"g": 1}}))
     _put(store, "q", "w2", ["d", "e"], {"y": _rows(2, 16)}, SampleMeta(2))
-    dumped = store.dump(str(tmp_path), skip={"q": ["e"]})
+    ck = tmp_path / "ck"
+    dumped = _checkpoint(store, ck, {"p": ["a", "b", "c"], "q": ["d"]})  # "e": a second copy
 
     fresh = stores()
-    assert fresh.load(str(tmp_path), dumped) == 4
+    assert fresh.load(str(ck), dumped.files) == 4
     assert fresh.recovery_view().partitions["p"] == store.recovery_view().partitions["p"]
     q = fresh.recovery_view().partitions["q"]
-    assert (q.sample_ids, q.seq) == (["d"], [2])  # the skipped second copy is not in it
+    assert (q.sample_ids, q.seq) == (["d"], [2])  # what the cut does not name is not in it
     got = _read(fresh, "p", ["a", "b", "c"], "x")
     assert [t.tolist() for t in got.unbind()] == [t.tolist() for t in jagged]
     assert torch.equal(_read(fresh, "q", ["d"], "y"), _rows(1, 16))
     with pytest.raises(InvalidBatch, match="already holds partition"):
-        fresh.load(str(tmp_path), dumped)
+        fresh.load(str(ck), dumped.files)
 
-    path = tmp_path / dumped.name
+    path = ck / dumped.files[1].name  # the data segment
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF  # one bit pattern changed, the size kept
     path.write_bytes(bytes(data))
-    with pytest.raises(CorruptPayload):
-        stores().load(str(tmp_path), dumped)
+    with pytest.raises(CorruptPayload, match="does not match"):
+        stores().load(str(ck), dumped.files)
+
+
+def test_a_pinned_cut_is_written_as_it_was_while_the_store_changes(stores, tmp_path):
+    """After the pin, a clear, a re-put of the same id, an overwrite and a new sample change
+    nothing the checkpoint writes: the cleared sample's bytes stay held (not freed, not
+    reused) until the write, and are let go after it."""
+    store = stores()
+    _put(store, "p", "w1", _ids("s", 4), {"x": _rows(4, 4096)}, SampleMeta(1))
+    store.pin_checkpoint("c1")
+    assert store.clear("p", None) == 4 * 4096
+    assert store.used_bytes > 0  # the cleared bytes are held: not freed, not reused
+    _put(store, "p", "w2", ["s0", "new"], {"x": _rows(2, 4096, start=100)}, SampleMeta(2))
+    _stage(store, "p", "w3", ["s0"], {"x": _rows(1, 4096, start=200)})
+    assert store.publish("w3", SampleMeta(3))  # s0 overwritten in place of its cell
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    dumped = asyncio.run(store.write_checkpoint("c1", str(ck), {"p": _ids("s", 4)}))
+    assert dumped.samples == 4
+    fresh = stores()
+    assert fresh.load(str(ck), dumped.files) == 4
+    assert torch.equal(_read(fresh, "p", _ids("s", 4), "x"), _rows(4, 4096))  # as pinned
+    assert fresh.recovery_view().partitions["p"].seq == [1, 1, 1, 1]
+    assert store.checkpoint_pins.held == 0
+    store.clear("p", None)
+    assert store.used_bytes == 0  # the pin's references are gone with it
+
+
+def test_an_incremental_checkpoint_writes_only_new_values_and_outlives_its_parent(stores, tmp_path):
+    store = stores()
+    _put(store, "p", "w1", _ids("s", 8), {"x": _rows(8, 4096)}, SampleMeta(1))
+    first = _checkpoint(store, tmp_path / "a", {"p": _ids("s", 8)})
+    assert (first.written - first.files[0].nbytes, first.linked) == (8 * 4096, 0)
+    _put(store, "p", "w2", _ids("t", 2), {"x": _rows(2, 4096, start=8)}, SampleMeta(2))
+    store.clear("p", ["s7"])
+    cut = {"p": _ids("s", 7) + _ids("t", 2)}
+    second = _checkpoint(store, tmp_path / "b", cut, (tmp_path / "a", first), "c2")
+    index_bytes = second.files[0].nbytes
+    assert second.written - index_bytes == 2 * 4096  # only the new rows' bytes
+    assert second.linked == 8 * 4096
+    inherited = second.files[2].name
+    assert os.stat(tmp_path / "a" / inherited).st_ino == os.stat(tmp_path / "b" / inherited).st_ino
+    shutil.rmtree(tmp_path / "a")  # deleting the parent leaves the child whole
+    fresh = stores()
+    assert fresh.load(str(tmp_path / "b"), second.files) == 9
+    got = _read(fresh, "p", cut["p"], "x")
+    assert torch.equal(got, torch.cat([_rows(7, 4096), _rows(2, 4096, start=8)]))
+
+
+def test_a_parent_from_another_process_of_the_unit_is_not_referenced(stores, tmp_path):
+    """Block ids name bytes only within one process: a restarted unit copies everything."""
+    _put(old := stores(), "p", "w1", _ids("s", 2), {"x": _rows(2, 4096)}, SampleMeta(1))
+    first = _checkpoint(old, tmp_path / "a", {"p": _ids("s", 2)})
+    _put(new := stores(), "p", "w1", _ids("s", 2), {"x": _rows(2, 4096)}, SampleMeta(1))
+    second = _checkpoint(new, tmp_path / "b", {"p": _ids("s", 2)}, (tmp_path / "a", first))
+    assert (second.written - second.files[0].nbytes, second.linked) == (2 * 4096, 0)
+    assert len(second.files) == 2  # its index and its own segment
 
 
 def test_a_preview_shows_each_field_of_one_sample(stores):

@@ -15,7 +15,7 @@ from dataplane_client.transport.placement import second_units, stage_plan
 from dataplane_client.wire.config import DataPlaneConfig
 from dataplane_client.wire.errors import ConfigError, InvalidBatch, SamplesLost
 from dataplane_client.wire.messages import CommitRequest
-from dataplane_server.controller.checkpoint import second_copies
+from dataplane_server.controller.checkpoint import cut
 from dataplane_server.core.keyspace import CommitPlan, Declaration, KeySpace
 from dataplane_server.core.recovery_messages import StoredRows
 
@@ -92,9 +92,8 @@ def test_a_new_sample_whose_second_copy_is_on_a_dead_unit_is_refused():
 def test_clear_frees_both_copies_and_a_checkpoint_skips_second_copies():
     ks = _space()
     _commit(ks, ["a", "b", "c"], [0, 0, 1], [1, 1, 2])
-    assert second_copies(ks, 1) == {"p": ["a", "b"]}
-    assert second_copies(ks, 2) == {"p": ["c"]}
-    assert second_copies(ks, 0) == {}
+    # A checkpoint's cut names each sample on its first copy's unit only.
+    assert cut(ks, 1, None).rows == {0: {"p": ["a", "b"]}, 1: {"p": ["c"]}, 2: {"p": []}}
     assert ks.clear_samples("p", ["a", "c"]) == {0: ["a"], 1: ["a", "c"], 2: ["c"]}
 
 

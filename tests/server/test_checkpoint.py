@@ -50,6 +50,13 @@ def _fields(n: int) -> dict:
     }
 
 
+def _unit_files(path: str, unit: int) -> list[str]:
+    """The files the manifest lists for a unit: its index, then its data segments."""
+    manifest = json.loads(open(os.path.join(path, "manifest.json")).read())  # noqa: SIM115
+    (entry,) = [u for u in manifest["units"] if u["unit"] == unit]
+    return [f["name"] for f in entry["files"]]
+
+
 def test_restore_into_a_fresh_service_gives_back_every_sample_and_cursor(two_services, tmp_path):
     src, dst = (h.client() for h in two_services)
     ids = [f"s{i}" for i in range(30)]
@@ -62,12 +69,9 @@ def test_restore_into_a_fresh_service_gives_back_every_sample_and_cursor(two_ser
     held = src.claim_meta("p", "u", ["input_ids"], 4)
     created = src.describe_partition("p").created_at
     path = src.checkpoint(str(tmp_path / "ck"))
-    assert sorted(os.listdir(path)) == [
-        "manifest.json",
-        "state.msgpack",
-        "unit-0.bin",
-        "unit-1.bin",
-    ]
+    assert sorted(os.listdir(path)) == sorted(
+        ["manifest.json", "state.msgpack", *_unit_files(path, 0), *_unit_files(path, 1)]
+    )
     assert dst.restore(path) == 30
     assert dst.describe_partition("p").created_at == created  # not the restore's time
     got = dst.get_samples(ids, "p", ["input_ids", "logprobs", "mask"])
@@ -110,7 +114,7 @@ def test_a_damaged_or_half_written_checkpoint_never_loads(two_services, tmp_path
     path = src.checkpoint(str(tmp_path / "ck"))
     with pytest.raises(InvalidBatch, match="exists"):
         src.checkpoint(path)  # never overwritten in place
-    with open(os.path.join(path, "unit-0.bin"), "r+b") as f:  # one flipped byte
+    with open(os.path.join(path, _unit_files(path, 0)[0]), "r+b") as f:  # one flipped byte
         f.seek(10)
         byte = f.read(1)
         f.seek(10)
@@ -123,7 +127,7 @@ def test_a_damaged_or_half_written_checkpoint_never_loads(two_services, tmp_path
     with pytest.raises(CorruptPayload, match="manifest"):
         dst.restore(str(half))
     manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
-    assert {u["name"] for u in manifest["units"]} == {"unit-0.bin", "unit-1.bin"}
+    assert [u["unit"] for u in manifest["units"]] == [0, 1]
 
 
 def _bad_save_paths(root) -> dict[str, str]:
@@ -203,18 +207,19 @@ def test_restoring_from_a_bad_path_is_a_typed_error(two_services, tmp_path):
     regular = tmp_path / "file"
     regular.write_text("not a directory")
     (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    data_1, data_0 = _unit_files(good, 1)[1], _unit_files(good, 0)[1]
     no_unit_file = shutil.copytree(good, tmp_path / "no-unit-file")
-    os.remove(os.path.join(no_unit_file, "unit-1.bin"))
+    os.remove(os.path.join(no_unit_file, data_1))
     unit_file_a_dir = shutil.copytree(good, tmp_path / "unit-file-a-dir")
-    os.remove(os.path.join(unit_file_a_dir, "unit-0.bin"))
-    os.mkdir(os.path.join(unit_file_a_dir, "unit-0.bin"))
+    os.remove(os.path.join(unit_file_a_dir, data_0))
+    os.mkdir(os.path.join(unit_file_a_dir, data_0))
     cases = {
         str(tmp_path / "missing"): "No such file or directory",
         str(tmp_path / "dangling"): "No such file or directory",
         str(regular / "ck"): "Not a directory",
         f"/proc/dataplane-ck-{uuid.uuid4().hex[:6]}": "No such file or directory",
-        str(no_unit_file): f"No such file or directory: '{no_unit_file}/unit-1.bin'",
-        str(unit_file_a_dir): f"Is a directory: '{unit_file_a_dir}/unit-0.bin'",
+        str(no_unit_file): f"No such file or directory: '{no_unit_file}/{data_1}'",
+        str(unit_file_a_dir): f"Is a directory: '{unit_file_a_dir}/{data_0}'",
     }
     for path, reason in cases.items():
         with pytest.raises(CorruptPayload) as info:

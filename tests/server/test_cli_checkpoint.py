@@ -171,3 +171,39 @@ def test_a_relative_directory_is_invalid_argument(services):
                 call(request, timeout=30, metadata=md)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "absolute path" in info.value.details()
+
+
+def test_save_with_a_parent_and_status_names_the_last_checkpoint_and_its_position(
+    services, tmp_path
+):
+    """``save --parent`` links what the parent holds; ``status`` and GetServiceInfo name the
+    last checkpoint with its position; a checkpoint of format 1 is refused naming it."""
+    h = services()
+    addr = h.admin_address
+    h.client().register_partition("p", ["x"])
+    h.client().put_samples(["a", "b"], "p", {"x": torch.ones(2, 4096)})
+    full, child = tmp_path / "full", tmp_path / "child"
+    ok(dataplane("checkpoint", "save", str(full), address=addr))
+    h.client().put_samples(["c"], "p", {"x": torch.ones(1, 4096)})
+    ok(dataplane("checkpoint", "save", str(child), "--parent", str(full), address=addr))
+    with grpc.insecure_channel(addr) as channel:
+        info = admin_pb2_grpc.AdminServiceStub(channel).GetServiceInfo(
+            admin_pb2.GetServiceInfoRequest(), timeout=30
+        )
+    last = info.last_checkpoint
+    assert (last.directory, last.parent, last.samples) == (str(child), str(full), 3)
+    assert last.position >= 2  # two commits at least went into it
+    assert last.bytes_linked >= 2 * 4096 * 4
+    status = ok(dataplane("status", address=addr))
+    line = next(s for s in status.splitlines() if s.startswith("checkpoint "))
+    assert line.startswith(f"checkpoint {child} at position {last.position}"), line
+    assert f"incremental to {full}" in line, line
+
+    manifest = full / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"format": 2', '"format": 1'))
+    refused(
+        dataplane("checkpoint", "restore", str(full), address=services().admin_address),
+        1,
+        "FAILED_PRECONDITION",
+        "format 1",
+    )

@@ -44,6 +44,7 @@ import asyncio
 import dataclasses
 import secrets
 import time
+import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -74,6 +75,7 @@ from dataplane_client.wire.messages import (
 from dataplane_client.wire.put_deadline import stage_deadline_s
 from dataplane_server.core.recovery_messages import (
     DumpedFile,
+    DumpedUnit,
     PinnedWrite,
     SampleMeta,
     UnitRecovery,
@@ -176,6 +178,10 @@ class UnitStore:
         self.stats = Stats()
         self.leases = Leases(self.arena, self._release, self.stats)
         self._room_waiters: list[asyncio.Future] = []  # writes waiting for memory to be freed
+        # Checkpoints: a value's key (block, offset) means the same bytes only within one
+        # process, so a parent checkpoint's values are reused only by the same incarnation.
+        self.incarnation = uuid.uuid4().hex
+        self.checkpoint_pins = unit_checkpoint.Pins()
         if log is not None:
             self._reattach()
 
@@ -772,18 +778,30 @@ class UnitStore:
             published=list(self.published),
         )
 
-    # ---- checkpoints: this unit's samples to a file and back --------------------------
-    def dump(self, directory: str, skip: dict[str, list[str]] | None = None) -> DumpedFile:
-        """Write every stored sample (metadata and bytes) to one file in ``directory``;
-        ``skip`` (partition -> ids) leaves out second copies, so a checkpoint holds each
-        sample once."""
-        return unit_checkpoint.dump(self, directory, skip)
+    # ---- checkpoints: a cut of this unit's samples, copied while it serves ----------
+    def pin_checkpoint(self, checkpoint_id: str) -> None:
+        """Hold this unit's rows and their blocks as they are now (the checkpoint's cut)."""
+        self.checkpoint_pins.pin(self, checkpoint_id)
 
-    def load(self, directory: str, dumped: DumpedFile) -> int:
-        """Store the samples of a file ``dump`` wrote (the unit must hold none of its
-        partitions). Returns the number of samples loaded."""
+    async def write_checkpoint(
+        self,
+        checkpoint_id: str,
+        directory: str,
+        cut: dict[str, list[str]],
+        parent_dir: str | None = None,
+        parent_files: list[DumpedFile] | None = None,
+    ) -> DumpedUnit:
+        """Write the pinned rows ``cut`` names (partition -> ids) to ``directory``, copying
+        only values the parent's files do not hold; the pin is released after."""
+        return await self.checkpoint_pins.write(
+            self, checkpoint_id, directory, cut, parent_dir, parent_files
+        )
+
+    def load(self, directory: str, files: list[DumpedFile]) -> int:
+        """Store the samples of this unit's checkpoint files (the unit must hold none of
+        their partitions). Returns the number of samples loaded."""
         before = set(self.partitions)
-        loaded = unit_checkpoint.load(self, directory, dumped)
+        loaded = unit_checkpoint.load(self, directory, files)
         if self.log is not None:
             for pid in set(self.partitions) - before:
                 self._log_rows(pid, list(self.partitions[pid].slot_of), None)
