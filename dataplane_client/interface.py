@@ -578,7 +578,8 @@ class DataPlaneService(DataPlaneClient):
         lease_s: float = 300.0,
     ) -> RolloutGrant | None:
         """Leave to start ``n`` trajectories now, while samples started and not trained stay
-        within ``(max_staleness + 1) * admission_batch``: a grant; None when there is no room
+        within ``(max_staleness + 1) * admission_batch`` (less with ``StalenessSpec(pace=True)``
+        while an old sample is outstanding): a grant; None when there is no room
         and ``wait`` is False; AdmissionTimeout when waiting ran out. Release it with
         ``release_rollouts`` once its samples are put."""
         return checked(arguments.partition_name(partition_id), n, wait, timeout_s, lease_s)
