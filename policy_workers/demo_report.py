@@ -169,10 +169,9 @@ def interruption_lines(reports: list[StepReport]) -> list[str]:
     discarded = sum(r.tokens_discarded for r in reports)
     resumed = sum(r.tokens_resumed for r in reports)
     return [
-        "generated tokens interrupted by weight updates, per update: "
-        f"{discarded / updates:.1f} discarded,",
-        f"  {resumed / updates:.1f} kept in the store and resumed (totals: {discarded}, "
-        f"{resumed}; --partial-rollouts keeps them)",
+        "generated tokens a weight update interrupted (--partial-rollouts keeps them):",
+        f"  discarded: {discarded / updates:.1f} per update ({discarded} in all)",
+        f"  kept in the store and resumed: {resumed / updates:.1f} per update ({resumed} in all)",
     ]
 
 

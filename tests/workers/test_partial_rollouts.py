@@ -10,7 +10,10 @@ import dataclasses
 import random
 
 import pytest
+import ray
 import torch
+from polling import wait_until
+from test_refit import trainer_layout
 
 from dataplane_client.batching.materialize import materialize
 from dataplane_client.wire.messages import StalenessSpec
@@ -19,6 +22,7 @@ from policy_workers.chunked_generation import ChunkedGroup, GroupPlan
 from policy_workers.config import LossConfig, ModelConfig
 from policy_workers.loss import ClippedPGLoss, valid_token_mask
 from policy_workers.model import build_hf_model, reference_logprobs
+from policy_workers.rollout import GRPO_FIELDS, WEIGHT_VERSION, RolloutActor, RolloutConfig
 
 TOKEN_FIELDS = ["input_ids", "generation_logprobs", "token_mask"]
 CHUNK = 3
@@ -134,3 +138,65 @@ def test_behaviour_logprobs_of_two_versions_reach_the_decoupled_loss(models):
     assert old_tokens.any()
     assert (want[valid & ~first] - 1).abs().max() < 1e-4  # the new segment: on-policy
     assert (want[old_tokens] - 1).abs().max() > 0.1  # the old one: weighted off-policy
+
+
+# ---- a rollout actor a refit interrupts mid-generation ----------------------------------
+def _interruptions(actor) -> int:
+    stats = ray.get(actor.stats.remote())
+    return stats["tokens_discarded"] + stats["tokens_resumed"]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)  # a bound on a hang, not a speed target
+@pytest.mark.parametrize("partial", [True, False], ids=["resumed", "discarded"])
+def test_a_refit_mid_generation_is_resumed_from_the_store_or_thrown_away(module_services, partial):
+    """Refits land while the actor generates (each waits until the previous one interrupted
+    a group, or the run ended): with ``partial_rollouts`` no token is thrown away, the
+    groups are stored as partial rollouts of several versions and finish claimable, whole;
+    without, the interrupted tokens are thrown away and the groups start over."""
+    handle = module_services("partial-actor", admin_enabled=False)
+    client, pid = handle.client(), f"rollouts-{'resumed' if partial else 'discarded'}"
+    client.register_partition(pid, GRPO_FIELDS, consumer_tasks=["check"], grpo_group_size=2)
+    cfg = RolloutConfig(
+        generations=2,
+        min_new_tokens=24,
+        max_new_tokens=32,
+        chunk_tokens=2,
+        partial_rollouts=partial,
+    )
+    actor = RolloutActor.remote(0, ModelConfig(), cfg, handle.config.name, handle.config.namespace)
+    weights = ray.put(trainer_layout(ModelConfig()))
+    try:
+        run = actor.run.remote(pid, [0, 1, 2])
+        version = 0
+        while not ray.wait([run], timeout=0)[0]:
+            seen = _interruptions(actor)
+            version += 1
+            ray.get(actor.load_weights.remote(version, weights))
+            wait_until(
+                lambda seen=seen: _interruptions(actor) > seen or ray.wait([run], timeout=0)[0],
+                300,
+                "the refit to interrupt a group or the run to end",
+            )
+        ray.get(run)
+        stats = ray.get(actor.stats.remote())
+    finally:
+        ray.kill(actor)
+    meta = client.claim_meta(pid, "check", GRPO_FIELDS, 6, blocking=False)
+    assert meta.size == 6  # every group finished and claimable
+    segments = [t.get("token_segments") for t in meta.tags]
+    lengths = materialize(client.get_data(meta, ["input_lengths"]))["input_lengths"].tolist()
+    if partial:
+        assert stats["tokens_discarded"] == 0
+        assert stats["tokens_resumed"] > 0
+        resumed = [s for s in segments if s is not None]
+        assert resumed, segments
+        assert any(len({v for v, _ in s}) > 1 for s in resumed)  # tokens of several versions
+        for s, n, tag in zip(segments, lengths, meta.tags):
+            if s is not None:
+                assert sum(t for _, t in s) == n  # every token kept, none twice
+                assert tag[WEIGHT_VERSION] == s[0][0]  # as stale as its oldest segment
+    else:
+        assert stats["tokens_resumed"] == 0
+        assert stats["tokens_discarded"] > 0
+        assert segments == [None] * 6  # generated again, whole, under the newest weights
