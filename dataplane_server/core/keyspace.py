@@ -1449,7 +1449,8 @@ class KeySpace:
         n = part.n_rows
         if versions is None or versions.spec.stale_samples != "drop" or not n:
             return np.zeros(0, dtype=np.int64), {}
-        live = np.nonzero(part.live[:n])[0]
+        # A partial rollout in progress is its producer's until finished: judged then.
+        live = np.nonzero(part.live[:n] & ~part.in_progress[:n])[0]
         row_versions = part.versions_of(live)
         stale = np.zeros(len(live), dtype=bool)
         per_task: dict[str, int] = {}
@@ -1477,7 +1478,7 @@ class KeySpace:
             touched = np.zeros(len(part.group_live), dtype=bool)
             touched[part.group_code[:n][grouped & claimed & live]] = True
             claimed |= grouped & touched[np.maximum(part.group_code[:n], 0)]
-        candidates = np.nonzero(live & ~claimed)[0]
+        candidates = np.nonzero(live & ~claimed & ~part.in_progress[:n])[0]
         if not len(candidates):
             return candidates
         versions = part.versions_of(candidates)

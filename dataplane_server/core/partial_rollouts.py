@@ -21,8 +21,9 @@ The rules, checked here when the commit is checked (nothing is published before)
 A sample in progress is never claimable (``KeySpace._ready``), but is live and
 untrained, so admission counts it. Its version for the staleness window is its
 oldest segment's (the version tag is that segment's): a rollout resumed across many
-updates ages from its first token, and is dropped as stale like any sample once that
-leaves the window.
+updates ages from its first token. In progress it is neither dropped as stale nor
+evicted (``KeySpace.stale_rows``, ``evictable_rows``): its producer still appends to
+it; finished, it is judged like any sample.
 """
 
 from __future__ import annotations

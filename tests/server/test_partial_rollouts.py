@@ -126,10 +126,13 @@ def test_a_partial_rollout_ages_from_its_oldest_segment_and_counts_against_admis
     assert dp.admit_rollouts(pid, 1) is None  # the two in progress fill the window
     dp.set_policy_version(pid, 1)
     dp.append_tokens(["a", "b"], pid, _tokens(2, 1), 1)  # resumed: still as old as v0
-    dp.set_policy_version(pid, 2)  # v0 left the window: dropped, though resumed at v1
-    assert dp.describe_partition(pid).staleness.dropped_stale == {"train": 2}
+    dp.set_policy_version(pid, 2)  # v0 left the window; in progress, it is not dropped yet
+    assert dp.describe_partition(pid).staleness.dropped_stale == {}
+    dp.append_tokens(["a", "b"], pid, _tokens(1, 2), 2, finish=True)
+    assert _claimable(dp, pid) == []  # finished: judged as old as v0, dropped, though
+    assert dp.describe_partition(pid).staleness.dropped_stale == {"train": 2}  # resumed
     with pytest.raises(SamplesNotFound, match="dropped as stale"):
-        dp.append_tokens(["a", "b"], pid, _tokens(1, 2), 2)
+        dp.append_tokens(["a", "b"], pid, _tokens(1, 3), 2)
 
 
 def test_concurrent_appends_to_one_sample_lose_no_segment(dp):
