@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dataplane_client.wire.errors import (
+    ClaimTimeout,
     FieldAlreadyProduced,
     FieldNotProduced,
     InvalidBatch,
@@ -129,8 +130,10 @@ def test_a_partial_rollout_ages_from_its_oldest_segment_and_counts_against_admis
     dp.set_policy_version(pid, 2)  # v0 left the window; in progress, it is not dropped yet
     assert dp.describe_partition(pid).staleness.dropped_stale == {}
     dp.append_tokens(["a", "b"], pid, _tokens(1, 2), 2, finish=True)
-    assert _claimable(dp, pid) == []  # finished: judged as old as v0, dropped, though
-    assert dp.describe_partition(pid).staleness.dropped_stale == {"train": 2}  # resumed
+    # finished, it is judged as old as v0, though resumed: dropped before a blocking claim
+    with pytest.raises(ClaimTimeout):
+        dp.claim_meta(pid, "train", FIELDS, 2, timeout_s=0.5)
+    assert dp.describe_partition(pid).staleness.dropped_stale == {"train": 2}
     with pytest.raises(SamplesNotFound, match="dropped as stale"):
         dp.append_tokens(["a", "b"], pid, _tokens(1, 3), 2)
 
