@@ -52,7 +52,7 @@ import ray
 import torch
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError, RayTaskError
 
-from dataplane_client.codec import prepare
+from dataplane_client.codec import appends, prepare
 from dataplane_client.codec.assembly import assemble_fields
 from dataplane_client.codec.tensordict_io import to_tensordict
 from dataplane_client.interface import DataPlaneClient as DataPlaneClient  # re-exported
@@ -68,10 +68,12 @@ from dataplane_client.transport.ray_auth import refused_without_token, token_mod
 from dataplane_client.wire import arguments, routes
 from dataplane_client.wire.config import DataPlaneConfig
 from dataplane_client.wire.errors import (
+    AppendConflict,
     CapacityExceeded,
     CodecsChanged,
     CorruptPayload,
     DataPlaneError,
+    FieldAlreadyProduced,
     PayloadTransferFailed,
     RoutingUnstable,
     SamplesLost,
@@ -701,6 +703,26 @@ class RayDataPlaneClient(DataPlaneService):
             ids=sample_ids,
             partition_id=partition_id,
         )
+
+    def _append_tokens(self, args: appends.AppendArguments) -> Flow:
+        """Read what the store holds of the samples, join, put (``codec.appends``); read
+        again when another append landed in between."""
+        pid = args.partition_id
+        for attempt in range(appends.MAX_APPEND_TRIES):
+            held = _one(
+                (yield [self._open_controller().partial_rollouts.remote(pid, args.sample_ids)])
+            )
+            ids = appends.stored_ids(args, held)
+            stored = (
+                (yield from self._get_samples(ids, pid, list(args.rows), None)) if ids else None
+            )
+            try:
+                return (yield from self._put_samples(appends.appended_put(args, held, stored)))
+            except (AppendConflict, FieldAlreadyProduced):  # another append went first, or
+                # is committing the same cells right now: read again
+                if attempt == appends.MAX_APPEND_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def _commits(self) -> CallBatcher:
         """This client's commit batcher: the commits of concurrent puts go to the controller

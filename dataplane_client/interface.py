@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 
-from dataplane_client.codec import devices, prepare
+from dataplane_client.codec import appends, devices, prepare
 from dataplane_client.wire import arguments
 from dataplane_client.wire.messages import (
     Capabilities,
@@ -593,6 +593,38 @@ class DataPlaneService(DataPlaneClient):
         return checked(arguments.rollout_grant(grant))
 
     release_rollouts_async = awaitable(release_rollouts)
+
+    @verb
+    def append_tokens(
+        self,
+        sample_ids: Sequence[str],
+        partition_id: str,
+        fields: Any,
+        version: int,
+        *,
+        tags: Sequence[dict] | None = None,
+        start: bool = False,
+        finish: bool = False,
+    ) -> KVBatchMeta:
+        """Partial rollouts: append tokens generated under policy ``version`` to each
+        sample's jagged per-token fields (token ids, generation logprobs, masks; one row
+        per sample, every field as many tokens), recording the segment. ``start=True``
+        begins the samples (their first segment; ``tags``: group_id and others, as a
+        put's); later appends resume them. A sample in progress is not claimable, counts
+        against admission, and its staleness is its oldest segment's version;
+        ``finish=True`` (with the last tokens) makes it claimable. ``meta.tags`` then read
+        ``token_segments``: [[version, tokens], ...], oldest first. Errors, nothing
+        stored: a non-jagged field, or other fields than the first segment's
+        (``InvalidBatch``); a version below the last segment's (``VersionRegression``); a
+        finished sample or one ``put_samples`` wrote whole (``RolloutFinished``); a
+        resumed sample not stored (never started, cleared, dropped as stale, evicted:
+        ``SamplesNotFound``). Other fields (rewards) go by ``put_samples`` as usual
+        (docs/architecture.md, "Partial rollouts")."""
+        return checked(
+            appends.append_arguments(sample_ids, partition_id, fields, version, tags, finish, start)
+        )
+
+    append_tokens_async = awaitable(append_tokens)
 
     @verb
     def evict_samples(self, sample_ids: Sequence[str], partition_id: str) -> int:

@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 # arguments are parsed: `dataplane demo --help` imports none of them.
 
 TOLERANCE = 1e-5  # logprobs through the data plane vs a direct computation (float32)
+# Rollout actors generate this many tokens between looks for new weights (--async: a
+# weight update interrupts a group there; RolloutConfig.chunk_tokens).
+CHUNK_TOKENS = 4
 # --learn: its steps, and the mean reward its last LEARNED_OVER steps must reach. A random
 # policy gets 0.5; measured runs reach ~0.85-0.9 (README), so 0.7 leaves a wide margin.
 LEARN_STEPS, LEARNED_OVER, LEARNED_REWARD = 30, 10, 0.7
@@ -272,6 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --async: the most policy versions a trained sample may lag (0 = on-policy)",
     )
     p.add_argument(
+        "--partial-rollouts",
+        action="store_true",
+        help="with --async: a weight update interrupts the groups being generated (at the "
+        "next chunk of tokens); keep their tokens in the store and resume them with the new "
+        "weights (append_tokens) instead of generating them again",
+    )
+    p.add_argument(
         "--model-path", default=None, help="local transformers checkpoint (default: tiny model)"
     )
     p.add_argument(
@@ -367,6 +377,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--max-staleness must be >= 0")
     if args.max_staleness and not args.async_mode:
         p.error("--max-staleness needs --async (the synchronous demo is on-policy: 0)")
+    if args.partial_rollouts and not args.async_mode:
+        p.error("--partial-rollouts needs --async (no weight update interrupts a sync rollout)")
     if args.async_mode and (args.checkpoint_dir or args.resume):
         p.error("--async does not checkpoint or resume (the synchronous demo does)")
     if args.checkpoint_every < 1:
@@ -535,6 +547,9 @@ def start_rollout_actors(run: Run, model_cfg, dp_cfg) -> list:
         prompt_len=args.prompt_len,
         min_new_tokens=args.min_new_tokens,
         max_new_tokens=args.max_new_tokens,
+        # in chunks in every mode, so --async --max-staleness 0 generates what a sync run does
+        chunk_tokens=CHUNK_TOKENS,
+        partial_rollouts=args.partial_rollouts,
     )
     return [
         # @ray.remote made RolloutActor an ActorClass; mypy ignores class decorators

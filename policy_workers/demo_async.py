@@ -17,6 +17,11 @@ hands the new weights to the actors and only then publishes version ``k + 1``:
 a group admitted at ``k + 1`` is generated with them. With ``N = 0`` exactly
 one batch is admitted per version, after the refit: the run trains exactly what
 the synchronous demo trains (``tests/workers/test_demo.py``).
+
+Actors generate in chunks of tokens, so a refit interrupts the groups in flight at
+their next chunk: their tokens are thrown away and generated again with the new
+weights, or, with ``--partial-rollouts``, stored as partial rollouts and resumed
+from the store (``RolloutActor._generate_in_chunks``). The report counts both per update.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ def train_async(
     counter = PromptCounter.remote()  # type: ignore[attr-defined]
     producing = [a.produce.remote(pid, counter) for a in actors]
     seen = store_counts(run.client, pid)
+    interrupted = interrupted_tokens(actors)
     try:
         for k in steps:
             train_one_step(
@@ -63,6 +69,10 @@ def train_async(
             report.stale_dropped = now["dropped"] - seen["dropped"]
             report.admission_waits = now["waits"] - seen["waits"]
             seen = now
+            tokens = interrupted_tokens(actors)
+            report.tokens_discarded = tokens["tokens_discarded"] - interrupted["tokens_discarded"]
+            report.tokens_resumed = tokens["tokens_resumed"] - interrupted["tokens_resumed"]
+            interrupted = tokens
     finally:
         ray.kill(counter)
 
@@ -114,6 +124,13 @@ def claim_async_batch(run: Any, k: int, pid: str, producing: list, times: dict):
 def clear_batch(client: Any, meta: Any) -> None:
     """After an async step: its samples go (the partition stays for the next ones)."""
     client.clear_samples(meta.sample_ids, meta.partition_id)
+
+
+def interrupted_tokens(actors: list) -> dict[str, int]:
+    """Generated tokens weight updates interrupted so far, over the actors: thrown away,
+    or stored and resumed (``--partial-rollouts``)."""
+    stats = ray.get([a.stats.remote() for a in actors])
+    return {k: sum(s[k] for s in stats) for k in ("tokens_discarded", "tokens_resumed")}
 
 
 def store_counts(client: Any, pid: str) -> dict[str, int]:

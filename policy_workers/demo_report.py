@@ -95,6 +95,10 @@ class StepReport:
     lag_counts: list[int] = field(default_factory=list)  # samples per lag (0, 1, ...)
     stale_dropped: int = 0  # samples the store dropped as too stale during this step
     admission_waits: int = 0  # rollout starts that waited for admission during this step
+    # generated tokens a weight update interrupted during this step (--async): thrown away
+    # and generated again, or kept in the store and resumed (--partial-rollouts)
+    tokens_discarded: int = 0
+    tokens_resumed: int = 0
 
     @property
     def step_s(self) -> float:
@@ -158,6 +162,19 @@ def loop_table_lines(reports: list[StepReport], async_columns: bool = False) -> 
     return lines
 
 
+def interruption_lines(reports: list[StepReport]) -> list[str]:
+    """--async: the generated tokens weight updates interrupted, per update (one per step);
+    --partial-rollouts aims at none discarded."""
+    updates = max(len(reports), 1)
+    discarded = sum(r.tokens_discarded for r in reports)
+    resumed = sum(r.tokens_resumed for r in reports)
+    return [
+        "generated tokens a weight update interrupted (--partial-rollouts keeps them):",
+        f"  discarded: {discarded / updates:.1f} per update ({discarded} in all)",
+        f"  kept in the store and resumed: {resumed / updates:.1f} per update ({resumed} in all)",
+    ]
+
+
 def summary_lines(
     reports: list[StepReport], max_logprob_diff: float, tolerance: float, samples_lost: int
 ) -> list[str]:
@@ -196,6 +213,7 @@ def report_lines(
     lines += [*loop_table_lines(reports, async_columns), "", *LOOP_LEGEND]
     lines += [*(ASYNC_LEGEND if async_columns else ()), ""]
     lines.append(f"rollout back-offs on a full store: {backoffs}")
+    lines += interruption_lines(reports) if async_columns else []
     lines += [f"[{'PASS' if ok else 'FAIL'}] {name}" for name, ok in checks.items()]
     lines += ["", *summary_lines(reports, max_logprob_diff, tolerance, samples_lost)]
     return lines

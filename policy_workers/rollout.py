@@ -11,6 +11,12 @@ prompt's index. Before each
 write it looks at the service's fill level and backs off while the store is
 nearly full.
 
+With ``RolloutConfig.chunk_tokens`` a group is generated in chunks, and a weight
+update between two chunks interrupts it: its tokens are thrown away and it starts
+over with the new weights, or (``partial_rollouts``) they are stored as a partial
+rollout (``append_tokens``) and the group resumes from the store with the new
+weights, its tokens of each version carrying that version's logprobs.
+
 A group depends only on (seed, prompt index, the weights): its prompt, lengths
 and sampling seed come from an RNG seeded by the first two, not from the
 actor's history. So any actor, in any order, writes the same bytes for a
@@ -29,6 +35,7 @@ import torch
 
 from dataplane_client.client import connect
 from dataplane_client.wire.errors import AdmissionTimeout, CapacityExceeded
+from policy_workers.chunked_generation import ChunkedGroup, GroupPlan
 from policy_workers.config import ModelConfig
 from policy_workers.model import build_hf_model, reference_logprobs
 from policy_workers.refit import load_weights
@@ -57,6 +64,13 @@ class RolloutConfig:
     max_put_attempts: int = 600  # ~30 s of back-off before a full store is reported as an error
     admission_timeout_s: float = 30.0  # produce(): one wait for admission, then ask again
     seed: int = 0
+    # Generate in chunks of this many tokens, looking for new weights between them (0: one
+    # generate() call, run to its end with the weights it started with). A weight update
+    # between chunks interrupts the group: its tokens so far are thrown away and it starts
+    # over with the new weights, or, with ``partial_rollouts``, they are stored
+    # (``append_tokens``) and the group resumes from the store with the new weights.
+    chunk_tokens: int = 0
+    partial_rollouts: bool = False
 
 
 def group_sample_ids(partition_id: str, prompt: int, generations: int) -> list[str]:
@@ -94,6 +108,9 @@ class RolloutActor:
         self._generating = asyncio.Lock()
         self.backoffs = 0
         self.groups_written = 0
+        # generated tokens a weight update interrupted: thrown away, or kept and resumed
+        self.tokens_discarded = 0
+        self.tokens_resumed = 0
 
     async def _wait_for_room(self) -> None:
         while True:
@@ -148,7 +165,8 @@ class RolloutActor:
     def load_weights(self, version: int, params: dict[str, torch.Tensor]) -> int:
         """The trainer's weights (``policy_workers.refit``) as policy ``version``: every
         group whose generation starts from now on uses them and carries that version (a
-        generation already running finishes with the weights it started with). Returns it."""
+        generation already running finishes with the weights it started with, or, in
+        chunks, is interrupted at its next chunk: ``RolloutConfig.chunk_tokens``). Returns it."""
         self._new_weights = (version, params)
         if not self._generating.locked():
             self._take_new_weights()
@@ -176,30 +194,83 @@ class RolloutActor:
         # a str seed is hashed with SHA-512: the same stream in every process
         rng = random.Random(f"{self.cfg.seed}/prompt{prompt_index}")
         prompt = torch.tensor([rng.randrange(3, self.vocab) for _ in range(self.cfg.prompt_len)])
-        async with self._generating:
-            self._take_new_weights()
-            version = self.version  # the weights this group is generated with
-            fields = await asyncio.to_thread(self._generate_group, prompt, rng)
         tag = {
             "group_id": f"prompt{prompt_index}",
             "prompt": prompt_index,
             "actor": self.index,
         }
         tags = [tag] * self.cfg.generations
+        tail = None  # the last tokens of a group partly stored already (chunked, resumed)
+        async with self._generating:
+            self._take_new_weights()
+            if self.cfg.chunk_tokens:
+                fields, version, tail = await self._generate_in_chunks(
+                    partition_id, ids, prompt, rng, tags
+                )
+            else:
+                version = self.version  # the weights this group is generated with
+                fields = await asyncio.to_thread(self._generate_group, prompt, rng)
+        if tail is None:
+            await self._put(ids, partition_id, fields, tags=tags, version=version)
+        else:  # the rest of the group's fields, then its last tokens make it claimable
+            await self._put(ids, partition_id, fields)
+            await self.client.append_tokens_async(ids, partition_id, tail, version, finish=True)
+        self.groups_written += 1
+
+    async def _put(self, ids: list[str], partition_id: str, fields: dict, **extras) -> None:
+        """``put_samples`` once the store has room, pacing while it finds a unit full."""
         for attempt in range(self.cfg.max_put_attempts):
             await self._wait_for_room()
             try:
-                await self.client.put_samples_async(
-                    ids, partition_id, fields, tags=tags, version=version
-                )
-                break
+                await self.client.put_samples_async(ids, partition_id, fields, **extras)
+                return
             except CapacityExceeded:
                 # Another writer took the room first (or one unit is full): pace, look again.
                 self.backoffs += 1
                 if attempt == self.cfg.max_put_attempts - 1:
                     raise
                 await asyncio.sleep(self.cfg.backoff_s)
-        self.groups_written += 1
+
+    async def _generate_in_chunks(
+        self, partition_id: str, ids: list[str], prompt: torch.Tensor, rng, tags: list[dict]
+    ) -> tuple[dict, int, dict | None]:
+        """The group in chunks (``chunked_generation``), holding ``_generating``: a refit
+        arriving meanwhile waits in ``_new_weights`` until the next chunk boundary, where
+        it interrupts the group (``RolloutConfig.chunk_tokens``). Returns the fields to
+        put, the version of the last weights used, and the tokens still to append when
+        the group was partly stored (None: the fields hold every token)."""
+        cfg = self.cfg
+        plan = GroupPlan.draw(prompt, rng, cfg.generations, cfg.min_new_tokens, cfg.max_new_tokens)
+        group = ChunkedGroup(plan, cfg.chunk_tokens)
+        version, stored = self.version, False
+        while not group.finished:
+            if self._new_weights is not None and group.done:  # a weight update: interrupted
+                kept = group.generated_kept()
+                if cfg.partial_rollouts:
+                    await self.client.append_tokens_async(
+                        ids, partition_id, group.unsaved(), version,
+                        tags=None if stored else tags, start=not stored,
+                    )  # fmt: skip
+                    stored = True
+                    self._take_new_weights()
+                    rows = await self.client.get_samples_async(ids, partition_id, ["input_ids"])
+                    group.resume_from(list(rows["input_ids"].unbind()))
+                    self.tokens_resumed += kept
+                else:
+                    self._take_new_weights()
+                    group = ChunkedGroup(plan, cfg.chunk_tokens)  # over again
+                    self.tokens_discarded += kept
+                version = self.version
+            await asyncio.to_thread(group.step, self.model, cfg.temperature)
+        rewards = [parity_reward(prompt, c) for c in group.completions()]
+        dense = {
+            "input_lengths": torch.tensor(plan.lengths),
+            "sample_mask": torch.ones(cfg.generations, dtype=torch.float32),
+            "rewards": torch.tensor(rewards, dtype=torch.float32),
+        }
+        if stored:
+            return dense, version, group.unsaved()
+        return {**group.whole(), **dense}, version, None
 
     async def produce(self, partition_id: str, counter) -> None:
         """``dataplane demo --async``: until the actor is killed, ask the store to admit
@@ -223,9 +294,15 @@ class RolloutActor:
                 await self.client.release_rollouts_async(grant)
 
     def stats(self) -> dict:
-        """Back-offs so far (full store) and groups written, over every ``run`` of this actor
+        """Back-offs so far (full store), groups written and generated tokens weight updates
+        interrupted (thrown away, or stored and resumed), over every ``run`` of this actor
         (a ``run`` that raised returns nothing, so its counts are read here)."""
-        return {"backoffs": self.backoffs, "groups_written": self.groups_written}
+        return {
+            "backoffs": self.backoffs,
+            "groups_written": self.groups_written,
+            "tokens_discarded": self.tokens_discarded,
+            "tokens_resumed": self.tokens_resumed,
+        }
 
 
 @ray.remote(num_cpus=0)

@@ -140,6 +140,16 @@ class VersionRegression(InvalidBatch):
     version never goes backwards (the call changed nothing)."""
 
 
+class RolloutFinished(InvalidBatch):
+    """``append_tokens`` to a sample that is no partial rollout in progress: it was finished
+    (``finish=True``) or put whole by ``put_samples``. Nothing changed."""
+
+
+class AppendConflict(RetryableError, ValueError):
+    """Another append to the same sample landed between this append's read of the sample
+    and its write: nothing of this one was stored (the client reads again and retries)."""
+
+
 class AdmissionTimeout(DataPlaneError, TimeoutError):
     """``admit_rollouts(wait=True)`` found no room within its timeout: the samples started
     but not yet trained stay at the partition's staleness bound."""

@@ -74,6 +74,17 @@ class Routing:
 # The tag a put's ``version=`` is kept under, unless a StalenessSpec names another.
 DEFAULT_VERSION_TAG = "weight_version"
 
+# Partial rollouts (``append_tokens``): tags the store keeps with such a sample, read back
+# in ``meta.tags``. Its segments, oldest first: [[policy version, tokens appended], ...];
+# the per-token fields they cover; True while it is being generated (not claimable).
+SEGMENTS_TAG = "token_segments"
+TOKEN_FIELDS_TAG = "token_fields"
+IN_PROGRESS_TAG = "in_progress"
+PARTIAL_NOT_STORED = (
+    "no partial rollout of these samples is stored (start=True begins one; or it was "
+    "cleared, dropped as stale or evicted)"
+)
+
 
 @dataclass(frozen=True)
 class FieldCodecs:
@@ -286,6 +297,7 @@ class StalenessInfo:
     recently_dropped: list[str]  # ids dropped or evicted, newest last (the last 4,096)
     # per task: samples its filtered claims refused, no longer owed (never counted stale)
     filtered: dict[str, int]
+    partial_in_progress: int = 0  # partial rollouts being generated (append_tokens)
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,11 @@ CONTROLLER_COUNTERS = {
         "dataplane_admission_waits",
         "admit_rollouts calls that had to wait for room within the staleness bound.",
     ),
+    "partial_tokens_resumed_total": (
+        "dataplane_partial_tokens_resumed",
+        "Tokens of partial rollouts kept across a weight update: stored under one policy "
+        "version, then resumed by append_tokens under a newer one (not regenerated).",
+    ),
     "journal_write_errors_total": (
         "dataplane_journal_write_errors",
         "Journal writes or compactions that failed (the verb changed nothing).",
@@ -396,6 +401,10 @@ ASYNC_RL_GAUGES = {
         "dropped_total",
     ),
     "dataplane_partition_evicted_samples": ("Samples evicted to make room.", "evicted"),
+    "dataplane_partition_partial_rollouts_in_flight": (
+        "Partial rollouts being generated (append_tokens, not finished): not claimable yet.",
+        "partial_in_progress",
+    ),
     "dataplane_partition_filtered_samples": (
         "Samples refused by filtered claims (no longer owed), summed over the tasks.",
         "filtered_total",

@@ -74,6 +74,7 @@ def _staleness(st: dict) -> None:
         f"{st['untrained']} untrained, bound {limit if limit is not None else '-'}, "
         f"{st['admission_waits']} waits"
     )
+    say(f"partial         {st.get('partial_in_progress', 0)} rollouts in progress (not claimable)")
     by_version = sorted((int(v), n) for v, n in st["ready_by_version"].items())
     if by_version:
         say(table(["VERSION", "LIVE_SAMPLES"], [[v, n] for v, n in by_version]))

@@ -57,7 +57,7 @@ from dataplane_server.controller.cut_gate import CutGate
 from dataplane_server.controller.inspection import Inspection
 from dataplane_server.controller.verbs import served
 from dataplane_server.controller.writer_loads import WriterLoads
-from dataplane_server.core import async_rl, recovery, steps, unit_calls
+from dataplane_server.core import async_rl, partial_rollouts, recovery, steps, unit_calls
 from dataplane_server.core.claim_wait import raise_if_unsatisfiable
 from dataplane_server.core.journal import Journal
 from dataplane_server.core.keyspace import CommitPlan, KeySpace, Partition, PolicyCall, declare
@@ -457,6 +457,7 @@ class Controller(Inspection, AsyncRLVerbs):
                 undo.append(publish.unpublish_samples(self.units, request, cleared_meanwhile))
             self.stats.inc("commits_total")
             self.stats.inc("committed_samples_total", len(request.sample_ids))
+            self.stats.inc("partial_tokens_resumed_total", plan.resumed_tokens)
             changed.add(request.partition_id)
         await asyncio.gather(*undo)
         for partition_id in changed:
@@ -621,6 +622,13 @@ class Controller(Inspection, AsyncRLVerbs):
         self.keys.reset_consumption(partition_id, task_name)
         self._compact_if_due()
         await self._waits.wake(partition_id)
+
+    @served
+    def partial_rollouts(self, partition_id: str, sample_ids: list[str]) -> list[list | None]:
+        """What ``append_tokens`` reads first (``core/partial_rollouts.held``): per sample,
+        its segments and token fields while in progress, None when not stored."""
+        ids = arguments.id_list(sample_ids, partition_id=partition_id)
+        return partial_rollouts.held(self.keys.partition(partition_id), ids)
 
     @served
     def commit_step(self, partition_id: str, task_name: str, step: int) -> None:

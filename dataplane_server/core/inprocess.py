@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from dataplane_client.codec import prepare
+from dataplane_client.codec import appends, prepare
 from dataplane_client.codec.assembly import assemble_fields
 from dataplane_client.codec.tensordict_io import to_tensordict
 from dataplane_client.interface import DataPlaneService, service_verbs
@@ -56,7 +56,7 @@ from dataplane_client.wire.messages import (
 )
 from dataplane_client.wire.meta import KVBatchMeta
 from dataplane_client.wire.version import __version__
-from dataplane_server.core import async_rl, claim_wait, steps, views
+from dataplane_server.core import async_rl, claim_wait, partial_rollouts, steps, views
 from dataplane_server.core.keyspace import CommitPlan, KeySpace, declare
 
 _UNIT = 0  # the one in-memory "storage unit" every sample lives on
@@ -238,6 +238,16 @@ class InProcessDataPlaneClient(DataPlaneService):
             sequence_lengths=result.sequence_lengths,
             tags=w.tags,
         )
+
+    def _append_tokens(self, args: appends.AppendArguments) -> KVBatchMeta:
+        """Read, join and put under one lock: no other append can land in between."""
+        with self._changed:
+            held = partial_rollouts.held(self._open().partition(args.partition_id), args.sample_ids)
+            ids = appends.stored_ids(args, held)
+            stored = (
+                self._get_samples(ids, args.partition_id, list(args.rows), None) if ids else None
+            )
+            return self._put_samples(appends.appended_put(args, held, stored))
 
     # ---- get ----------------------------------------------------------------------
     def _get_data(

@@ -54,7 +54,7 @@ from dataplane_client.wire.messages import (
 )
 from dataplane_client.wire.meta import KVBatchMeta
 from dataplane_client.wire.routes import ROUTES_KEY, route_hints
-from dataplane_server.core import claim_policies, group_deadline, steps
+from dataplane_server.core import claim_policies, group_deadline, partial_rollouts, steps
 from dataplane_server.core.claim_answers import ClaimAnswer, ClaimAnswers, new_lease_id
 from dataplane_server.core.claim_policies import ClaimPolicy, PartitionTraits, ReadyRows, RowColumns
 from dataplane_server.core.columns import grown
@@ -255,6 +255,8 @@ class Partition:
         }
         self.n_rows = 0
         self.live = np.zeros(0, dtype=bool)
+        # Partial rollouts being generated (core/partial_rollouts.py): never claimable.
+        self.in_progress = np.zeros(0, dtype=bool)
         self.seq_len = np.zeros(0, dtype=np.int32)
         self.unit = np.zeros(0, dtype=np.int16)
         self.replica = np.zeros(0, dtype=np.int16)  # unit of the second copy, -1 = none
@@ -324,6 +326,7 @@ class Partition:
         start, end = self.n_rows, self.n_rows + len(sample_ids)
         self.epoch += 1
         self.live = grown(self.live, end, False)
+        self.in_progress = grown(self.in_progress, end, False)
         self.seq_len = grown(self.seq_len, end, -1)
         self.unit = grown(self.unit, end, -1)
         self.replica = grown(self.replica, end, -1)
@@ -470,6 +473,8 @@ class CommitPlan:
     request: CommitRequest
     rows: np.ndarray  # -1 for samples the commit creates
     epoch: int  # the partition's epoch when ``rows`` were looked up
+    # Tokens of partial rollouts this commit resumes under newer weights (partial_rollouts)
+    resumed_tokens: int = 0
 
     # Built only when another commit of the partition is checked while this one is in
     # flight (rare): a lone commit makes no per-sample dict.
@@ -699,6 +704,8 @@ class KeySpace:
                 partition_id=pid,
             )
         _check_new_samples_tagged(part, req, old)
+        resumed = partial_rollouts.check_appends(part, req, rows)
+        plan = dataclasses.replace(plan, resumed_tokens=resumed)
         self._samples_in_flight.add(pid, ids, plan)
         return plan
 
@@ -796,6 +803,7 @@ class KeySpace:
         gid = tag.get("group_id")
         if gid is not None:
             part.set_group(row, gid, self.clock())
+        partial_rollouts.merge(part, row, tag)
         if part.tag_values:
             part.set_numeric_tags(row, tag)
             tag = {k: v for k, v in tag.items() if k not in part.tag_values}
@@ -890,6 +898,7 @@ class KeySpace:
                 return np.zeros(0, dtype=np.int64)
             ok &= col[:n]
         ok &= ~part.column(part.consumed, task)[:n]
+        ok &= ~part.in_progress[:n]  # a partial rollout is claimable once finished
         if task in part.declaration.task_leases:
             ok &= part.column(part.lease_until, task, np.float64, 0.0)[:n] <= self.clock()
         ok &= np.asarray(self.unit_alive, dtype=bool)[part.unit[:n]]
@@ -1442,7 +1451,8 @@ class KeySpace:
         n = part.n_rows
         if versions is None or versions.spec.stale_samples != "drop" or not n:
             return np.zeros(0, dtype=np.int64), {}
-        live = np.nonzero(part.live[:n])[0]
+        # A partial rollout in progress is its producer's until finished: judged then.
+        live = np.nonzero(part.live[:n] & ~part.in_progress[:n])[0]
         row_versions = part.versions_of(live)
         stale = np.zeros(len(live), dtype=bool)
         per_task: dict[str, int] = {}
@@ -1470,7 +1480,7 @@ class KeySpace:
             touched = np.zeros(len(part.group_live), dtype=bool)
             touched[part.group_code[:n][grouped & claimed & live]] = True
             claimed |= grouped & touched[np.maximum(part.group_code[:n], 0)]
-        candidates = np.nonzero(live & ~claimed)[0]
+        candidates = np.nonzero(live & ~claimed & ~part.in_progress[:n])[0]
         if not len(candidates):
             return candidates
         versions = part.versions_of(candidates)

@@ -26,6 +26,7 @@ from dataplane_client.wire.messages import (
     UnitSnapshot,
     UnitStatus,
 )
+from dataplane_server.core import partial_rollouts
 from dataplane_server.core.keyspace import NO_LEASE, KeySpace, Partition
 
 STATUS_FILTERS = (None, "", "ready", "pending", "leased", "consumed", "lost")
@@ -167,6 +168,7 @@ def staleness_info(keys: KeySpace, part: Partition) -> StalenessInfo | None:
         admission_waits=versions.admission_waits,
         recently_dropped=list(versions.recent),  # the newest RECENTLY_DROPPED ids
         filtered=dict(versions.filtered),
+        partial_in_progress=partial_rollouts.in_progress(part),
     )
 
 

@@ -49,6 +49,7 @@ CORE_MODULES = (
     "dataplane_server.core.staleness",
     "dataplane_server.core.staleness_journal",
     "dataplane_server.core.steps",
+    "dataplane_server.core.partial_rollouts",
     "dataplane_server.core.async_rl",
     "dataplane_server.core.group_deadline",
     "dataplane_server.core.claim_wait",

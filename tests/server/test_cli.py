@@ -350,14 +350,17 @@ def test_describe_shows_a_versioned_partitions_async_rl_state(addr, client):
         client.put_samples([f"v{v}"], pid, {"x": torch.zeros(1)}, tags=[{"weight_version": v}])
     client.set_policy_version(pid, 2)
     assert client.admit_rollouts(pid, 3) is not None
+    client.append_tokens(["p0"], pid, {"tokens": [torch.arange(3)]}, 2, start=True)
     out = ok(dataplane("describe", pid, "--address", addr))
     assert "policy version  2 (tag weight_version)" in out
     assert "dropped stale   train: 1; evicted 0" in out
-    assert "3 granted in flight (1 grants), 2 untrained, bound 8" in out
+    assert "3 granted in flight (1 grants), 3 untrained, bound 8" in out
+    assert "partial         1 rollouts in progress" in out
     d = json.loads(ok(dataplane("describe", pid, "--json", "--address", addr)))
     st = d["staleness"]
     assert (st["version"], st["dropped_stale"], st["recently_dropped"]) == (2, {"train": 1}, ["v0"])
-    assert {int(v): n for v, n in st["ready_by_version"].items()} == {1: 1, 2: 1}
+    assert {int(v): n for v, n in st["ready_by_version"].items()} == {1: 1, 2: 2}
+    assert st["partial_in_progress"] == 1
     plain = json.loads(ok(dataplane("describe", "--json", "--address", addr, part_of(client))))
     assert plain.get("staleness") is None
 

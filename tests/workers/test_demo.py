@@ -287,6 +287,7 @@ def test_small_flag_and_bad_flags():
         ["--lr", "0"],
         ["--max-staleness", "1"],  # without --async: the synchronous demo is on-policy
         ["--async", "--max-staleness", "-1"],
+        ["--partial-rollouts"],  # without --async: no weight update interrupts a rollout
         ["--minibatches", "3"],  # 16 samples do not split into 3 equal minibatches
         ["--small", "--learn"],
         ["--vocab-size", "4"],
@@ -555,3 +556,17 @@ def test_async_with_max_staleness_1_never_trains_a_sample_more_than_1_version_st
         f"\n--async --max-staleness 1: lag max per step {lags}, stale dropped "
         f"{[s['stale_dropped'] for s in report['steps']]}"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_async_with_partial_rollouts_reports_what_weight_updates_interrupted(tmp_path):
+    """--partial-rollouts: no generated token is thrown away at a weight update (whether a
+    refit lands mid-generation in a run this small is up to timing: the actor-level test,
+    tests/workers/test_partial_rollouts.py, forces it); the report says so per update."""
+    args = ["--small", "--async", "--max-staleness", "1", "--partial-rollouts"]
+    report, lines = _run_demo(args, tmp_path, "partial")
+    assert [s["tokens_discarded"] for s in report["steps"]] == [0, 0]
+    assert "[PASS] no trained sample was more than 1 version stale" in lines
+    assert any("kept in the store and resumed" in line for line in lines), lines
+    print(f"\n--partial-rollouts: tokens resumed {[s['tokens_resumed'] for s in report['steps']]}")
