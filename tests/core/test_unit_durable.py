@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from polling import wait_until
 
 from dataplane_client.codec.fields import decode_field, encode_field
 from dataplane_client.wire import shm
@@ -182,6 +183,9 @@ def test_a_freed_file_is_recycled_only_where_its_record_is_as_durable_as_new_byt
     first = _open(d, sync=sync, reserve=8 * MiB)
     _put(first, "p", "w1", ["a"], _rows(1, 1, width=1 << 18), seq=1)
     (old,) = _files(d) & {first.arena.file_of(b)[0] for b in first.arena.blocks}
+    # The reserve makes chunks ahead in a thread: one finished after the clear would be
+    # the latest back and serve the next write instead of the recycled file.
+    wait_until(lambda: first.reserve.settled, 30, "the warm reserve to settle")
     first.clear("p", ["a"])
     _put(first, "p", "w2", ["b"], _rows(1, 2, width=1 << 18), seq=2)
     (new,) = {first.arena.file_of(b)[0] for b in first.arena.blocks}
