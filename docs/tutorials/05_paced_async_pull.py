@@ -1,4 +1,5 @@
-"""Tutorial 05: async RL on one page: paced admission, versions, ``where``, per-rank pulls.
+"""Tutorial 05: async RL on one page: paced admission, versions, partial rollouts, ``where``,
+per-rank pulls.
 
 Run it: ``.venv/bin/python docs/tutorials/05_paced_async_pull.py`` (seconds; no Ray: the
 in-process client, whose verbs and answers are the Ray client's).
@@ -13,6 +14,12 @@ one you would make in a real loop:
 - ``admit_rollouts(pid, n, wait=True)`` before generating, ``release_rollouts(grant)``
   once the samples are put; each put says the version that generated it
   (``put_samples(..., version=grant.version)``, read back as the ``weight_version`` tag).
+- Partial rollouts: a generation a weight update interrupts is not thrown away.
+  ``append_tokens(ids, pid, {"tokens": part}, version, tags=..., start=True)`` stores what
+  the old weights generated (the sample is not claimable yet, and counts against
+  admission); the rollout resumes from it with the new weights and appends the rest
+  (``finish=True``). Each segment keeps its version (``token_segments`` in the tags);
+  the sample's staleness is its oldest segment's.
 - ``where="reward_std > 0"`` on a ``numeric_tags`` column: groups whose rewards are all
   equal (no advantage signal) are filtered in the store and no longer owed.
 - Per-rank pull: each data-parallel rank claims its own micro-batches
@@ -46,17 +53,24 @@ def produce(client, stop: threading.Event) -> None:
         tags = [{"group_id": g, "reward_std": rewards.std().item()}] * GROUP
         tokens = [torch.arange(3 + (5 * g + i) % 9) for i in range(GROUP)]  # lengths vary
         ids = [f"g{g}-{i}" for i in range(GROUP)]
-        client.put_samples(ids, PID, {"tokens": tokens, "rewards": rewards}, tags=tags,
-                           version=grant.version)  # fmt: skip
-        # PARTIAL ROLLOUTS (issue 38 item 1) go here: an interrupted generation appends its
-        # segments to the sample instead of being thrown away (a verb not landed yet).
+        if g % 2:  # a partial rollout: a weight update interrupted this group's generation
+            half = [t[: len(t) // 2] for t in tokens]  # what the old weights generated: kept
+            client.append_tokens(ids, PID, {"tokens": half}, grant.version, tags=tags, start=True)
+            # ... load the new weights, resume from the stored tokens ...
+            client.put_samples(ids, PID, {"rewards": rewards})  # other fields: a put
+            rest = [t[len(t) // 2 :] for t in tokens]
+            client.append_tokens(ids, PID, {"tokens": rest}, client.policy_version(PID),
+                                 finish=True)  # fmt: skip
+        else:
+            client.put_samples(ids, PID, {"tokens": tokens, "rewards": rewards}, tags=tags,
+                               version=grant.version)  # fmt: skip
         client.release_rollouts(grant)
         g += 1
 
 
 def train_one_step(client, version: int) -> None:
     step_end = (version + 1) * BATCH  # the task's consumed count once this step is done
-    tokens, lags = [0] * RANKS, []
+    tokens, lags, segments = [0] * RANKS, [], 0
     while client.consumption_detail(PID, ["train"])[0].consumed < step_end:
         for rank in range(RANKS):  # each rank's leader, in a real policy its own process
             meta = client.claim_meta(PID, "train", ["tokens"], BATCH, rank, blocking=False,
@@ -64,11 +78,13 @@ def train_one_step(client, version: int) -> None:
                                      policy_options={"token_budget": BUDGET, "step_end": step_end})  # fmt: skip
             tokens[rank] += sum(meta.sequence_lengths or [])
             lags += [version - t["weight_version"] for t in meta.tags or []]
+            segments += sum(len(t.get("token_segments", [[0]])) > 1 for t in meta.tags or [])
         time.sleep(0.01)  # nothing ready yet: the producer is generating
     # ... compute logprobs and advantages, train on the ranks' batches, refit ...
     client.set_policy_version(PID, version + 1)  # trained: publish the new policy
     print(
-        f"step {version}: {len(lags)} samples, tokens per rank {tokens}, lags {sorted(set(lags))}"
+        f"step {version}: {len(lags)} samples ({segments} resumed partial rollouts), "
+        f"tokens per rank {tokens}, lags {sorted(set(lags))}"
     )
 
 

@@ -119,14 +119,18 @@ def test_05_paced_admission_versions_where_and_per_rank_pulls(capsys):
     out = run_here("05_paced_async_pull.py", capsys).splitlines()
     steps = [
         re.fullmatch(
-            r"step (\d): 8 samples, tokens per rank \[(\d+), (\d+)\], lags \[([\d, ]+)\]", s
+            r"step (\d): 8 samples \((\d+) resumed partial rollouts\), "
+            r"tokens per rank \[(\d+), (\d+)\], lags \[([\d, ]+)\]",
+            s,
         )
         for s in out[:4]
     ]
     assert all(steps), out
     assert [int(m.group(1)) for m in steps] == [0, 1, 2, 3]
-    assert all(int(lag) <= 1 for m in steps for lag in m.group(4).split(", "))  # the window
-    assert all(int(m.group(2)) > 0 and int(m.group(3)) > 0 for m in steps)  # both ranks pulled
+    assert all(int(lag) <= 1 for m in steps for lag in m.group(5).split(", "))  # the window
+    assert all(int(m.group(3)) > 0 and int(m.group(4)) > 0 for m in steps)  # both ranks pulled
+    # Partial rollouts: odd groups are stored in two segments and trained whole.
+    assert sum(int(m.group(2)) for m in steps) > 0
     summary = re.fullmatch(r"dropped stale: (\d+), filtered: (\d+)", out[4])
     assert summary, out
     assert int(summary.group(1)) == 0  # paced: the trainer takes each sample in its window
