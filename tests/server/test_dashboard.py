@@ -70,6 +70,8 @@ def test_dashboard_covers_what_an_operator_needs():
         "evictions": "dataplane_partition_evicted_samples",
         "admission room (paced)": "dataplane_partition_admission_limit",
         "straggler groups dropped": "dataplane_expired_groups_dropped_total",
+        "partial rollouts in progress": "dataplane_partition_partial_rollouts_in_flight",
+        "partial rollout tokens resumed": "dataplane_partial_tokens_resumed_total",
     }
     missing = [topic for topic, expr in needed.items() if expr not in text]
     assert not missing
@@ -251,3 +253,37 @@ def test_the_admission_room_panel_shows_the_paced_limit(service_factory, tmp_pat
         },
     ]
     _promtool_says(promtool, tmp_path / "paced-panel-test.yaml", scrape, tests)
+
+
+def test_the_partial_rollouts_panel_counts_rollouts_in_progress(service_factory, tmp_path):
+    """Two samples started by ``append_tokens`` and one finished: the panel's in-progress
+    query gives 1 for the partition (the finished one is claimable, no longer partial)."""
+    import torch
+
+    from dataplane_client import StalenessSpec
+
+    promtool = promtool_or_skip()
+    svc = service_factory("dash-partial", num_storage_units=1)
+    client = svc.client()
+    spec = StalenessSpec(max_staleness=1)
+    client.register_partition("p", fields=["tokens"], consumer_tasks=["train"], staleness=spec)
+    two = [torch.arange(3), torch.arange(4)]
+    client.append_tokens(["a", "b"], "p", {"tokens": two}, 0, start=True)
+    client.set_policy_version("p", 1)
+    client.append_tokens(["a"], "p", {"tokens": [torch.arange(2)]}, 1, finish=True)
+    with urllib.request.urlopen(f"http://{svc.metrics_address}/metrics", timeout=10) as r:
+        scrape = r.read().decode()
+    in_progress, _ = (t["expr"] for t in _panel("Async RL: partial rollouts")["targets"])
+    tests = [
+        {
+            "expr": in_progress,
+            "eval_time": "10m",
+            "exp_samples": [
+                {
+                    "labels": 'dataplane_partition_partial_rollouts_in_flight{partition="p"}',
+                    "value": 1,
+                }
+            ],
+        }
+    ]
+    _promtool_says(promtool, tmp_path / "partial-panel-test.yaml", scrape, tests)
