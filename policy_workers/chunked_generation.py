@@ -5,7 +5,7 @@ The group's plan comes first, from the prompt's RNG: how many tokens to generate
 each completion is cut, and a seed per chunk (``seed + j`` for chunk ``j``). So a chunk
 depends only on the tokens before it, the weights and its index: generating chunks
 0..j, storing them (``append_tokens``), reading them back and going on with the same
-weights gives the same bytes as never stopping (``tests/workers/test_partial_rollouts``).
+weights gives the same bytes as never stopping (``tests/workers/test_resumed_generation``).
 Each chunk's behaviour logprobs are those of the weights that sampled it: a rollout
 resumed under newer weights carries per-token logprobs of two policies, which the
 decoupled loss (``policy_workers.loss``) weighs token by token.

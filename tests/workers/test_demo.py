@@ -563,7 +563,7 @@ def test_async_with_max_staleness_1_never_trains_a_sample_more_than_1_version_st
 def test_async_with_partial_rollouts_reports_what_weight_updates_interrupted(tmp_path):
     """--partial-rollouts: no generated token is thrown away at a weight update (whether a
     refit lands mid-generation in a run this small is up to timing: the actor-level test,
-    tests/workers/test_partial_rollouts.py, forces it); the report says so per update."""
+    tests/workers/test_resumed_generation.py, forces it); the report says so per update."""
     args = ["--small", "--async", "--max-staleness", "1", "--partial-rollouts"]
     report, lines = _run_demo(args, tmp_path, "partial")
     assert [s["tokens_discarded"] for s in report["steps"]] == [0, 0]
