@@ -17,6 +17,10 @@ hands the new weights to the actors and only then publishes version ``k + 1``:
 a group admitted at ``k + 1`` is generated with them. With ``N = 0`` exactly
 one batch is admitted per version, after the refit: the run trains exactly what
 the synchronous demo trains (``tests/workers/test_demo.py``).
+
+The run's prompts are its ``steps x prompts_per_step`` numbers from 0, handed out in
+order; the producers stop when they run out. ``--checkpoint-dir`` / ``--resume``
+train each of them exactly once across kills and resumes (``async_resume``).
 """
 
 from __future__ import annotations
@@ -37,13 +41,27 @@ def train_async(
 ) -> None:
     """The async loop: producing actors, one training step per version (module docstring).
     ``train_one_step``: the demo's step (``demo.train_one_step``), which claims through
-    the ``claim`` it is given."""
+    the ``claim`` it is given. With --checkpoint-dir / --resume: ``async_resume``."""
+    from policy_workers.async_resume import AsyncLedger, resume_partition
+    from policy_workers.demo import checkpoint_if_due
     from policy_workers.refit import refit_actors
     from policy_workers.rollout import PromptCounter
 
-    pid = register_async_partition(run)
+    pid, ledger = ASYNC_PARTITION, AsyncLedger.of_run(run.args)
+    if steps.start:  # resumed: the restored store holds the partition
+        prompts, handed_back = resume_partition(
+            run.client, pid, TASK, steps.start, ledger, run.args.generations
+        )
+        print(
+            f"  {handed_back} samples claimed after step {steps.start} handed back; "
+            f"{len(prompts)} prompts left to generate"
+        )
+        refit_actors(run.policy, actors, version=steps.start)
+    else:
+        register_async_partition(run)
+        prompts = list(range(ledger.dataset))
     # @ray.remote made PromptCounter an ActorClass; mypy ignores class decorators
-    counter = PromptCounter.remote()  # type: ignore[attr-defined]
+    counter = PromptCounter.remote(prompts)  # type: ignore[attr-defined]
     producing = [a.produce.remote(pid, counter) for a in actors]
     seen = store_counts(run.client, pid)
     try:
@@ -53,7 +71,7 @@ def train_async(
                 tally,
                 k,
                 claim=functools.partial(claim_async_batch, run, k, pid, producing),
-                finish=functools.partial(clear_batch, run.client),
+                finish=functools.partial(ledger.finish_step, run.client, k),
             )
             report = tally.reports[-1]
             # the weights first, then the version: a group admitted at k + 1 uses them
@@ -63,6 +81,9 @@ def train_async(
             report.stale_dropped = now["dropped"] - seen["dropped"]
             report.admission_waits = now["waits"] - seen["waits"]
             seen = now
+            commit = functools.partial(run.client.commit_step, pid, TASK, k + 1)
+            if checkpoint_if_due(run, tally, k, after_policy=commit, extra=ledger.manifest_entry()):
+                ledger.saved(run.client, pid)
     finally:
         ray.kill(counter)
 
@@ -94,26 +115,28 @@ def register_async_partition(run: Any) -> str:
 
 def claim_async_batch(run: Any, k: int, pid: str, producing: list, times: dict):
     """Waits until one batch is ready within the window, claims it (keys only), in
-    prompt order. A producing actor that crashed is raised here at once."""
+    prompt order. A producing actor that crashed is raised here at once; one that ran
+    out of prompts leaves ``producing``."""
     from policy_workers.rollout import GRPO_FIELDS, in_prompt_order
 
     t0 = time.perf_counter()
     bar = run.progress.bar(run.per_step, f"step {k} rollouts")
     while (ready := run.client.ready_depth(pid, [TASK], GRPO_FIELDS)[TASK]) < run.per_step:
         bar.update(min(ready, run.per_step) - bar.n)
-        # paces the poll; a producer's run only ever ends by raising
+        if not producing:
+            raise RuntimeError(
+                f"every prompt was generated but {pid!r} holds {ready} of the "
+                f"{run.per_step} samples step {k} trains"
+            )
+        # paces the poll
         done, _ = ray.wait(producing, num_returns=1, timeout=0.02)
-        if done:
-            ray.get(done[0])
+        for ref in done:
+            ray.get(ref)  # raises what the actor raised
+            producing.remove(ref)
     bar.close()
     meta = run.client.claim_meta(pid, TASK, GRPO_FIELDS, run.per_step, timeout_s=60.0)
     times["rollout_wait"] = time.perf_counter() - t0
     return in_prompt_order(meta)
-
-
-def clear_batch(client: Any, meta: Any) -> None:
-    """After an async step: its samples go (the partition stays for the next ones)."""
-    client.clear_samples(meta.sample_ids, meta.partition_id)
 
 
 def store_counts(client: Any, pid: str) -> dict[str, int]:

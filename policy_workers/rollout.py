@@ -202,21 +202,25 @@ class RolloutActor:
         self.groups_written += 1
 
     async def produce(self, partition_id: str, counter) -> None:
-        """``dataplane demo --async``: until the actor is killed, ask the store to admit
-        one group (waiting while the samples started and not trained fill the staleness
-        window), take the next prompt number from ``counter``, generate the group with
-        the newest weights loaded, put it, release the grant."""
+        """``dataplane demo --async``: until ``counter`` runs out of prompts (or the actor
+        is killed), take the next prompt number from ``counter``, ask the store to admit
+        its group (waiting while the samples started and not trained fill the staleness
+        window), generate it with the newest weights loaded, put it, release the grant.
+
+        The prompt comes first: a grant taken and then left unused would still count
+        toward its version's over-sampling cap, in this service and in any checkpoint
+        of it, holding back the groups a resumed run must generate at that version."""
         g = self.cfg.generations
-        while True:
+        while (index := await counter.take.remote()) is not None:
+            grant = None
+            while grant is None:
+                try:
+                    grant = await self.client.admit_rollouts_async(
+                        partition_id, g, wait=True, timeout_s=self.cfg.admission_timeout_s
+                    )
+                except AdmissionTimeout:
+                    pass  # the trainer is slow (a long step): still no room, ask again
             try:
-                grant = await self.client.admit_rollouts_async(
-                    partition_id, g, wait=True, timeout_s=self.cfg.admission_timeout_s
-                )
-            except AdmissionTimeout:
-                continue  # the trainer is slow (a long step): still no room, ask again
-            assert grant is not None  # wait=True: a grant or AdmissionTimeout, never None
-            try:
-                index = await counter.take.remote()
                 ids = [f"{partition_id}/prompt{index}/gen{j}" for j in range(g)]
                 await self.write_group(partition_id, ids, index)
             finally:
@@ -230,15 +234,19 @@ class RolloutActor:
 
 @ray.remote(num_cpus=0)
 class PromptCounter:
-    """Hands out prompt numbers 0, 1, 2, ... to the producing actors (``--async``): a
-    group's prompt is a function of its number, whichever actor generates it."""
+    """Hands out the prompt numbers ``prompts``, in order, to the producing actors
+    (``--async``), then None: a group's prompt is a function of its number, whichever
+    actor generates it."""
 
-    def __init__(self) -> None:
+    def __init__(self, prompts: list[int]) -> None:
+        self.prompts = prompts
         self.taken = 0
 
-    def take(self) -> int:
+    def take(self) -> int | None:
+        if self.taken == len(self.prompts):
+            return None
         self.taken += 1
-        return self.taken - 1
+        return self.prompts[self.taken - 1]
 
 
 def in_prompt_order(meta):

@@ -6,7 +6,8 @@ after a restore the key space is rebuilt exactly as after a restart.
 
 With ``replicas: 2`` each unit leaves the second copies it holds out of its file,
 so a checkpoint holds each sample once; a restore brings each sample back with
-that one copy (it is not re-replicated).
+that one copy (it is not re-replicated). A restore brings back no admission grant
+(``staleness.without_grants``): their holders were the saved service's writers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dataplane_client.wire.errors import CorruptPayload, DataPlaneError, InvalidBatch
-from dataplane_server.core import checkpoint, recovery, unit_calls
+from dataplane_server.core import checkpoint, recovery, staleness, unit_calls
 from dataplane_server.core.journal import Journal
 from dataplane_server.core.keyspace import KeySpace
 
@@ -106,6 +107,8 @@ async def restore(
         if unreadable is not None:  # as the controller's own reads of the checkpoint say it
             raise CorruptPayload(f"{path}: cannot read a unit's checkpoint file ({unreadable})")
         raise unit_calls.typed(failed[0])
+    for part in state.values():  # the saved service's writers hold no grant here
+        part["staleness"] = staleness.without_grants(part.get("staleness"))
     if journal:
         journal.compact(state)
     rebuilt, next_seq = await recovery.rebuild_from_units(units, keys.unit_alive, state)
