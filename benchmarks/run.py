@@ -2,7 +2,7 @@
 
 Starts one local Ray on loopback, runs the sections in order (store, driver,
 controller, scale, staleness; opt-in: writers, replication, crossnode, asyncrl, groups,
-rankpull),
+rankpull, chaos),
 prints a markdown table per section with the targets judged met or missed, and
 writes every number to JSON. A section that raises does not hide the others; it is
 listed as FAILED in the closing summary table and the JSON (``failed``), and the
@@ -57,6 +57,8 @@ OPT_IN_SECTIONS = {
     "groups": "benchmarks.group_fields",
     # per-rank streaming pull vs the driver-planned path (four policy workers of its own)
     "rankpull": "benchmarks.rank_pull",
+    # the async demo SIGKILLed 5 times and resumed, beside an uninterrupted run: minutes
+    "chaos": "benchmarks.chaos_resume",
 }
 RAY_NUM_CPUS = 16  # logical slots: 4 policy workers + TransferQueue's 3 + helpers; 2 real cores
 

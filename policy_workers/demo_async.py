@@ -19,8 +19,9 @@ one batch is admitted per version, after the refit: the run trains exactly what
 the synchronous demo trains (``tests/workers/test_demo.py``).
 
 The run's prompts are its ``steps x prompts_per_step`` numbers from 0, handed out in
-order; the producers stop when they run out. ``--checkpoint-dir`` / ``--resume``
-train each of them exactly once across kills and resumes (``async_resume``).
+order; a prompt whose group the store dropped as stale is handed out again, so each
+is trained once. ``--checkpoint-dir`` / ``--resume`` keep that across kills and
+resumes (``async_resume``).
 """
 
 from __future__ import annotations
@@ -64,13 +65,16 @@ def train_async(
     counter = PromptCounter.remote(prompts)  # type: ignore[attr-defined]
     producing = [a.produce.remote(pid, counter) for a in actors]
     seen = store_counts(run.client, pid)
+    dropped = [seen["dropped"]]  # the drops whose prompts went back to the counter
     try:
         for k in steps:
             train_one_step(
                 run,
                 tally,
                 k,
-                claim=functools.partial(claim_async_batch, run, k, pid, producing),
+                claim=functools.partial(
+                    claim_async_batch, run, k, pid, producing, counter, dropped
+                ),
                 finish=functools.partial(ledger.finish_step, run.client, k),
             )
             report = tally.reports[-1]
@@ -113,30 +117,41 @@ def register_async_partition(run: Any) -> str:
     return ASYNC_PARTITION
 
 
-def claim_async_batch(run: Any, k: int, pid: str, producing: list, times: dict):
+def claim_async_batch(
+    run: Any, k: int, pid: str, producing: list, counter: Any, seen: list, times: dict
+):
     """Waits until one batch is ready within the window, claims it (keys only), in
-    prompt order. A producing actor that crashed is raised here at once; one that ran
-    out of prompts leaves ``producing``."""
+    prompt order. A producing actor that crashed is raised here at once. Groups the
+    store dropped as stale meanwhile go back to ``counter``."""
     from policy_workers.rollout import GRPO_FIELDS, in_prompt_order
 
     t0 = time.perf_counter()
     bar = run.progress.bar(run.per_step, f"step {k} rollouts")
     while (ready := run.client.ready_depth(pid, [TASK], GRPO_FIELDS)[TASK]) < run.per_step:
         bar.update(min(ready, run.per_step) - bar.n)
-        if not producing:
-            raise RuntimeError(
-                f"every prompt was generated but {pid!r} holds {ready} of the "
-                f"{run.per_step} samples step {k} trains"
-            )
-        # paces the poll
+        requeue_dropped(run.client, pid, counter, seen)
+        # paces the poll; a producer's run only ever ends by raising
         done, _ = ray.wait(producing, num_returns=1, timeout=0.02)
-        for ref in done:
-            ray.get(ref)  # raises what the actor raised
-            producing.remove(ref)
+        if done:
+            ray.get(done[0])
     bar.close()
     meta = run.client.claim_meta(pid, TASK, GRPO_FIELDS, run.per_step, timeout_s=60.0)
     times["rollout_wait"] = time.perf_counter() - t0
     return in_prompt_order(meta)
+
+
+def requeue_dropped(client: Any, pid: str, counter: Any, seen: list[int]) -> None:
+    """Prompts whose groups the store dropped as stale since ``seen[0]`` drops (a
+    group generated too long before the step that could claim it) go back to
+    ``counter``: every prompt of the run is trained, drops or not."""
+    from policy_workers.rollout import prompt_of
+
+    info = client.describe_partition(pid).staleness
+    total = sum(info.dropped_stale.values())
+    if total > seen[0]:
+        ids = info.recently_dropped[-(total - seen[0]) :]
+        ray.get(counter.give_back.remote(sorted({prompt_of(i) for i in ids})))
+        seen[0] = total
 
 
 def store_counts(client: Any, pid: str) -> dict[str, int]:

@@ -497,6 +497,18 @@ def test_resume_takes_the_run_flags_from_the_checkpoint_and_refuses_conflicts(tm
     assert "its manifest is not the one saved" in capsys.readouterr().err
 
 
+def test_async_saves_and_resumes_and_a_resume_keeps_its_staleness(tmp_path, capsys):
+    args = parse_args(["--async", "--max-staleness", "1", "--checkpoint-dir", str(tmp_path)])
+    assert args.async_mode
+    assert args.checkpoint_dir == str(tmp_path)
+    latest = _fake_run(tmp_path, 2, steps=4, async_mode=True, max_staleness=1)
+    resumed = parse_args(["--resume", latest])
+    assert (resumed.async_mode, resumed.max_staleness) == (True, 1)
+    with pytest.raises(SystemExit):
+        parse_args(["--resume", latest, "--async", "--max-staleness", "2"])
+    assert "--max-staleness 2 here, the checkpoint was run with 1" in capsys.readouterr().err
+
+
 def test_long_lines_are_cut_in_the_middle_to_80_columns():
     line = "checkpoint after step 3: /" + "very/long/" * 20 + "step-4"
     cut = fit(line)
