@@ -105,7 +105,9 @@ def chaos_run(workdir: str, kills: int = KILLS, steps: int = STEPS, seed: int = 
     reference_s = time.perf_counter() - t0
     chaos_dir = os.path.join(workdir, "chaos")
     attempts = []
-    while True:
+    # A kill lands at the latest as the last step's row appears, so killed attempts do not
+    # finish the run; one killed right after the last save did (then there is no more to do).
+    while _next_step(chaos_dir) < steps:
         trigger = None if len(attempts) >= kills else rng.randint(0, 1)
         attempts.append(_attempt(flags, chaos_dir, trigger, rng, workdir))
         if not attempts[-1].killed:
@@ -128,19 +130,27 @@ def trained_log(checkpoint_dir: str) -> dict[int, list[int]]:
     return {int(k): prompts for k, prompts in saved.items()}
 
 
+def _next_step(checkpoint_dir: str) -> int:
+    """The step a run resumed from ``checkpoint_dir`` would train first (0: none saved)."""
+    from policy_workers.demo_checkpoint import find_run, read_run
+    from policy_workers.errors import CheckpointNotFound
+
+    try:
+        return int(read_run(find_run(checkpoint_dir))["next_step"])
+    except CheckpointNotFound:
+        return 0
+
+
 def _attempt(
     flags: list[str], checkpoint_dir: str, kill_at: int | None, rng: random.Random, workdir: str
 ) -> Attempt:
     """One demo process: resumed from ``checkpoint_dir`` when it holds a run checkpoint;
     killed (its whole tree) ``kill_at`` step rows after its set-up plus a random delay,
-    or (``None``) left to finish, which it must do with exit code 0."""
-    from policy_workers.demo_checkpoint import find_run
-    from policy_workers.errors import CheckpointNotFound
-
-    try:
-        resumed_from: str | None = os.path.basename(find_run(checkpoint_dir))
-    except CheckpointNotFound:
-        resumed_from = None
+    or as its last step's row appears if sooner; or (``None``) left to finish, which it
+    must do with exit code 0."""
+    first = _next_step(checkpoint_dir)
+    last_row = int(flags[flags.index("--steps") + 1]) - first
+    resumed_from = f"step-{first}" if first else None
     cmd = [sys.executable, "-m", "policy_workers.demo", "--no-progress", *flags]
     cmd += ["--checkpoint-dir", checkpoint_dir]
     if resumed_from:
@@ -168,7 +178,8 @@ def _attempt(
         armed = kill_at is not None and set_up_at is not None and kill_time is None
         if armed and len(step_rows(text)) >= kill_at:
             kill_time = time.perf_counter() + delay
-        if kill_time is not None and time.perf_counter() >= kill_time:
+        due = kill_time is not None and time.perf_counter() >= kill_time
+        if due or (kill_at is not None and len(step_rows(text)) >= last_row):
             killed_n, killed = kill_tree(proc), True
             break
         time.sleep(0.02)  # pacing the poll of the log and the process

@@ -26,6 +26,7 @@ resumes (``async_resume``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -89,7 +90,18 @@ def train_async(
             if checkpoint_if_due(run, tally, k, after_policy=commit, extra=ledger.manifest_entry()):
                 ledger.saved(run.client, pid)
     finally:
-        ray.kill(counter)
+        stop_producers(producing, counter)
+
+
+def stop_producers(producing: list, counter: Any) -> None:
+    """The run is over: each producer's loop is cancelled (it waits on the counter or the
+    store) and its end read here, so Ray reports no unhandled error when the actors go."""
+    for ref in producing:
+        ray.cancel(ref)
+    for ref in producing:
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(ref, timeout=30)
+    ray.kill(counter)
 
 
 def register_async_partition(run: Any) -> str:
