@@ -391,7 +391,7 @@ def _take_saved_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         if mine == p.get_default(name) or mine == theirs:
             setattr(args, name, theirs)
         elif name != "steps":
-            flag = f"--{name.replace('_', '-')}"
+            flag = "--async" if name == "async_mode" else f"--{name.replace('_', '-')}"
             p.error(f"--resume: {flag} {mine} here, the checkpoint was run with {theirs}")
     if manifest["next_step"] >= args.steps:
         p.error(f"--resume: the checkpoint already trained all {args.steps} steps")

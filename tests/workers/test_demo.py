@@ -507,6 +507,9 @@ def test_async_saves_and_resumes_and_a_resume_keeps_its_staleness(tmp_path, caps
     with pytest.raises(SystemExit):
         parse_args(["--resume", latest, "--async", "--max-staleness", "2"])
     assert "--max-staleness 2 here, the checkpoint was run with 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a synchronous run does not go on asynchronously
+        parse_args(["--resume", _fake_run(tmp_path / "sync", 1), "--async"])
+    assert "--async True here, the checkpoint was run with False" in capsys.readouterr().err
 
 
 def test_long_lines_are_cut_in_the_middle_to_80_columns():
