@@ -229,10 +229,21 @@ def kill_tree(proc: subprocess.Popen) -> int:
     for p in victims:
         _signal(p, signal.SIGKILL)
     proc.wait()
-    _gone, alive = psutil.wait_procs(list(victims), timeout=30)
-    if alive:
-        raise RuntimeError(f"processes survived SIGKILL: {[p.pid for p in alive]}")
+    deadline = time.monotonic() + 30
+    while alive := [p for p in victims if _running(p)]:  # a zombie is dead, not yet reaped
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes survived SIGKILL: {[p.pid for p in alive]}")
+        time.sleep(0.02)  # pacing the poll of the process table
     return len(victims)
+
+
+def _running(p: Any) -> bool:
+    import psutil
+
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _signal(p: Any, sig: int) -> None:
