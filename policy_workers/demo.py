@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.async_mode:
             from policy_workers.demo_async import train_async
 
-            train_async(run, tally, actors, steps, train_one_step)
+            train_async(run, tally, actors, steps, train_one_step, checkpoint_if_due)
         else:
             train_synchronously(run, tally, actors, steps)
         backoffs = sum(s["backoffs"] for s in ray.get([a.stats.remote() for a in actors]))

@@ -39,13 +39,18 @@ TASK = "train"
 
 
 def train_async(
-    run: Any, tally: Any, actors: list, steps: range, train_one_step: Callable[..., None]
+    run: Any,
+    tally: Any,
+    actors: list,
+    steps: range,
+    train_one_step: Callable[..., None],
+    checkpoint_if_due: Callable[..., bool],
 ) -> None:
     """The async loop: producing actors, one training step per version (module docstring).
     ``train_one_step``: the demo's step (``demo.train_one_step``), which claims through
-    the ``claim`` it is given. With --checkpoint-dir / --resume: ``async_resume``."""
+    the ``claim`` it is given; ``checkpoint_if_due``: the demo's save (with
+    ``async_resume``'s commit and trained log)."""
     from policy_workers.async_resume import AsyncLedger, resume_partition
-    from policy_workers.demo import checkpoint_if_due
     from policy_workers.refit import refit_actors
     from policy_workers.rollout import PromptCounter
 
