@@ -2,7 +2,7 @@
 
 Starts one local Ray on loopback, runs the sections in order (store, driver,
 controller, scale, staleness; opt-in: writers, replication, crossnode, asyncrl, groups,
-rankpull, pacing, durability, checkpoint),
+rankpull, pacing, durability, checkpoint, chaos),
 prints a markdown table per section with the targets judged met or missed, and
 writes every number to JSON. A section that raises does not hide the others; it is
 listed as FAILED in the closing summary table and the JSON (``failed``), and the
@@ -63,6 +63,8 @@ OPT_IN_SECTIONS = {
     "durability": "benchmarks.durability",
     # put / claim rates during a checkpoint, incremental checkpoint time (a service of its own)
     "checkpoint": "benchmarks.checkpoint_cut",
+    # the async demo SIGKILLed 5 times and resumed, beside an uninterrupted run: minutes
+    "chaos": "benchmarks.chaos_resume",
 }
 RAY_NUM_CPUS = 16  # logical slots: 4 policy workers + TransferQueue's 3 + helpers; 2 real cores
 

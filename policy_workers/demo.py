@@ -22,6 +22,8 @@ Reads top to bottom, like a training recipe:
 from the next step, bit for bit as if the run had not stopped: rollouts are a
 function of (partition, prompt), so the groups the store checkpoint lacks are
 regenerated identically, and each step trains on its samples sorted by id.
+With ``--async`` the same flags train every prompt of the run exactly once
+across any number of kills and resumes (``policy_workers.async_resume``).
 """
 
 from __future__ import annotations
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.async_mode:
             from policy_workers.demo_async import train_async
 
-            train_async(run, tally, actors, steps, train_one_step)
+            train_async(run, tally, actors, steps, train_one_step, checkpoint_if_due)
         else:
             train_synchronously(run, tally, actors, steps)
         backoffs = sum(s["backoffs"] for s in ray.get([a.stats.remote() for a in actors]))
@@ -379,8 +381,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--max-staleness needs --async (the synchronous demo is on-policy: 0)")
     if args.partial_rollouts and not args.async_mode:
         p.error("--partial-rollouts needs --async (no weight update interrupts a sync rollout)")
-    if args.async_mode and (args.checkpoint_dir or args.resume):
-        p.error("--async does not checkpoint or resume (the synchronous demo does)")
+    if args.partial_rollouts and (args.checkpoint_dir or args.resume):
+        # A checkpoint may hold rollouts in progress, whose actors a resumed run does not
+        # have: a resume would have to finish or clear them, and does neither yet.
+        p.error("--partial-rollouts does not checkpoint or resume yet")
     if args.checkpoint_every < 1:
         p.error("--checkpoint-every must be >= 1")
     return args
@@ -398,11 +402,12 @@ def _take_saved_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error(f"--resume: {e}")
     saved = manifest["flags"]
     for name in RUN_FLAGS:
-        mine, theirs = getattr(args, name), saved[name]
+        # a flag newer than the checkpoint: it was run with the flag's default
+        mine, theirs = getattr(args, name), saved.get(name, p.get_default(name))
         if mine == p.get_default(name) or mine == theirs:
             setattr(args, name, theirs)
         elif name != "steps":
-            flag = f"--{name.replace('_', '-')}"
+            flag = "--async" if name == "async_mode" else f"--{name.replace('_', '-')}"
             p.error(f"--resume: {flag} {mine} here, the checkpoint was run with {theirs}")
     if manifest["next_step"] >= args.steps:
         p.error(f"--resume: the checkpoint already trained all {args.steps} steps")
@@ -741,18 +746,21 @@ def check_reference_logprobs(run: Run, tally: Tally, k: int, meta) -> None:
         )
 
 
-def checkpoint_if_due(run: Run, tally: Tally, k: int) -> None:
+def checkpoint_if_due(run: Run, tally: Tally, k: int, **save: Any) -> bool:
     """--checkpoint-dir: the store and the policy after every --checkpoint-every steps and
-    after the last."""
+    after the last (``save``: ``save_run``'s ``after_policy`` and ``extra``). Returns
+    whether it saved one."""
     from policy_workers.demo_checkpoint import RUN_FLAGS, save_run
 
     args, done = run.args, k + 1
-    if args.checkpoint_dir and (done % args.checkpoint_every == 0 or done == args.steps):
-        run_flags = {name: getattr(args, name) for name in RUN_FLAGS}
-        tally.checkpoints.append(
-            save_run(args.checkpoint_dir, done, run_flags, run.client, run.policy)
-        )
-        print(fit(f"checkpoint after step {k}: {tally.checkpoints[-1]}"), flush=True)
+    if not args.checkpoint_dir or (done % args.checkpoint_every and done != args.steps):
+        return False
+    run_flags = {name: getattr(args, name) for name in RUN_FLAGS}
+    tally.checkpoints.append(
+        save_run(args.checkpoint_dir, done, run_flags, run.client, run.policy, **save)
+    )
+    print(fit(f"checkpoint after step {k}: {tally.checkpoints[-1]}"), flush=True)
+    return True
 
 
 # ---- the summary ---------------------------------------------------------------------

@@ -22,10 +22,16 @@ Actors generate in chunks of tokens, so a refit interrupts the groups in flight 
 their next chunk: their tokens are thrown away and generated again with the new
 weights, or, with ``--partial-rollouts``, stored as partial rollouts and resumed
 from the store (``RolloutActor._generate_in_chunks``). The report counts both per update.
+
+The run's prompts are its ``steps x prompts_per_step`` numbers from 0, handed out in
+order; a prompt whose group the store dropped as stale is handed out again, so each
+is trained once. ``--checkpoint-dir`` / ``--resume`` keep that across kills and
+resumes (``async_resume``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -38,28 +44,50 @@ TASK = "train"
 
 
 def train_async(
-    run: Any, tally: Any, actors: list, steps: range, train_one_step: Callable[..., None]
+    run: Any,
+    tally: Any,
+    actors: list,
+    steps: range,
+    train_one_step: Callable[..., None],
+    checkpoint_if_due: Callable[..., bool],
 ) -> None:
     """The async loop: producing actors, one training step per version (module docstring).
     ``train_one_step``: the demo's step (``demo.train_one_step``), which claims through
-    the ``claim`` it is given."""
+    the ``claim`` it is given; ``checkpoint_if_due``: the demo's save (with
+    ``async_resume``'s commit and trained log)."""
+    from policy_workers.async_resume import AsyncLedger, resume_partition
     from policy_workers.refit import refit_actors
     from policy_workers.rollout import PromptCounter
 
-    pid = register_async_partition(run)
+    pid, ledger = ASYNC_PARTITION, AsyncLedger.of_run(run.args)
+    if steps.start:  # resumed: the restored store holds the partition
+        prompts, handed_back = resume_partition(
+            run.client, pid, TASK, steps.start, ledger, run.args.generations
+        )
+        print(
+            f"  {handed_back} samples claimed after step {steps.start} handed back; "
+            f"{len(prompts)} prompts left to generate"
+        )
+        refit_actors(run.policy, actors, version=steps.start)
+    else:
+        register_async_partition(run)
+        prompts = list(range(ledger.dataset))
     # @ray.remote made PromptCounter an ActorClass; mypy ignores class decorators
-    counter = PromptCounter.remote()  # type: ignore[attr-defined]
+    counter = PromptCounter.remote(prompts)  # type: ignore[attr-defined]
     producing = [a.produce.remote(pid, counter) for a in actors]
     seen = store_counts(run.client, pid)
     interrupted = interrupted_tokens(actors)
+    dropped = [seen["dropped"]]  # the drops whose prompts went back to the counter
     try:
         for k in steps:
             train_one_step(
                 run,
                 tally,
                 k,
-                claim=functools.partial(claim_async_batch, run, k, pid, producing),
-                finish=functools.partial(clear_batch, run.client),
+                claim=functools.partial(
+                    claim_async_batch, run, k, pid, producing, counter, dropped
+                ),
+                finish=functools.partial(ledger.finish_step, run.client, k),
             )
             report = tally.reports[-1]
             # the weights first, then the version: a group admitted at k + 1 uses them
@@ -73,8 +101,22 @@ def train_async(
             report.tokens_discarded = tokens["tokens_discarded"] - interrupted["tokens_discarded"]
             report.tokens_resumed = tokens["tokens_resumed"] - interrupted["tokens_resumed"]
             interrupted = tokens
+            commit = functools.partial(run.client.commit_step, pid, TASK, k + 1)
+            if checkpoint_if_due(run, tally, k, after_policy=commit, extra=ledger.manifest_entry()):
+                ledger.saved(run.client, pid)
     finally:
-        ray.kill(counter)
+        stop_producers(producing, counter)
+
+
+def stop_producers(producing: list, counter: Any) -> None:
+    """The run is over: each producer's loop is cancelled (it waits on the counter or the
+    store) and its end read here, so Ray reports no unhandled error when the actors go."""
+    for ref in producing:
+        ray.cancel(ref)
+    for ref in producing:
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(ref, timeout=30)
+    ray.kill(counter)
 
 
 def register_async_partition(run: Any) -> str:
@@ -102,15 +144,19 @@ def register_async_partition(run: Any) -> str:
     return ASYNC_PARTITION
 
 
-def claim_async_batch(run: Any, k: int, pid: str, producing: list, times: dict):
+def claim_async_batch(
+    run: Any, k: int, pid: str, producing: list, counter: Any, seen: list, times: dict
+):
     """Waits until one batch is ready within the window, claims it (keys only), in
-    prompt order. A producing actor that crashed is raised here at once."""
+    prompt order. A producing actor that crashed is raised here at once. Groups the
+    store dropped as stale meanwhile go back to ``counter``."""
     from policy_workers.rollout import GRPO_FIELDS, in_prompt_order
 
     t0 = time.perf_counter()
     bar = run.progress.bar(run.per_step, f"step {k} rollouts")
     while (ready := run.client.ready_depth(pid, [TASK], GRPO_FIELDS)[TASK]) < run.per_step:
         bar.update(min(ready, run.per_step) - bar.n)
+        requeue_dropped(run.client, pid, counter, seen)
         # paces the poll; a producer's run only ever ends by raising
         done, _ = ray.wait(producing, num_returns=1, timeout=0.02)
         if done:
@@ -121,9 +167,18 @@ def claim_async_batch(run: Any, k: int, pid: str, producing: list, times: dict):
     return in_prompt_order(meta)
 
 
-def clear_batch(client: Any, meta: Any) -> None:
-    """After an async step: its samples go (the partition stays for the next ones)."""
-    client.clear_samples(meta.sample_ids, meta.partition_id)
+def requeue_dropped(client: Any, pid: str, counter: Any, seen: list[int]) -> None:
+    """Prompts whose groups the store dropped as stale since ``seen[0]`` drops (a
+    group generated too long before the step that could claim it) go back to
+    ``counter``: every prompt of the run is trained, drops or not."""
+    from policy_workers.rollout import prompt_of
+
+    info = client.describe_partition(pid).staleness
+    total = sum(info.dropped_stale.values())
+    if total > seen[0]:
+        ids = info.recently_dropped[-(total - seen[0]) :]
+        ray.get(counter.give_back.remote(sorted({prompt_of(i) for i in ids})))
+        seen[0] = total
 
 
 def interrupted_tokens(actors: list) -> dict[str, int]:

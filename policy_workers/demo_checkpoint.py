@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 from policy_workers import checkpoint as ckpt
@@ -48,6 +49,8 @@ RUN_FLAGS = (
     "vocab_size",
     "model_path",
     "num_storage_units",
+    "async_mode",
+    "max_staleness",
 )
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -57,22 +60,37 @@ def _sha256(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def save_run(root: str, next_step: int, flags: dict[str, Any], client: Any, policy: Any) -> str:
-    """Save the store and the policy as ``root/step-<next_step>``; returns its path."""
+def save_run(
+    root: str,
+    next_step: int,
+    flags: dict[str, Any],
+    client: Any,
+    policy: Any,
+    after_policy: Callable[[], None] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> str:
+    """Save the store and the policy as ``root/step-<next_step>``; returns its path.
+
+    ``after_policy`` runs once the policy's files are on disk, before the store is
+    saved (the async demo's ``commit_step``: the store checkpoint then holds the mark);
+    ``extra``: more manifest entries (the async demo's trained log)."""
     final = os.path.join(os.path.abspath(root), f"step-{next_step}")
     os.makedirs(os.path.dirname(final), exist_ok=True)
     tmp = ckpt.start(final)
     try:
-        client.checkpoint(os.path.join(tmp, STORE))
         os.makedirs(os.path.join(tmp, "policy"))
         policy.save_checkpoint(
             os.path.join(tmp, WEIGHTS), os.path.join(tmp, OPTIMIZER), step=next_step
         )
+        if after_policy is not None:
+            after_policy()
+        client.checkpoint(os.path.join(tmp, STORE))
         parts = {
             part: {"path": part, "manifest_sha256": _sha256(os.path.join(tmp, part, ckpt.MANIFEST))}
             for part in (STORE, WEIGHTS, OPTIMIZER)
         }
         manifest = {"kind": KIND, "next_step": next_step, "flags": flags, "parts": parts}
+        manifest.update(extra or {})
         return ckpt.finish(tmp, final, manifest)
     except BaseException:
         ckpt.abandon(tmp)

@@ -27,6 +27,7 @@ exactly the groups it is missing.
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 from dataclasses import dataclass
 
@@ -76,6 +77,11 @@ class RolloutConfig:
 def group_sample_ids(partition_id: str, prompt: int, generations: int) -> list[str]:
     """The sample ids of one prompt's group (the driver looks them up on resume)."""
     return [f"{partition_id}/prompt{prompt}/gen{j}" for j in range(generations)]
+
+
+def prompt_of(sample_id: str) -> int:
+    """The prompt number in a sample id of ``group_sample_ids``."""
+    return int(sample_id.split("/")[-2].removeprefix("prompt"))
 
 
 def parity_reward(prompt: torch.Tensor, completion: torch.Tensor) -> float:
@@ -273,22 +279,27 @@ class RolloutActor:
         return {**group.whole(), **dense}, version, None
 
     async def produce(self, partition_id: str, counter) -> None:
-        """``dataplane demo --async``: until the actor is killed, ask the store to admit
-        one group (waiting while the samples started and not trained fill the staleness
-        window), take the next prompt number from ``counter``, generate the group with
-        the newest weights loaded, put it, release the grant."""
+        """``dataplane demo --async``: until the actor is killed, take the next prompt
+        number from ``counter``, ask the store to admit its group (waiting while the
+        samples started and not trained fill the staleness window), generate it with the
+        newest weights loaded, put it, release the grant.
+
+        The prompt comes first: a grant taken and then left unused would still count
+        toward its version's over-sampling cap, in this service and in any checkpoint
+        of it, holding back the groups a resumed run must generate at that version."""
         g = self.cfg.generations
         while True:
+            index = await counter.take.remote()
+            grant = None
+            while grant is None:
+                try:
+                    grant = await self.client.admit_rollouts_async(
+                        partition_id, g, wait=True, timeout_s=self.cfg.admission_timeout_s
+                    )
+                except AdmissionTimeout:
+                    pass  # the trainer is slow (a long step): still no room, ask again
             try:
-                grant = await self.client.admit_rollouts_async(
-                    partition_id, g, wait=True, timeout_s=self.cfg.admission_timeout_s
-                )
-            except AdmissionTimeout:
-                continue  # the trainer is slow (a long step): still no room, ask again
-            assert grant is not None  # wait=True: a grant or AdmissionTimeout, never None
-            try:
-                index = await counter.take.remote()
-                ids = [f"{partition_id}/prompt{index}/gen{j}" for j in range(g)]
+                ids = group_sample_ids(partition_id, index, g)
                 await self.write_group(partition_id, ids, index)
             finally:
                 await self.client.release_rollouts_async(grant)
@@ -307,15 +318,24 @@ class RolloutActor:
 
 @ray.remote(num_cpus=0)
 class PromptCounter:
-    """Hands out prompt numbers 0, 1, 2, ... to the producing actors (``--async``): a
-    group's prompt is a function of its number, whichever actor generates it."""
+    """Hands out the run's prompt numbers to the producing actors (``--async``), in order:
+    a group's prompt is a function of its number, whichever actor generates it. Once
+    they run out, ``take`` waits: a prompt the store dropped as stale comes back
+    (``give_back``) to be generated again, before the rest."""
 
-    def __init__(self) -> None:
-        self.taken = 0
+    def __init__(self, prompts: list[int]) -> None:
+        self.queue = collections.deque(prompts)
+        self.more = asyncio.Event()
 
-    def take(self) -> int:
-        self.taken += 1
-        return self.taken - 1
+    async def take(self) -> int:
+        while not self.queue:
+            self.more.clear()
+            await self.more.wait()
+        return self.queue.popleft()
+
+    async def give_back(self, prompts: list[int]) -> None:
+        self.queue.extendleft(sorted(prompts, reverse=True))
+        self.more.set()
 
 
 def in_prompt_order(meta):

@@ -12,7 +12,8 @@ units copy in the background while writers, claimers and clears go on.
 
 With ``replicas: 2`` the cut names each sample on its first copy's unit only, so a
 checkpoint holds each sample once; a restore brings each sample back with that one
-copy (it is not re-replicated).
+copy (it is not re-replicated). A restore brings back no admission grant (``staleness.without_grants``):
+their holders were the saved service's writers.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 
 from dataplane_client.wire.errors import CorruptPayload, DataPlaneError, InvalidBatch
 from dataplane_client.wire.messages import CheckpointSummary
-from dataplane_server.core import checkpoint, recovery, unit_calls
+from dataplane_server.core import checkpoint, recovery, staleness, unit_calls
 from dataplane_server.core.journal import Journal
 from dataplane_server.core.keyspace import KeySpace
 
@@ -167,6 +168,8 @@ async def restore(
         if unreadable is not None:  # as the controller's own reads of the checkpoint say it
             raise CorruptPayload(f"{path}: cannot read a unit's checkpoint file ({unreadable})")
         raise unit_calls.typed(failed[0])
+    for part in state.values():  # the saved service's writers hold no grant here
+        part["staleness"] = staleness.without_grants(part.get("staleness"))
     if journal:
         journal.compact(state)
     rebuilt, next_seq = await recovery.rebuild_from_units(units, keys.unit_alive, state)

@@ -376,7 +376,8 @@ class Partition:
     def set_group(self, row: int, group_id: Any, now: float = 0.0) -> None:
         """Put a row in a group (a row's first group_id tag is its group for good). A group
         none of whose members is live (new, or every one cleared or dropped) starts anew at
-        ``now``: its deadline counts from there."""
+        ``now``: its deadline counts from there, its version from its new members (a group
+        dropped as stale and generated again is as old as its new members)."""
         if self.group_code[row] >= 0:
             return
         code = self.group_index.setdefault(group_id, len(self.group_index))
@@ -387,6 +388,7 @@ class Partition:
         if self.group_live[code] == 0:
             self.group_started[code] = now
             self.group_arrived[code] = 0
+            self.group_version[code] = NO_VERSION
         self.group_code[row] = code
         self.group_live[code] += 1
         self.group_arrived[code] += 1

@@ -231,6 +231,28 @@ class VersionState:
         self.recent.extend(state.get("recent") or ())
 
 
+def without_grants(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``VersionState.export`` for a restore into a fresh service: no grant, and none
+    counted toward its version's over-sampling cap.
+
+    The grants belonged to the saved service's writers, which may be gone (a killed
+    job resumed from its checkpoint) and cannot release them here; kept, they would
+    hold the admission window shut until they lapse (``lease_s``, minutes) and the
+    cap of their version for good. A grant's samples are in the checkpoint (then
+    counted as untrained) or were never put (then generated again by the new writers).
+    """
+    if not state:
+        return state
+    granted_at = collections.Counter({int(v): int(n) for v, n in state["granted_at"]})
+    for _gid, n, version, _expires in state["grants"]:
+        granted_at[int(version)] -= int(n)
+    return {
+        **state,
+        "grants": [],
+        "granted_at": [[v, n] for v, n in granted_at.items() if n > 0],
+    }
+
+
 def matching(
     tags: dict[str, np.ndarray],
     present: dict[str, np.ndarray],

@@ -179,6 +179,19 @@ def test_a_group_is_stale_when_its_oldest_member_is(dp):
     assert dp.describe_partition(pid).staleness.dropped_stale == {"train": 2}
 
 
+def test_a_group_dropped_as_stale_and_generated_again_is_as_old_as_its_new_members(dp):
+    """The demo hands a dropped prompt out again under the same group id: the group then
+    holds no live member, and its age was its dropped members' (every regeneration was
+    dropped on arrival, and a run needing that prompt waited forever)."""
+    pid = _register(dp, group_size=2, max_staleness=1)
+    _put(dp, pid, ["g0", "g1"], 0, group="g")
+    dp.set_policy_version(pid, 2)  # drops g at version 0
+    _put(dp, pid, ["g0", "g1"], 2, group="g")
+    meta = dp.claim_meta(pid, "train", ["x"], 2, blocking=False)
+    assert meta.sample_ids == ["g0", "g1"]
+    assert dp.describe_partition(pid).staleness.dropped_stale == {"train": 2}
+
+
 def test_a_claim_may_tighten_the_window_but_not_widen_it(dp):
     pid = _register(dp, max_staleness=2)
     _put(dp, pid, ["a"], 0)

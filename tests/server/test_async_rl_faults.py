@@ -1,5 +1,6 @@
 """Async RL across faults: the bound and its state survive a controller restart and a
-checkpoint; a producer that dies holding a grant gives it back after the grant's lease."""
+checkpoint; a producer that dies holding a grant gives it back after the grant's lease;
+a checkpoint restored into a fresh service brings back no grant."""
 
 import time
 
@@ -99,6 +100,29 @@ def test_versions_and_drops_survive_a_checkpoint_and_restore(service_factory, tm
     assert d.describe_partition("p").staleness.dropped_stale == {"train": 1}
     _put(d, ["late"], 1)  # stale on arrival: the restored bound still holds
     assert d.claim_meta("p", "train", ["x"], 4, blocking=False).sample_ids == ["new"]
+
+
+def test_a_restore_brings_back_no_grant_and_counts_only_what_the_checkpoint_holds(
+    service_factory, tmp_path
+):
+    """The saved service's writers cannot release their grants in the new service: held,
+    they shut the window (until their lease ran out) and the version's over-sampling cap
+    (for good), and a resumed run could never generate the groups it lacks."""
+    src = service_factory("async-grants-src", num_storage_units=1, admin_enabled=False)
+    dst = service_factory("async-grants-dst", num_storage_units=1, admin_enabled=False)
+    c = src.client()
+    spec = StalenessSpec(max_staleness=0, admission_batch=4, oversample_ratio=1)
+    c.register_partition("p", ["x"], None, ["train"], staleness=spec)
+    put = c.admit_rollouts("p", 2)
+    _put(c, ["a", "b"], 0)
+    assert c.release_rollouts(put)
+    c.admit_rollouts("p", 2)  # its writer dies before putting anything
+    assert c.admit_rollouts("p", 1) is None  # the window (4) is full
+    d = dst.client()
+    assert d.restore(c.checkpoint(str(tmp_path / "ck"))) == 2
+    assert d.describe_partition("p").staleness.grants == 0
+    assert d.admit_rollouts("p", 2) is not None  # the lost group's room, at once
+    assert d.admit_rollouts("p", 1) is None  # "a" and "b" still count: 2 + 2 of 4
 
 
 @pytest.mark.parametrize("evict", [True, False], ids=["evict_stale", "no_eviction"])

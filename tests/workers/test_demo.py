@@ -288,6 +288,7 @@ def test_small_flag_and_bad_flags():
         ["--max-staleness", "1"],  # without --async: the synchronous demo is on-policy
         ["--async", "--max-staleness", "-1"],
         ["--partial-rollouts"],  # without --async: no weight update interrupts a rollout
+        ["--async", "--partial-rollouts", "--checkpoint-dir", "d"],  # not resumable yet
         ["--minibatches", "3"],  # 16 samples do not split into 3 equal minibatches
         ["--small", "--learn"],
         ["--vocab-size", "4"],
@@ -496,6 +497,21 @@ def test_resume_takes_the_run_flags_from_the_checkpoint_and_refuses_conflicts(tm
     with pytest.raises(SystemExit):
         parse_args(["--resume", latest])
     assert "its manifest is not the one saved" in capsys.readouterr().err
+
+
+def test_async_saves_and_resumes_and_a_resume_keeps_its_staleness(tmp_path, capsys):
+    args = parse_args(["--async", "--max-staleness", "1", "--checkpoint-dir", str(tmp_path)])
+    assert args.async_mode
+    assert args.checkpoint_dir == str(tmp_path)
+    latest = _fake_run(tmp_path, 2, steps=4, async_mode=True, max_staleness=1)
+    resumed = parse_args(["--resume", latest])
+    assert (resumed.async_mode, resumed.max_staleness) == (True, 1)
+    with pytest.raises(SystemExit):
+        parse_args(["--resume", latest, "--async", "--max-staleness", "2"])
+    assert "--max-staleness 2 here, the checkpoint was run with 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a synchronous run does not go on asynchronously
+        parse_args(["--resume", _fake_run(tmp_path / "sync", 1), "--async"])
+    assert "--async True here, the checkpoint was run with False" in capsys.readouterr().err
 
 
 def test_long_lines_are_cut_in_the_middle_to_80_columns():
