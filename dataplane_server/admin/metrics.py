@@ -200,6 +200,15 @@ UNIT_COUNTERS = {
         "dataplane_payload_register_failures",
         "Registrations the unit's transfer engine refused.",
     ),
+    "unit_restores_total": (
+        "dataplane_unit_restores",
+        "Starts of a durable unit that re-attached its files and row index (a restart, or "
+        "the whole service served again from its state directory).",
+    ),
+    "unit_restore_seconds_total": (
+        "dataplane_unit_restore_seconds",
+        "Seconds durable units spent re-attaching their files and replaying their row index.",
+    ),
 }
 # Stats histogram -> (family name, help); the controller's have no labels, the units' {unit}.
 CONTROLLER_HISTOGRAMS = {
