@@ -190,7 +190,20 @@ def run_async(client: Any, w: Workload, steps: int, max_staleness: int, pace: bo
         stop.set()
         for p in producers:
             p.join()
-    # What is left in the window is trained without another version (nothing more stale).
-    while meta := client.claim_meta(pid, TASK, FIELDS, w.batch, blocking=False):
-        trained += [int(t["length"]) for t in meta.tags]
+    # What is left in the window is trained without another version (nothing more stale),
+    # until every sample put is trained or dropped: a put's commit (Ray) and the drop of
+    # what went stale may land a moment after the producers stopped. Claims that may wait
+    # drop stale samples before choosing (coalesced non-blocking ones only pass them by).
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        while meta := client.claim_meta(pid, TASK, FIELDS, w.batch, blocking=False):
+            trained += [int(t["length"]) for t in meta.tags]
+        dropped = sum(client.describe_partition(pid).staleness.dropped_stale.values())
+        if len(trained) + dropped >= len(generated):
+            break
+        try:
+            meta = client.claim_meta(pid, TASK, FIELDS, w.batch, blocking=True, timeout_s=0.05)
+            trained += [int(t["length"]) for t in meta.tags]
+        except TimeoutError:
+            pass  # less than a batch left: the non-blocking claims take it
     return _outcome(client, pid, w, step_s, generated, trained)
