@@ -56,8 +56,8 @@ if TYPE_CHECKING:
 # arguments are parsed: `dataplane demo --help` imports none of them.
 
 TOLERANCE = 1e-5  # logprobs through the data plane vs a direct computation (float32)
-# Rollout actors generate this many tokens between looks for new weights (--async: a
-# weight update interrupts a group there; RolloutConfig.chunk_tokens).
+# Rollout actors generate this many tokens between looks for new weights (--async with
+# --max-staleness >= 1: a weight update interrupts a group there; RolloutConfig.chunk_tokens).
 CHUNK_TOKENS = 4
 # --learn: its steps, and the mean reward its last LEARNED_OVER steps must reach. A random
 # policy gets 0.5; measured runs reach ~0.85-0.9 (README), so 0.7 leaves a wide margin.
@@ -552,8 +552,11 @@ def start_rollout_actors(run: Run, model_cfg, dp_cfg) -> list:
         prompt_len=args.prompt_len,
         min_new_tokens=args.min_new_tokens,
         max_new_tokens=args.max_new_tokens,
-        # in chunks in every mode, so --async --max-staleness 0 generates what a sync run does
-        chunk_tokens=CHUNK_TOKENS,
+        # In chunks only where a weight update can land mid-generation (--async with
+        # --max-staleness >= 1): the sync demo and --async --max-staleness 0 (which
+        # refits between batches) generate whole groups, the same bytes as each other,
+        # and the --learn configuration learns as measured (README).
+        chunk_tokens=CHUNK_TOKENS if args.async_mode and args.max_staleness > 0 else 0,
         partial_rollouts=args.partial_rollouts,
     )
     return [

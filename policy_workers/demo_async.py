@@ -18,8 +18,9 @@ a group admitted at ``k + 1`` is generated with them. With ``N = 0`` exactly
 one batch is admitted per version, after the refit: the run trains exactly what
 the synchronous demo trains (``tests/workers/test_demo.py``).
 
-Actors generate in chunks of tokens, so a refit interrupts the groups in flight at
-their next chunk: their tokens are thrown away and generated again with the new
+With ``--max-staleness`` >= 1 actors generate in chunks of tokens, so a refit
+interrupts the groups in flight at their next chunk: their tokens are thrown away
+and generated again with the new
 weights, or, with ``--partial-rollouts``, stored as partial rollouts and resumed
 from the store (``RolloutActor._generate_in_chunks``). The report counts both per update.
 
