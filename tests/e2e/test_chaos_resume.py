@@ -19,9 +19,10 @@ from benchmarks.run import render
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
-def test_the_async_demo_killed_5_times_trains_every_prompt_exactly_once(tmp_path):
+def test_the_async_demo_killed_5_times_trains_every_prompt_exactly_once(tmp_path, capsys):
     result = chaos_run(str(tmp_path), kills=KILLS, steps=8, seed=37)
-    print("\n" + render(report(result, sum(a.seconds for a in result.attempts))))
+    with capsys.disabled():  # the table goes to CI's log, passed or not
+        print("\n" + render(report(result, sum(a.seconds for a in result.attempts))))
     assert result.kills == KILLS
     assert all(a.processes_killed > 2 for a in result.attempts if a.killed)  # Ray's too
     assert sorted(result.trained) == list(range(8))  # the last checkpoint logs every step
