@@ -77,10 +77,14 @@ def test_dashboard_covers_what_an_operator_needs():
     assert not missing
 
 
+def _scrape(service) -> str:
+    """The service's metrics endpoint, as Prometheus reads it."""
+    with urllib.request.urlopen(f"http://{service.metrics_address}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
 def _exported_names(service) -> set[str]:
-    url = f"http://{service.metrics_address}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
+    text = _scrape(service)
     names = set()
     for family in text_string_to_metric_families(text):
         names.update(s.name for s in family.samples)
@@ -148,8 +152,7 @@ def test_the_claim_wait_panel_shows_zero_on_a_fresh_service_not_no_data(service_
     sample of 0 (Grafana's "no data" was an empty or NaN result)."""
     promtool = promtool_or_skip()
     fresh = service_factory("dash-fresh", num_storage_units=1)
-    with urllib.request.urlopen(f"http://{fresh.metrics_address}/metrics", timeout=10) as r:
-        scrape = r.read().decode()
+    scrape = _scrape(fresh)
     tests = []
     for target in _panel("Claim wait")["targets"]:
         expr = target["expr"]
@@ -178,8 +181,7 @@ def test_the_recovery_checkpoint_and_async_rl_panels_show_a_services_figures(
     client.put_samples([f"s{i}" for i in range(4)], "p", {"x": torch.ones(4, 2)}, version=0)
     client.set_policy_version("p", 2)  # version 0 is now 2 behind: all four dropped
     client.checkpoint(str(tmp_path / "ckpt"))
-    with urllib.request.urlopen(f"http://{svc.metrics_address}/metrics", timeout=10) as r:
-        scrape = r.read().decode()
+    scrape = _scrape(svc)
     expected = {  # panel -> (target index, labels, value)
         "Controller restarts": [(0, "{}", 0)],
         "Checkpoints saved / restored": [(0, "{}", 1), (1, "{}", 0)],
@@ -235,8 +237,7 @@ def test_the_admission_room_panel_shows_the_paced_limit(service_factory, tmp_pat
     client.register_partition("p", fields=["x"], consumer_tasks=["train"], staleness=spec)
     assert client.admit_rollouts("p", 1) is not None
     client.set_policy_version("p", 1)
-    with urllib.request.urlopen(f"http://{svc.metrics_address}/metrics", timeout=10) as r:
-        scrape = r.read().decode()
+    scrape = _scrape(svc)
     started, limit = (t["expr"] for t in _panel("Async RL: admission room")["targets"])
     tests = [
         {
@@ -271,8 +272,7 @@ def test_the_partial_rollouts_panel_counts_rollouts_in_progress(service_factory,
     client.append_tokens(["a", "b"], "p", {"tokens": two}, 0, start=True)
     client.set_policy_version("p", 1)
     client.append_tokens(["a"], "p", {"tokens": [torch.arange(2)]}, 1, finish=True)
-    with urllib.request.urlopen(f"http://{svc.metrics_address}/metrics", timeout=10) as r:
-        scrape = r.read().decode()
+    scrape = _scrape(svc)
     in_progress, _ = (t["expr"] for t in _panel("Async RL: partial rollouts")["targets"])
     tests = [
         {
