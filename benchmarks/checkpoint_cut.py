@@ -5,8 +5,9 @@ and an incremental checkpoint's time against the bytes new since its parent.
    the store holds ``stored`` bytes besides. Per repeat, a window without a checkpoint
    (as long as the checkpoint took the repeat before) and a full checkpoint's own
    duration, each counted as puts and claims returned per second, and the longest put
-   in it (a pause would show there). Median over repeats; target: during >= 0.9 x
-   without, for both.
+   in it (a pause would show there). Median over repeats, at the copy share 1 (as fast
+   as it can) and at the default (``checkpoint_copy_share``), each on a service of its
+   own; target, at the default: during >= 0.9 x without, for both.
 2. Incremental: at two stored sizes, a full checkpoint, then checkpoints each with the
    previous as parent after putting ``new`` bytes (``repeats`` of each, median):
    seconds and bytes written. Target:
@@ -37,6 +38,7 @@ from benchmarks.common import (
     start_ray,
     start_service,
 )
+from dataplane_client.wire.config import DataPlaneConfig
 
 WRITERS = 2
 SMALL = 4096
@@ -176,26 +178,20 @@ def _mib(n: float) -> str:
     return f"{n / MiB:,.1f}"
 
 
-def run(opts: Options) -> Section:
-    stored_load = 16 * MiB if opts.quick else 256 * MiB
-    sizes = [8 * MiB, 32 * MiB] if opts.quick else [64 * MiB, 512 * MiB]
-    news = [256 * 1024, 2 * MiB] if opts.quick else [2 * MiB, 16 * MiB]
-    repeats = 1 if opts.quick else max(3, opts.repeats)
-    capacity = 2 * max(sizes) + 2 * repeats * sum(news) + 2 * stored_load
-    handle = start_service(
-        "bench-checkpoint", BENCH_NAMESPACE, unit_capacity_bytes=capacity // 2 + 256 * MiB
+def _service(capacity: int, share: float):
+    return start_service(
+        "bench-checkpoint",
+        BENCH_NAMESPACE,
+        unit_capacity_bytes=capacity,
+        checkpoint_copy_share=share,
     )
-    client = handle.client()
-    try:
-        with tempfile.TemporaryDirectory(prefix="dataplane-bench-ckpt-") as root:
-            load = measure_load(client, root, stored_load, repeats)
-            inc = [measure_incremental(client, root, s, news, repeats) for s in sizes]
-    finally:
-        client.close()
-        handle.shutdown()
+
+
+def _load_rows(share: float, load: dict) -> list[list[str]]:
     w, d = load["median"]["without"], load["median"]["during"]
-    load_rows = [
+    rows = [
         [
+            f"{share:g}",
             phase,
             f"{m['seconds']:.2f}",
             f"{m['puts_per_s']:.0f}",
@@ -204,8 +200,9 @@ def run(opts: Options) -> Section:
         ]
         for phase, m in (("without a checkpoint", w), ("during a full checkpoint", d))
     ]
-    load_rows.append(
+    rows.append(
         [
+            f"{share:g}",
             "during / without",
             "",
             f"{d['puts_per_s'] / w['puts_per_s']:.2f}",
@@ -213,6 +210,34 @@ def run(opts: Options) -> Section:
             "",
         ]
     )
+    return rows
+
+
+def run(opts: Options) -> Section:
+    stored_load = 16 * MiB if opts.quick else 256 * MiB
+    sizes = [8 * MiB, 32 * MiB] if opts.quick else [64 * MiB, 512 * MiB]
+    news = [256 * 1024, 2 * MiB] if opts.quick else [2 * MiB, 16 * MiB]
+    repeats = 1 if opts.quick else max(3, opts.repeats)
+    capacity = 2 * max(sizes) + 2 * repeats * sum(news) + 2 * stored_load
+    default = DataPlaneConfig().checkpoint_copy_share
+    # The load at full speed (share 1) beside the default pacing, each on a service of its
+    # own (the share is the service's); the incremental figures at the default.
+    loads: dict[float, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="dataplane-bench-ckpt-") as root:
+        for share in (1.0, default):
+            handle = _service(capacity // 2 + 256 * MiB, share)
+            client = handle.client()
+            try:
+                loads[share] = measure_load(
+                    client, os.path.join(root, f"s{share}"), stored_load, repeats
+                )
+                if share == default:
+                    inc = [measure_incremental(client, root, s, news, repeats) for s in sizes]
+            finally:
+                client.close()
+                handle.shutdown()
+    load_rows = [row for share, load in loads.items() for row in _load_rows(share, load)]
+    w, d = loads[default]["median"]["without"], loads[default]["median"]["during"]
     inc_rows = []
     for s in inc:
         inc_rows.append([_mib(s["stored_bytes"]), "full", f"{s['full_seconds']:.2f}", "", ""])
@@ -229,9 +254,17 @@ def run(opts: Options) -> Section:
     small, large = inc[0]["incremental"], inc[-1]["incremental"]
     growth = max(b["seconds"] / a["seconds"] for a, b in zip(small, large))
     targets = [
-        Target("puts during a checkpoint / without", d["puts_per_s"] / w["puts_per_s"], 0.9, True),
         Target(
-            "claims during a checkpoint / without", d["claims_per_s"] / w["claims_per_s"], 0.9, True
+            f"puts during a checkpoint / without (copy share {default:g}, the default)",
+            d["puts_per_s"] / w["puts_per_s"],
+            0.9,
+            True,
+        ),
+        Target(
+            f"claims during a checkpoint / without (copy share {default:g}, the default)",
+            d["claims_per_s"] / w["claims_per_s"],
+            0.9,
+            True,
         ),
         Target(
             f"incremental time, {_mib(sizes[-1])} stored / {_mib(sizes[0])} stored",
@@ -246,8 +279,8 @@ def run(opts: Options) -> Section:
         tables=[
             Table(
                 f"{WRITERS} writers (one {SMALL // 1024} KiB sample a put) and a claimer, "
-                f"{_mib(stored_load)} MiB stored, median of {repeats}",
-                ["window", "s", "puts/s", "claims/s", "longest put ms"],
+                f"{_mib(stored_load)} MiB stored, median of {repeats}, per checkpoint copy share",
+                ["copy share", "window", "s", "puts/s", "claims/s", "longest put ms"],
                 load_rows,
             ),
             Table(
@@ -257,7 +290,12 @@ def run(opts: Options) -> Section:
             ),
         ],
         targets=targets,
-        data={"load": load, "incremental": inc, "load_avg": os.getloadavg()},
+        data={
+            "load": {f"{share:g}": load for share, load in loads.items()},
+            "default_copy_share": default,
+            "incremental": inc,
+            "load_avg": os.getloadavg(),
+        },
         notes=[f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"],
     )
 

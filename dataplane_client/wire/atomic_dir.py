@@ -1,7 +1,7 @@
 """Directories that appear whole or not at all (store and policy checkpoints).
 
 Everything is written into ``<dir>.tmp-<random>`` beside the final name, every file
-is fsynced, and only then is the directory renamed to ``<dir>``: a crash mid-save
+is fsynced, and only then is the directory renamed to ``<dir>`` (and the rename synced): a crash mid-save
 leaves no directory of the final name, only a temporary one that nothing loads.
 """
 
@@ -29,9 +29,19 @@ def publish(tmp: str, directory: str) -> str:
         if entry.is_file(follow_symlinks=False):
             with open(entry.path, "rb") as f:
                 os.fsync(f.fileno())
+    _sync_dir(tmp)
     directory = os.path.abspath(directory)
     os.rename(tmp, directory)
+    _sync_dir(os.path.dirname(directory))  # the rename itself
     return directory
+
+
+def _sync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def abandon(tmp: str) -> None:

@@ -210,6 +210,15 @@ class DataPlaneConfig(BaseModel):
         description="fsync every journal record: survives a machine crash, not only the "
         "controller's process (slower claims).",
     )
+    checkpoint_copy_share: float = Field(
+        0.05,
+        gt=0,
+        le=1,
+        description="The share of one core each unit's checkpoint copy keeps busy at most "
+        "(it rests in between), so puts and claims beside it slow by little while it runs "
+        "and the checkpoint takes longer instead; 1 = as fast as it can. A drain's "
+        "checkpoint always runs at 1.",
+    )
     controller_retry_budget_s: float = Field(
         60.0,
         gt=0,

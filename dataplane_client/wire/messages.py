@@ -447,6 +447,7 @@ class CheckpointSummary:
     bytes_written: int
     bytes_linked: int
     seconds: float
+    partitions: dict[str, int] = field(default_factory=dict)  # samples of each in the cut
 
 
 @dataclass(frozen=True)
@@ -503,6 +504,9 @@ class PartitionDescription:
     bytes_per_unit: list[int]  # index = unit
     staleness: StalenessInfo | None = None  # a versioned partition's async-RL state
     groups: GroupDeadlineInfo | None = None  # a partition with a group_deadline_s
+    durability: str = "memory"  # the service's level: what its samples survive
+    checkpointed_samples: int | None = None  # of it in the last checkpoint (None: none yet)
+    last_checkpoint_at: float | None = None
 
 
 @dataclass(frozen=True)

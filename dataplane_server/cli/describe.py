@@ -17,6 +17,15 @@ def _lease(c: dict) -> str:
     return f"{c['lease_s']:g}s" if c["lease_s"] is not None else "-"
 
 
+def _kept(d: dict) -> str:
+    """The service's durability level and how much of the partition its last checkpoint holds."""
+    level = d.get("durability") or "memory"
+    if d.get("checkpointed_samples") is None:
+        return f"{level}; no checkpoint saved yet"
+    when = human_time(d["last_checkpoint_at"])
+    return f"{level}; {d['checkpointed_samples']} samples in the last checkpoint ({when})"
+
+
 def run(ep, args) -> None:
     request = admin_pb2.DescribePartitionRequest(partition_id=args.partition)
     d = to_builtin(ep.call("DescribePartition", request))
@@ -28,6 +37,7 @@ def run(ep, args) -> None:
     say(f"group size      {d['group_size'] if d['group_size'] is not None else '-'}")
     say(f"created         {human_time(d['created_at'])}")
     say(f"pending claims  {d['pending_claims']}")
+    say(f"durability      {_kept(d)}")
     say()
     fields = [
         [f["name"], f["dtype"] or "-", f["layout"], str(f["trailing_shape"]), f["produced"]]

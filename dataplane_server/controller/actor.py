@@ -698,9 +698,11 @@ class Controller(Inspection, AsyncRLVerbs):
         manifest with every checksum is written last and the directory renamed into
         place, so a crash mid-save never leaves one that loads. Returns its absolute path.
         """
+        # Draining, no writer or claimer is left to yield to: the copy runs at full speed.
+        share = 1.0 if self.draining else self.config.checkpoint_copy_share
         async with self._checkpointing:
             summary = await checkpoint.save(
-                directory, self.units, self._holding_for_cut, self._cut_now, parent
+                directory, self.units, self._holding_for_cut, self._cut_now, parent, share
             )
         self.last_checkpoint = summary
         self.stats.inc("checkpoints_total")

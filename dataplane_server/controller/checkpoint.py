@@ -65,10 +65,12 @@ async def save(
     hold: Callable[[], contextlib.AbstractAsyncContextManager],
     cut_now: Callable[[], Cut],
     parent: str | None = None,
+    copy_share: float = 1.0,
 ) -> CheckpointSummary:
     """Write a checkpoint of the store to ``directory``: a cut taken under ``hold`` (the
     lifecycle lock and the closed cut gate), copied after it. ``parent``: an earlier
     checkpoint whose files are linked, not copied, for values it holds already.
+    ``copy_share``: the share of one core each unit's copy may keep busy.
 
     A failure, or a crash, leaves only the temporary directory, which never loads.
     """
@@ -88,7 +90,7 @@ async def save(
         dumped = await asyncio.gather(
             *[
                 units[u].write_checkpoint.remote(
-                    checkpoint_id, tmp, rows, parent_path, parent_files.get(u)
+                    checkpoint_id, tmp, rows, parent_path, parent_files.get(u), copy_share
                 )
                 for u, rows in taken.rows.items()
             ]
@@ -100,7 +102,8 @@ async def save(
             "taken_at": taken.taken_at,
             "parent": parent_path,
         }
-        checkpoint.finish(tmp, directory, list(dumped), taken.state, about)
+        # In a thread: the state's encoding and the syncs must not stall the event loop.
+        await asyncio.to_thread(checkpoint.finish, tmp, directory, list(dumped), taken.state, about)
     except BaseException as e:
         checkpoint.abandon(tmp)
         if isinstance(e, Exception):
@@ -117,10 +120,19 @@ async def save(
         taken_at=taken.taken_at,
         parent=parent_path or "",
         samples=sum(d.samples for d in dumped),
+        partitions=_samples_by_partition(taken),
         bytes_written=sum(d.written for d in dumped),
         bytes_linked=sum(d.linked for d in dumped),
         seconds=time.perf_counter() - t0,
     )
+
+
+def _samples_by_partition(taken: Cut) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for rows in taken.rows.values():
+        for pid, ids in rows.items():
+            counts[pid] = counts.get(pid, 0) + len(ids)
+    return counts
 
 
 def _os_error(exc: BaseException) -> OSError | None:

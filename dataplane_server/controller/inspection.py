@@ -7,6 +7,8 @@ controller file keeps only the verbs that decide something.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataplane_client.wire.config import DataPlaneConfig
 from dataplane_client.wire.messages import (
     CheckpointSummary,
@@ -67,7 +69,14 @@ class Inspection:
     @served
     async def describe_partition(self, partition_id: str) -> PartitionDescription:
         self.keys.partition(partition_id)  # unknown -> typed error before asking the units
-        return views.describe_partition(self.keys, partition_id, await self._unit_snapshots())
+        described = views.describe_partition(self.keys, partition_id, await self._unit_snapshots())
+        last = self.last_checkpoint
+        return dataclasses.replace(
+            described,
+            durability=self.config.durability,
+            checkpointed_samples=None if last is None else last.partitions.get(partition_id, 0),
+            last_checkpoint_at=None if last is None else last.taken_at,
+        )
 
     @served
     def list_samples(

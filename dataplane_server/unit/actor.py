@@ -235,9 +235,10 @@ class StorageUnit:
         cut: dict[str, list[str]],
         parent_dir: str | None = None,
         parent_files: list[DumpedFile] | None = None,
+        copy_share: float = 1.0,
     ) -> DumpedUnit:
         return await self.store.write_checkpoint(
-            checkpoint_id, directory, cut, parent_dir, parent_files
+            checkpoint_id, directory, cut, parent_dir, parent_files, copy_share
         )
 
     def load(self, directory: str, files: list[DumpedFile]) -> int:

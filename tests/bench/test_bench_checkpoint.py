@@ -14,15 +14,19 @@ def test_the_checkpoint_section_reports_load_and_incremental_figures(tmp_path):
     assert "puts during a checkpoint / without" in stdout
     titles = [t["title"] for t in data["tables"]]
     assert any("incremental" in t for t in titles), titles
-    load = data["data"]["load"]["median"]
-    for phase in ("without", "during"):
-        assert load[phase]["puts_per_s"] > 0
-        assert load[phase]["claims_per_s"] > 0
+    shares = data["data"]["load"]
+    default = data["data"]["default_copy_share"]
+    assert set(shares) == {"1", f"{default:g}"}, shares  # full speed beside the default pacing
+    for load in shares.values():
+        for phase in ("without", "during"):
+            assert load["median"][phase]["puts_per_s"] > 0
+            assert load["median"][phase]["claims_per_s"] > 0
     for stored in data["data"]["incremental"]:
         for row in stored["incremental"]:
             assert row["new_bytes"] <= row["bytes_written"] < row["new_bytes"] + (1 << 20)
             assert row["bytes_linked"] >= stored["stored_bytes"]
-    assert {t["name"] for t in data["targets"]} >= {
-        "puts during a checkpoint / without",
-        "claims during a checkpoint / without",
-    }
+    names = {t["name"] for t in data["targets"]}
+    for verb in ("puts", "claims"):
+        assert (
+            f"{verb} during a checkpoint / without (copy share {default:g}, the default)" in names
+        )

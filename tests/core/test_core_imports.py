@@ -63,6 +63,7 @@ CORE_MODULES = (
     "dataplane_server.core.unit.row_log",
     "dataplane_server.core.unit.durable_layout",
     "dataplane_server.core.unit.checkpoint",
+    "dataplane_server.core.unit.segment_file",
     "dataplane_server.core.unit.preview",
     "dataplane_server.core.unit.warm_reserve",
     # the client's vocabulary and data model

@@ -37,6 +37,7 @@ from dataplane_client.wire.errors import (
 from dataplane_client.wire.messages import SharedRows
 from dataplane_client.wire.put_deadline import STAGE_GRACE_S
 from dataplane_server.core.recovery_messages import SampleMeta
+from dataplane_server.core.unit import checkpoint as unit_checkpoint
 from dataplane_server.core.unit.preview import first_elements
 from dataplane_server.core.unit.store import INLINE_READ_BYTES, UnitStore
 
@@ -618,6 +619,67 @@ def test_an_incremental_checkpoint_writes_only_new_values_and_outlives_its_paren
     assert fresh.load(str(tmp_path / "b"), second.files) == 9
     got = _read(fresh, "p", cut["p"], "x")
     assert torch.equal(got, torch.cat([_rows(7, 4096), _rows(2, 4096, start=8)]))
+
+
+def test_a_paced_copy_rests_in_proportion_to_the_cpu_it_used():
+    """At share s, work that cost t seconds of the thread's CPU is followed by a rest of
+    t * (1/s - 1), so the copy is busy at most s of its wall time; share 1 never rests."""
+    cpu, rests = [0.0], []
+
+    def rest(seconds):
+        rests.append(seconds)
+        cpu[0] += 0.001  # a rest costs a little CPU of its own, never counted as the copy's
+
+    pace = unit_checkpoint.CopyPace(0.25, cpu_clock=lambda: cpu[0], rest=rest)
+    for busy in (0.02, 0.0, 0.1):
+        cpu[0] += busy
+        pace.after_batch()
+    assert rests == pytest.approx([0.06, 0.3])  # 3x each batch's CPU; none after an idle one
+    assert (pace.busy_s, pace.rested_s) == pytest.approx((0.12, 0.36))
+    full = unit_checkpoint.CopyPace(1.0, cpu_clock=lambda: cpu[0], rest=rest)
+    cpu[0] += 5.0
+    full.after_batch()
+    assert len(rests) == 2
+    for share in (0, -0.5, 1.5):
+        with pytest.raises(InvalidBatch, match="copy share"):
+            unit_checkpoint.CopyPace(share)
+
+
+def test_a_paced_checkpoint_writes_the_same_bytes_as_one_at_full_speed(
+    stores, tmp_path, monkeypatch
+):
+    """Three batches (20 MiB) at share 0.5 rest after each, and write byte for byte what
+    share 1 writes: the pace changes when bytes are written, never which."""
+    paces = []
+
+    class Recorded(unit_checkpoint.CopyPace):
+        def __init__(self, share, **kw):
+            super().__init__(share, **kw)
+            paces.append(self)
+
+    monkeypatch.setattr(unit_checkpoint, "CopyPace", Recorded)
+    store = stores()
+    _put(store, "p", "w1", _ids("s", 20), {"x": _rows(20, 1 << 20)}, SampleMeta(1))
+    dumped = {}
+    for share, name in ((1.0, "full"), (0.5, "paced")):
+        store.pin_checkpoint(name)
+        (tmp_path / name).mkdir()
+        dumped[share] = asyncio.run(
+            store.write_checkpoint(
+                name, str(tmp_path / name), {"p": _ids("s", 20)}, None, None, share
+            )
+        )
+    full, paced = paces
+    assert full.rested_s == 0
+    assert paced.rested_s > 0
+    assert paced.rested_s == pytest.approx(paced.busy_s, rel=0.05)  # share 0.5: as long as busy
+    data = [
+        (tmp_path / n / d.files[1].name).read_bytes()
+        for n, d in zip(("full", "paced"), dumped.values())
+    ]
+    assert len(data[0]) == 20 << 20
+    assert data[0] == data[1]
+    assert stores().load(str(tmp_path / "paced"), dumped[0.5].files) == 20
 
 
 def test_a_parent_from_another_process_of_the_unit_is_not_referenced(stores, tmp_path):

@@ -177,7 +177,8 @@ def test_save_with_a_parent_and_status_names_the_last_checkpoint_and_its_positio
     services, tmp_path
 ):
     """``save --parent`` links what the parent holds; ``status`` and GetServiceInfo name the
-    last checkpoint with its position; a checkpoint of format 1 is refused naming it."""
+    last checkpoint with its position, ``describe`` the level and the partition's samples in
+    it; a checkpoint of format 1 is refused naming it."""
     h = services()
     addr = h.admin_address
     h.client().register_partition("p", ["x"])
@@ -198,6 +199,17 @@ def test_save_with_a_parent_and_status_names_the_last_checkpoint_and_its_positio
     line = next(s for s in status.splitlines() if s.startswith("checkpoint "))
     assert line.startswith(f"checkpoint {child} at position {last.position}"), line
     assert f"incremental to {full}" in line, line
+    h.client().put_samples(["d"], "p", {"x": torch.ones(1, 4096)})  # after the cut: not in it
+    described = ok(dataplane("describe", "p", address=addr))
+    assert "durability      memory; 3 samples in the last checkpoint (" in described, described
+    with grpc.insecure_channel(addr) as channel:
+        d = admin_pb2_grpc.AdminServiceStub(channel).DescribePartition(
+            admin_pb2.DescribePartitionRequest(partition_id="p"),
+            timeout=30,
+            metadata=[("authorization", f"Bearer {TOKEN}")],
+        )
+    assert (d.durability, d.checkpointed_samples, d.num_samples) == ("memory", 3, 4)
+    assert d.last_checkpoint_at == pytest.approx(last.taken_at)
 
     manifest = full / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"format": 2', '"format": 1'))

@@ -177,7 +177,7 @@ def test_a_durable_level_without_a_state_dir_or_machine_on_ram_is_refused(ray_se
         assert not os.path.exists("/dev/shm/dp-refused")  # refused before anything is made
 
 
-def test_the_level_and_state_dir_show_in_service_info_the_admin_api_and_metrics(durable):
+def test_the_level_and_state_dir_show_in_service_info_the_admin_api_describe_and_metrics(durable):
     import urllib.request
 
     import grpc
@@ -193,6 +193,13 @@ def test_the_level_and_state_dir_show_in_service_info_the_admin_api_and_metrics(
             admin_pb2.GetServiceInfoRequest(), timeout=60
         )
     assert (got.durability, got.state_dir) == ("process", state_dir)
+    h.client().register_partition("shown", ["x"])
+    with grpc.insecure_channel(h.admin_address) as ch:
+        described = admin_pb2_grpc.AdminServiceStub(ch).DescribePartition(
+            admin_pb2.DescribePartitionRequest(partition_id="shown"), timeout=60
+        )
+    assert described.durability == "process"
+    assert not described.HasField("checkpointed_samples")  # no checkpoint saved yet
     with urllib.request.urlopen(f"http://{h.metrics_address}/metrics", timeout=60) as r:
         text = r.read().decode()
     assert f'dataplane_durability_info{{level="process",state_dir="{state_dir}"}} 1.0' in text

@@ -263,10 +263,21 @@ class Arena:
             store[offset : offset + data.nbytes] = data.reshape(-1).view(np.uint8)
 
     def gather(
-        self, blocks: list[int], which: np.ndarray, starts: np.ndarray, ends: np.ndarray
+        self,
+        blocks: list[int],
+        which: np.ndarray,
+        starts: np.ndarray,
+        ends: np.ndarray,
+        into: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Byte ranges [starts[i], ends[i]) of ``blocks[which[i]]``, back to back in one buffer."""
-        out = np.empty(int((ends - starts).sum()), dtype=np.uint8)
+        """Byte ranges [starts[i], ends[i]) of ``blocks[which[i]]``, back to back in one buffer:
+        the start of ``into`` where given and large enough (a copy loop reuses one buffer
+        rather than fault in fresh pages every time), else a new one."""
+        total = int((ends - starts).sum())
+        if into is not None and len(into) >= total:
+            out = into[:total]
+        else:
+            out = np.empty(total, dtype=np.uint8)
         # Merge abutting ranges only inside one block: offset each block far from the others.
         key = which.astype(np.int64) << 48
         run_starts, run_ends = contiguous_runs(starts + key, ends + key)

@@ -24,6 +24,15 @@ region of a block), so it is referenced, not copied: the parent's segment file i
 hard-linked into the new directory (copied where the filesystem refuses a link),
 so deleting the parent never breaks the child. The manifest holds every file's
 size and sha256; a restore checks every file it reads before storing anything.
+
+Paced. The copy runs in a thread of its own at the lowest priority, and keeps its CPU
+time to at most ``copy_share`` of its wall time (``CopyPace``: after each batch it
+rests in proportion to what the batch cost), so writers and claimers on the same cores
+lose at most about that share while it runs; a checkpoint then takes longer, not
+them. PostgreSQL spreads a checkpoint's writes over time for the same reason
+(``checkpoint_completion_target``), RocksDB's backup engine has a rate limit. Each
+file is synced by the thread that wrote it, so the controller's last step (state,
+manifest, rename) syncs only its own small files.
 """
 
 from __future__ import annotations
@@ -33,8 +42,8 @@ import contextlib
 import errno
 import hashlib
 import os
-import shutil
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -52,6 +61,7 @@ from dataplane_client.wire.errors import (
 )
 from dataplane_server.core.recovery_messages import DumpedFile, DumpedUnit
 from dataplane_server.core.unit.partition import Column, UnitPartition
+from dataplane_server.core.unit.segment_file import SegmentWriter
 
 if TYPE_CHECKING:
     from dataplane_server.core.unit.arena import Arena
@@ -104,6 +114,31 @@ class Pinned:
     blocks: list[int] = field(default_factory=list)
 
 
+class CopyPace:
+    """Keeps a copy's CPU time to at most ``share`` of its wall time: after work that took
+    ``t`` seconds of this thread's CPU, it rests ``t * (1 / share - 1)``. ``share`` 1 never
+    rests. The copy's own thread calls it; a rest is the pacing itself, not a wait for
+    another thread."""
+
+    def __init__(self, share: float, cpu_clock=time.thread_time, rest=time.sleep):
+        if not 0 < share <= 1:
+            raise InvalidBatch(f"a checkpoint's copy share is in (0, 1], not {share!r}")
+        self.share = float(share)
+        self.busy_s = self.rested_s = 0.0
+        self._cpu_clock, self._rest = cpu_clock, rest
+        self._mark = cpu_clock()
+
+    def after_batch(self) -> None:
+        now = self._cpu_clock()
+        busy, self._mark = now - self._mark, now
+        self.busy_s += busy
+        if self.share < 1 and busy > 0:
+            rest = busy * (1 / self.share - 1)
+            self._rest(rest)
+            self.rested_s += rest
+            self._mark = self._cpu_clock()  # a rest's own CPU (little) is not the copy's
+
+
 class Pins:
     """A unit's pinned cuts, by checkpoint id, until their bytes are written."""
 
@@ -128,8 +163,10 @@ class Pins:
         cut: dict[str, list[str]],
         parent_dir: str | None,
         parent_files: list[DumpedFile] | None,
+        copy_share: float = 1.0,
     ) -> DumpedUnit:
-        """``write`` in a thread, so the unit serves meanwhile; the pin goes after."""
+        """``write`` in a thread, so the unit serves meanwhile, paced to ``copy_share`` of
+        one core (``CopyPace``); the pin goes after."""
         pinned = self._pinned.get(checkpoint_id)
         if pinned is None:
             raise CheckpointError(f"unit {store.index} holds no cut of checkpoint {checkpoint_id}")
@@ -145,6 +182,7 @@ class Pins:
                 cut,
                 parent_dir,
                 parent_files,
+                copy_share,
             )
         finally:
             if self._pinned.get(checkpoint_id) is pinned:
@@ -252,12 +290,15 @@ def write(
     cut: dict[str, list[str]],
     parent_dir: str | None = None,
     parent_files: list[DumpedFile] | None = None,
+    copy_share: float = 1.0,
 ) -> DumpedUnit:
-    """Write the rows of ``pinned`` the cut names (partition -> ids) into ``directory``.
+    """Write the rows of ``pinned`` the cut names (partition -> ids) into ``directory``,
+    paced to ``copy_share`` (``CopyPace``), each file synced before it returns.
 
     Values a parent of this process holds are referenced; only the others are copied.
     Safe in a thread: it reads only ``pinned`` and the bytes of blocks it holds.
     """
+    pace = CopyPace(copy_share)
     parent = _parent(pinned, parent_dir, parent_files)
     data_name = f"unit-{store.index}-{checkpoint_id}.data"
     # Segment 0 is this checkpoint's own; the parent's keep their order after it.
@@ -265,7 +306,8 @@ def write(
     used = np.zeros(len(segments), dtype=bool)
     digest, written = hashlib.sha256(), 0
     index_parts = {}
-    with open(os.path.join(directory, data_name), "wb") as out:
+    out = SegmentWriter(os.path.join(directory, data_name))
+    try:
         for pid, ids in cut.items():
             if not ids:
                 continue  # none of the partition's samples live here
@@ -290,11 +332,14 @@ def write(
                 seg[new] = 0
                 used[np.unique(seg)] = True
                 for chunk in _batches(nbytes[new]):
+                    size = int(nbytes[new[chunk]].sum())
                     values = store.arena.gather(
-                        *_ranges(col, rows[first[new[chunk]]], nbytes[new[chunk]])
+                        *_ranges(col, rows[first[new[chunk]]], nbytes[new[chunk]]),
+                        into=out.reserve(size),
                     )
                     digest.update(values.data)
-                    out.write(values.data)
+                    out.commit(size)
+                    pace.after_batch()
                 written += int(nbytes[new].sum())
                 value_of = value_of.reshape(-1)
                 fields[name] = {
@@ -314,8 +359,12 @@ def write(
                 "tags": [part.tags.get(int(s)) for s in slots.tolist()],
                 "fields": fields,
             }
+    except BaseException:
+        out.abandon()
+        raise
+    out.close()
     segments[0] = DumpedFile(store.index, data_name, written, digest.hexdigest())
-    kept, linked, copied = _carry(directory, parent, segments, used)
+    kept, linked, copied = _carry(directory, parent, segments, used, pace)
     index = {
         "format": FORMAT,
         "unit": store.index,
@@ -329,6 +378,8 @@ def write(
         raise InvalidBatch(f"unit {store.index} holds tags that cannot be saved ({e})") from None
     with open(os.path.join(directory, index_name(store.index)), "wb") as f:
         f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     index_file = DumpedFile(store.index, index_name(store.index), len(data), _sha(data))
     files = [index_file, *(segments[i] for i in kept)]
     return DumpedUnit(
@@ -375,7 +426,9 @@ def _batches(nbytes: np.ndarray):
         start = stop
 
 
-def _ranges(col: PinnedColumn, rows: np.ndarray, nbytes: np.ndarray):
+def _ranges(
+    col: PinnedColumn, rows: np.ndarray, nbytes: np.ndarray
+) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
     """``Arena.gather``'s arguments for these rows' values. Gathering from a thread is safe:
     every block is held (never freed), and its bytes never change."""
     blocks, which = np.unique(col.chunk[rows], return_inverse=True)
@@ -384,10 +437,11 @@ def _ranges(col: PinnedColumn, rows: np.ndarray, nbytes: np.ndarray):
 
 
 def _carry(
-    directory: str, parent: _Parent | None, segments: list, used: np.ndarray
+    directory: str, parent: _Parent | None, segments: list, used: np.ndarray, pace: CopyPace
 ) -> tuple[list[int], int, int]:
     """Hard-link the parent segments still used into ``directory`` (copy where the filesystem
-    refuses a link); returns the kept segments' numbers, bytes linked and bytes copied."""
+    refuses a link, paced as the rest); returns the kept segments' numbers, bytes linked
+    and bytes copied."""
     kept, linked, copied = [0], 0, 0
     for i in range(1, len(segments)):
         if not used[i]:
@@ -401,10 +455,23 @@ def _carry(
         except OSError as e:
             if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
                 raise
-            shutil.copyfile(src, dst)
+            _copy_file(src, dst, pace)
             copied += seg.nbytes
         kept.append(i)
     return kept, linked, copied
+
+
+def _copy_file(src: str, dst: str, pace: CopyPace) -> None:
+    out = SegmentWriter(dst)
+    try:
+        with open(src, "rb") as inp:
+            while block := inp.read(_BATCH_BYTES):
+                out.write(block)
+                pace.after_batch()
+    except BaseException:
+        out.abandon()
+        raise
+    out.close()
 
 
 def _renumbered(parts: dict, kept: list[int]) -> dict:

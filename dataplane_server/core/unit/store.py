@@ -790,11 +790,13 @@ class UnitStore:
         cut: dict[str, list[str]],
         parent_dir: str | None = None,
         parent_files: list[DumpedFile] | None = None,
+        copy_share: float = 1.0,
     ) -> DumpedUnit:
         """Write the pinned rows ``cut`` names (partition -> ids) to ``directory``, copying
-        only values the parent's files do not hold; the pin is released after."""
+        only values the parent's files do not hold, at most ``copy_share`` of one core
+        busy; the pin is released after."""
         return await self.checkpoint_pins.write(
-            self, checkpoint_id, directory, cut, parent_dir, parent_files
+            self, checkpoint_id, directory, cut, parent_dir, parent_files, copy_share
         )
 
     def load(self, directory: str, files: list[DumpedFile]) -> int:
