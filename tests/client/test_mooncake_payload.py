@@ -4,8 +4,9 @@ process pulls them through ``MooncakeTcp`` (dataplane_client/transport/payload/m
 Bytes identical, a wrong CRC-32C pulled again then ``CorruptPayload``, a dead peer
 ``PayloadTransferFailed``, the probe's reasons, and every destination buffer back in the
 pool (or unregistered) and the read lease given back whatever happened; a second pull of
-the same size reuses the pooled buffer (no new registration). Skipped where Mooncake's engine does not
-load; under CI=true it must (tests/scenario_run.py)."""
+the same size reuses the pooled buffer (no new registration). One test pushes instead, to a
+unit (a Ray actor) that does not confirm the bytes by the put's deadline. Skipped where
+Mooncake's engine does not load; under CI=true it must (tests/scenario_run.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
+from polling import wait_until
 from scenario_run import mooncake_loads
 
 from dataplane_client.transport.payload import checksum, mooncake
@@ -265,3 +268,50 @@ def test_a_stalled_peer_fails_the_pull_after_the_engines_progress_timeout(peer):
     c = out["counters"]
     assert (c["transfer_failures"], c["lent"]) == (1, 0), c
     assert c["registered"] - c["unregistered"] == c["pooled"], c
+
+
+def test_a_push_the_unit_does_not_confirm_by_the_deadline_fails_typed_and_leaks_nothing(
+    peer, ray_session
+):
+    """A timeout after the remote write: the bytes reached the unit's region, but its check
+    (``verify_remote``) does not answer before the put's deadline. The push raises
+    ``PayloadTransferFailed`` (the bytes' fate unknown, so nothing may be committed: the
+    put discards that stage and stages again through Ray), counted, and the buffers it
+    registered to push from are unregistered."""
+    import ray
+
+    @ray.remote(max_concurrency=2)
+    class UnconfirmingUnit:
+        """A unit whose check of pushed bytes answers only once the test lets it."""
+
+        def __init__(self):
+            import threading
+
+            self.go, self.asked = threading.Event(), 0
+
+        def verify_remote(self, write_id, crcs):
+            self.asked += 1
+            self.go.wait(120)
+
+        def let_go(self):
+            self.go.set()
+
+        def checks(self):
+            return self.asked
+
+    unit = UnconfirmingUnit.remote()
+    assert ray.get(unit.checks.remote()) == 0  # started: the deadline is not spent starting it
+    values = {"x": np.arange(1 << 20, dtype=np.uint8)}  # 1 MiB, into the peer's first MiB
+    before = mooncake.counters()
+    push = mooncake.MooncakePush(mooncake.MooncakeTcp(6, peer.session, "127.0.0.1"))
+    # Waited until the put's deadline (1 s away), not VERIFY_TIMEOUT_S (for puts without one).
+    late = r"did not confirm .* within [01]\.\ds \(the put's deadline\): nothing committed"
+    with pytest.raises(PayloadTransferFailed, match=late):
+        push.push(unit, "w-late", values, {"x": (peer.addr, 1 << 20)}, expires_at=time.time() + 1)
+    ray.get(unit.let_go.remote())
+    wait_until(lambda: ray.get(unit.checks.remote()) == 1, timeout_s=60, what="the late check")
+    delta = _balanced(before)
+    assert delta["transfer_failures"] == 1
+    assert delta["pushed_bytes"] == 1 << 20, "the bytes were written before the wait"
+    assert delta["registered"] == delta["unregistered"] == 1, "the source, registered then not"
+    ray.kill(unit)
