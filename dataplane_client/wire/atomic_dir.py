@@ -29,14 +29,15 @@ def publish(tmp: str, directory: str) -> str:
         if entry.is_file(follow_symlinks=False):
             with open(entry.path, "rb") as f:
                 os.fsync(f.fileno())
-    _sync_dir(tmp)
+    sync_dir(tmp)
     directory = os.path.abspath(directory)
     os.rename(tmp, directory)
-    _sync_dir(os.path.dirname(directory))  # the rename itself
+    sync_dir(os.path.dirname(directory))  # the rename itself
     return directory
 
 
-def _sync_dir(path: str) -> None:
+def sync_dir(path: str) -> None:
+    """Make a directory's entries (files made, renamed, removed in it) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dataplane_client.wire import shm
+from dataplane_client.wire.atomic_dir import sync_dir
 from dataplane_server.core.unit.partition import UnitPartition
 
 SYNC_POLICIES = ("none", "commit", "interval")
@@ -75,15 +76,7 @@ def _write_atomically(path: str, data: bytes, sync: bool) -> None:
             os.fsync(f.fileno())
     os.replace(tmp, path)
     if sync:
-        _sync_dir(os.path.dirname(path))
-
-
-def _sync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        sync_dir(os.path.dirname(path))
 
 
 class RowLog:
