@@ -11,8 +11,9 @@ mooncake.py``): a peer process registers ``--sizes`` bytes with its own engine, 
 process pulls them into a registered buffer (``transfer_sync_read``), CRC-32C checked,
 once over TCP and once over RDMA (``initialize(ip, "P2PHANDSHAKE", "rdma", device)``),
 both with the P2P handshake, in the same run; medians of ``--repeats``. The data plane's
-get itself still moves its bytes over Mooncake's TCP: the figures say what switching the
-backend's protocol would buy on this machine. Published figures are printed beside ours
+get moves its bytes over RDMA on such a machine (``cross_node_transport: auto``: Mooncake's
+engine takes RDMA wherever it finds a device) unless ``tcp`` keeps it on TCP: the figures
+say what each costs here. Published figures are printed beside ours
 (``PUBLISHED``).
 
 A table, then ONE JSON line (``--out`` writes it too). Exit 1 when bytes differ or a
@@ -91,9 +92,16 @@ sys.stdin.read()  # held until the check closes our stdin
 
 
 def start_engine(protocol: str, device: str) -> Any:
-    """An engine on loopback over ``protocol`` ("tcp", or "rdma" on ``device``)."""
+    """An engine on loopback over ``protocol`` ("tcp", or "rdma" on ``device``). The engine
+    picks its transport itself (RDMA wherever it finds a device: ``dataplane_client/
+    transport/payload/mooncake.py``), so TCP is forced with ``MC_FORCE_TCP``, read as each
+    engine starts; without it, the "tcp" leg would run over RDMA on a machine with a NIC."""
     from dataplane_client.transport.payload.mooncake import engine_environment
 
+    if protocol == "tcp":
+        os.environ["MC_FORCE_TCP"] = "1"
+    else:
+        os.environ.pop("MC_FORCE_TCP", None)
     engine_environment()
     from mooncake.engine import TransferEngine
 

@@ -33,7 +33,7 @@ import ray
 from dataplane_client.codec import devices
 from dataplane_client.transport.call_batcher import CallBatcher
 from dataplane_client.transport.payload import mooncake, probe
-from dataplane_client.transport.payload.base import MOONCAKE_TCP, PayloadBackend, RayObjects
+from dataplane_client.transport.payload.base import MOONCAKE, PayloadBackend, RayObjects
 from dataplane_client.wire import group_fields, parallel_copy, shm
 from dataplane_client.wire.encoded import EncodedField, row_copy_pairs, take_rows
 from dataplane_client.wire.errors import DataPlaneError, PayloadTransferFailed, ReaderUnknown
@@ -195,7 +195,7 @@ class Transport:
         refs, owner = [], self._stage_owner()
         in_shm = {u: self.shared[u] and u not in via_ray for u in plan}
         # unit -> (per field, the rows it gets; the backend that pushes them)
-        pushed: dict[int, tuple[dict[str, np.ndarray], mooncake.MooncakeTcp]] = {}
+        pushed: dict[int, tuple[dict[str, np.ndarray], mooncake.Mooncake]] = {}
         copied: dict[int, BaseException | None] = {}  # unit -> error of a copy made up front
         rows_of: dict[int, dict[str, np.ndarray]] = {}  # unit -> per field, the rows it gets
         for u, rows in plan.items():
@@ -256,7 +256,7 @@ class Transport:
                 nbytes = sum(h.nbytes for h in headers.values())
                 backend = self.backend(u) if self._transfer_puts and u not in via_ray else None
                 # Small stages go batched through Ray (cheaper than a push's round trips).
-                if nbytes > BATCHED_STAGE_BYTES and isinstance(backend, mooncake.MooncakeTcp):
+                if nbytes > BATCHED_STAGE_BYTES and isinstance(backend, mooncake.Mooncake):
                     # Through the transfer engine: the unit sets the region aside, we push.
                     pushed[u] = (rows_of[u], backend)
                     call = self.units[u].alloc_remote.remote(
@@ -495,10 +495,11 @@ class Transport:
                     self._local_node,
                     self._cross_node_mode,
                 )
+                here = ray.util.get_node_ip_address()
                 self._backends = {
-                    p.unit: mooncake.MooncakeTcp(p.unit, p.detail, ray.util.get_node_ip_address())
+                    p.unit: mooncake.Mooncake(p.unit, p.detail, here, p.backend)
                     for p in paths
-                    if p.backend == MOONCAKE_TCP
+                    if p.backend in MOONCAKE
                 }
                 self._paths = paths
             return self._paths

@@ -250,10 +250,13 @@ class DataPlaneConfig(BaseModel):
     # --- bytes across nodes (dataplane_client/transport/payload) -----------------
     cross_node_transport: str = Field(
         "auto",
-        pattern="^(auto|ray)$",
+        pattern="^(auto|tcp|ray)$",
         description="How a get moves bytes from a unit on another node: auto = Mooncake's "
-        "transfer engine (TCP) where both ends have it and a probe at connect passes, else "
-        "Ray's object transfer (the reason logged once); ray = always Ray's.",
+        "transfer engine where both ends have it and a probe at connect passes (over RDMA "
+        "where its engine finds an active RDMA device, else TCP; both ends must agree), "
+        "else Ray's object transfer (the reason logged once); tcp = the same, Mooncake kept "
+        "on TCP everywhere (for clusters where some nodes have no RDMA device); ray = "
+        "always Ray's.",
     )
     transfer_puts: bool = Field(
         False,

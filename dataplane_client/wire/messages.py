@@ -662,7 +662,8 @@ class PayloadPath:
 @dataclass(frozen=True)
 class PayloadOffer:
     """How a unit offers its bytes to readers on other nodes (its answer to
-    ``payload_offer``): ``backend`` "mooncake-tcp" with the engine's ``session``
+    ``payload_offer``): ``backend`` "mooncake-tcp" or "mooncake-rdma" (what its engine
+    moves bytes over) with the engine's ``session``
     ("ip:port") and a probe region (address, length, CRC-32C) a reader pulls to prove the
     path works; or "ray" with ``reason`` (no engine: not installed, turned off, failed)."""
 
@@ -671,6 +672,7 @@ class PayloadOffer:
     reason: str = ""
     probe: tuple[int, int, int] | None = None
     min_bytes: int = 0  # fields of fewer bytes come back inline (a pull costs a round trip)
+    devices: tuple[str, ...] = ()  # the RDMA devices of a "mooncake-rdma" engine
 
 
 def read_request(

@@ -469,7 +469,8 @@ def _unit_families(pull: StatsPull) -> Iterable[Metric]:
     u_paths = CounterMetricFamily(
         "dataplane_payload_path_choices",
         "Reader processes on other nodes whose capability probe chose this path to the "
-        "unit's bytes (mooncake-tcp, or ray with the reason it fell back), since it started.",
+        "unit's bytes (mooncake-rdma, mooncake-tcp, or ray with the reason it fell back), "
+        "since it started.",
         labels=["unit", "path", "reason"],
     )
     errors = CounterMetricFamily(

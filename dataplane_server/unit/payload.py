@@ -28,9 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from dataplane_client.transport.payload import checksum
-from dataplane_client.transport.payload.base import MOONCAKE_TCP, RAY
-from dataplane_client.transport.payload.mooncake import engine_environment
+from dataplane_client.transport.payload import checksum, mooncake
+from dataplane_client.transport.payload.base import RAY
 from dataplane_client.wire import failpoints, shm
 from dataplane_client.wire.encoded import EncodedField
 from dataplane_client.wire.errors import CorruptPayload, PayloadTransferFailed, StageReclaimed
@@ -52,19 +51,12 @@ class _Registered:
     addr: int
 
 
-def start_engine(host: str) -> tuple[Any, str]:
-    """A Mooncake transfer engine on ``host`` over TCP with the peer-to-peer handshake (no
-    metadata server to run): (engine, its session "host:port"). Raises ImportError when
-    the package (or the libibverbs it links) is missing, RuntimeError when it would not
-    start."""
-    engine_environment()
-    from mooncake.engine import TransferEngine
-
-    engine = TransferEngine()
-    rc = engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
-    if rc != 0:
-        raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, tcp) returned {rc}")
-    return engine, f"{host}:{engine.get_rpc_port()}"
+def start_engine(host: str, mode: str) -> tuple[Any, str, str, tuple[str, ...]]:
+    """The unit's Mooncake engine on ``host``: (engine, its session "host:port", what it
+    moves bytes over, its RDMA devices). Raises as ``mooncake.start_engine`` does."""
+    engine = mooncake.start_engine(host, mode)
+    protocol, devices = mooncake.transport_of(engine)
+    return engine, f"{host}:{engine.get_rpc_port()}", protocol, devices
 
 
 class UnitPayload:
@@ -110,7 +102,9 @@ class UnitPayload:
             self._offer = PayloadOffer(RAY, reason=f"on the unit's node, {checksum.missing()}")
         else:
             try:
-                self._engine, self._session = await asyncio.to_thread(start_engine, self.host)
+                self._engine, self._session, protocol, devices = await asyncio.to_thread(
+                    start_engine, self.host, self.mode
+                )
                 self._probe = np.frombuffer(os.urandom(_PROBE_BYTES), dtype=np.uint8).copy()
                 self._register(self._probe.ctypes.data, _PROBE_BYTES)
             except Exception as e:  # noqa: BLE001 - any failure means the Ray path, with its reason
@@ -120,7 +114,11 @@ class UnitPayload:
             else:
                 probe = (self._probe.ctypes.data, _PROBE_BYTES, checksum.of(self._probe.data))
                 self._offer = PayloadOffer(
-                    MOONCAKE_TCP, session=self._session, probe=probe, min_bytes=self.min_bytes
+                    mooncake.backend_name(protocol),
+                    session=self._session,
+                    probe=probe,
+                    min_bytes=self.min_bytes,
+                    devices=devices,
                 )
         log.info("unit %d: cross-node payload %s", self.store.index, self._offer)
 

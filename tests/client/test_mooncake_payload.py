@@ -1,6 +1,6 @@
 """The Mooncake backend's pulls against a real peer engine (no Ray, no cluster): a peer
 process registers random bytes with its own engine, as a storage unit does, and this
-process pulls them through ``MooncakeTcp`` (dataplane_client/transport/payload/mooncake.py).
+process pulls them through ``Mooncake`` (dataplane_client/transport/payload/mooncake.py).
 Bytes identical, a wrong CRC-32C pulled again then ``CorruptPayload``, a dead peer
 ``PayloadTransferFailed``, the probe's reasons, and every destination buffer back in the
 pool (or unregistered) and the read lease given back whatever happened; a second pull of
@@ -102,7 +102,7 @@ def _balanced(before: dict) -> dict:
 def test_a_pull_of_scattered_segments_returns_the_peers_bytes(peer):
     cuts = [(NBYTES // 2, 1 << 20), (0, 4096), (5000, 123_457), (NBYTES - 10, 10)]
     unit, before = _Unit(), mooncake.counters()
-    got = mooncake.MooncakeTcp(0, peer.session, "127.0.0.1").complete(unit, _answer(peer, cuts))
+    got = mooncake.Mooncake(0, peer.session, "127.0.0.1").complete(unit, _answer(peer, cuts))
     want = np.concatenate([peer.data[s : s + n] for s, n in cuts])
     assert np.array_equal(got["x"].values, want)
     assert unit.released == [[7]]
@@ -116,7 +116,7 @@ def test_a_pull_of_scattered_segments_returns_the_peers_bytes(peer):
 
 def test_a_crc_that_never_matches_is_pulled_twice_then_corrupt_payload(peer):
     unit, before = _Unit(), mooncake.counters()
-    backend = mooncake.MooncakeTcp(3, peer.session, "127.0.0.1")
+    backend = mooncake.Mooncake(3, peer.session, "127.0.0.1")
     with pytest.raises(CorruptPayload, match=r"unit 3: 1 segment\(s\) of field\(s\) 'x'") as e:
         backend.complete(unit, _answer(peer, [(0, NBYTES)], wrong_crc=True))
     assert e.value.fields == ["x"]
@@ -130,7 +130,7 @@ def test_a_dead_peer_is_payload_transfer_failed_and_leaks_nothing(peer):
     peer.proc.kill()
     peer.proc.wait(timeout=30)
     unit, before = _Unit(), mooncake.counters()
-    backend = mooncake.MooncakeTcp(1, peer.session, "127.0.0.1")
+    backend = mooncake.Mooncake(1, peer.session, "127.0.0.1")
     with pytest.raises(PayloadTransferFailed, match=r"unit 1: pulling 4096 bytes of 'x' from"):
         backend.complete(unit, _answer(peer, [(0, 4096)]))
     assert unit.released == [[7]]
@@ -149,7 +149,7 @@ def test_the_probe_says_why_a_peer_cannot_be_used(peer):
 
 
 def test_a_second_get_of_the_same_size_reuses_the_pooled_buffer(peer):
-    backend = mooncake.MooncakeTcp(0, peer.session, "127.0.0.1")
+    backend = mooncake.Mooncake(0, peer.session, "127.0.0.1")
     first = backend.complete(_Unit(), _answer(peer, [(0, 1 << 20)]))
     del first
     before = mooncake.counters()
@@ -171,7 +171,7 @@ def test_a_peer_killed_mid_pull_is_payload_transfer_failed_and_leaks_nothing(pee
         peer.proc.wait(timeout=30)
 
     unit, before = _Unit(), mooncake.counters()
-    backend = mooncake.MooncakeTcp(2, peer.session, "127.0.0.1")
+    backend = mooncake.Mooncake(2, peer.session, "127.0.0.1")
     with (
         failpoints.run_at(failpoints.PAYLOAD_PULLED, kill_peer),
         pytest.raises(PayloadTransferFailed, match=r"unit 2: pulling .* of 'x' from"),
@@ -190,7 +190,7 @@ def test_a_refused_registration_is_payload_transfer_failed_and_leaks_nothing(pee
     # registers a new one, which the engine refuses once.
     cuts = [(0, NBYTES), (0, NBYTES)]
     unit, before = _Unit(), mooncake.counters()
-    backend = mooncake.MooncakeTcp(4, peer.session, "127.0.0.1")
+    backend = mooncake.Mooncake(4, peer.session, "127.0.0.1")
     failpoints.arm(failpoints.PAYLOAD_REGISTER, "1")
     try:
         with pytest.raises(PayloadTransferFailed, match=r"register_memory of a get's destination"):
@@ -221,7 +221,7 @@ class Unit:
         self.release_remote, self.released = self, []
     def remote(self, leases):
         self.released.append(leases)
-backend = mooncake.MooncakeTcp(5, session, "127.0.0.1")
+backend = mooncake.Mooncake(5, session, "127.0.0.1")
 backend.complete(Unit(), {"x": RemoteRows(header, [(addr, n)], [crc], lease=6)})
 print("connected", flush=True)  # the test stops the peer now, then tells us to go on
 sys.stdin.readline()
@@ -303,7 +303,7 @@ def test_a_push_the_unit_does_not_confirm_by_the_deadline_fails_typed_and_leaks_
     assert ray.get(unit.checks.remote()) == 0  # started: the deadline is not spent starting it
     values = {"x": np.arange(1 << 20, dtype=np.uint8)}  # 1 MiB, into the peer's first MiB
     before = mooncake.counters()
-    push = mooncake.MooncakePush(mooncake.MooncakeTcp(6, peer.session, "127.0.0.1"))
+    push = mooncake.MooncakePush(mooncake.Mooncake(6, peer.session, "127.0.0.1"))
     # Waited until the put's deadline (1 s away), not VERIFY_TIMEOUT_S (for puts without one).
     late = r"did not confirm .* within [01]\.\ds \(the put's deadline\): nothing committed"
     with pytest.raises(PayloadTransferFailed, match=late):
@@ -315,3 +315,43 @@ def test_a_push_the_unit_does_not_confirm_by_the_deadline_fails_typed_and_leaks_
     assert delta["pushed_bytes"] == 1 << 20, "the bytes were written before the wait"
     assert delta["registered"] == delta["unregistered"] == 1, "the source, registered then not"
     ray.kill(unit)
+
+
+class _Topology:
+    """An engine as far as ``transport_of`` reads one: its topology, as Mooncake prints it."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def get_local_topology(self) -> str:
+        return self.text
+
+
+def test_the_transport_is_read_from_the_engines_own_discovery(monkeypatch):
+    """Mooncake's engine installs RDMA wherever it found a device with an active port (its
+    topology lists it), else TCP, whatever protocol ``initialize`` was given: the path is
+    named for what the engine chose. ``MC_FORCE_TCP`` (cross_node_transport 'tcp') wins."""
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    with_nics = '{"cpu:0": [["mlx5_1"], ["mlx5_0", "mlx5_1"]], "cuda:0": [["mlx5_1"], []]}'
+    assert mooncake.transport_of(_Topology(with_nics)) == ("rdma", ("mlx5_0", "mlx5_1"))
+    assert mooncake.transport_of(_Topology('{"cpu:0": [[], []]}')) == ("tcp", ())
+    assert mooncake.transport_of(_Topology("not json")) == ("tcp", ())
+    assert mooncake.backend_name("rdma") == "mooncake-rdma"
+    # This machine has no RDMA device: its engine, really started, moves bytes over TCP.
+    assert mooncake.transport("127.0.0.1") == ("tcp", ())
+    monkeypatch.setenv("MC_FORCE_TCP", "1")
+    assert mooncake.transport_of(_Topology(with_nics)) == ("tcp", ())
+
+
+def test_the_probe_refuses_a_unit_whose_engine_moves_bytes_over_another_transport(peer):
+    """A unit whose engine found an RDMA device cannot be reached by an engine on TCP (and
+    the other way round): the probe says so, naming the setting that makes both TCP,
+    without trying a transfer that cannot work."""
+    good = (peer.addr, 4096, checksum.of(peer.data[:4096].data))
+    rdma = PayloadOffer("mooncake-rdma", session=peer.session, probe=good, devices=("mlx5_0",))
+    before = mooncake.counters()
+    why = mooncake.probe(rdma, "127.0.0.1") or ""
+    assert "the unit's engine moves bytes over RDMA" in why, why
+    assert "this process's over TCP (no RDMA device)" in why, why
+    assert "cross_node_transport 'tcp'" in why, why
+    assert mooncake.counters()["registered"] == before["registered"], "no transfer was tried"

@@ -23,6 +23,8 @@ from dataplane_client.wire.encoded import EncodedField
 SHM = "shm"  # same node: shared memory, not a payload backend (transport/bulk.py)
 RAY = "ray"
 MOONCAKE_TCP = "mooncake-tcp"
+MOONCAKE_RDMA = "mooncake-rdma"
+MOONCAKE = (MOONCAKE_TCP, MOONCAKE_RDMA)  # Mooncake's engine, by what it moves bytes over
 
 
 class PayloadBackend(ABC):

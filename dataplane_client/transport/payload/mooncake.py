@@ -1,10 +1,18 @@
-"""Mooncake's Transfer Engine over TCP: a get pulls a unit's bytes straight out of the
+"""Mooncake's Transfer Engine (RDMA where it finds a device, else TCP): a get pulls a unit's bytes straight out of the
 unit's registered chunk memory into its own buffer, with no copy on the unit's side and
 nothing through Ray's object store (``dataplane_server/unit/payload.py`` is the unit's
 side).
 
 Peer-to-peer handshake (``P2PHANDSHAKE``): no metadata server to run; a peer is named by
 its engine's ``ip:port`` (its session). One engine per process, started on first use.
+
+What the engine moves bytes over is its own choice, made as it starts: it discovers the
+machine's RDMA devices with an active port and installs its RDMA transport, alone, when
+it finds one, else its TCP transport (Mooncake's ``transfer_engine_impl.cpp``; the
+``protocol`` argument of ``initialize`` does not choose it outside EFA builds, and
+``MC_FORCE_TCP`` keeps it on TCP). :func:`transport` reads that choice back, so the
+path is named for what it is (``mooncake-rdma`` or ``mooncake-tcp``); two engines that
+chose differently cannot reach each other, and the probe says so rather than trying.
 A get's segments (runs of rows back to back in one chunk) are pulled in one batch of
 transfers, and each is checked against the CRC-32C the unit stated before the get returns
 (Mooncake 0.3.10's TCP path was found to truncate silently, Relax #256): a mismatch is
@@ -19,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import json
 import logging
 import os
 import threading
@@ -30,7 +39,11 @@ import numpy as np
 import ray
 
 from dataplane_client.transport.payload import checksum
-from dataplane_client.transport.payload.base import MOONCAKE_TCP, PayloadBackend
+from dataplane_client.transport.payload.base import (
+    MOONCAKE_RDMA,
+    MOONCAKE_TCP,
+    PayloadBackend,
+)
 from dataplane_client.wire import failpoints
 from dataplane_client.wire.encoded import EncodedField
 from dataplane_client.wire.errors import CorruptPayload, PayloadTransferFailed
@@ -41,6 +54,7 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _engine: Any = None
 _engine_error: str | None = None
+_transport: tuple[str, tuple[str, ...]] | None = None  # what this process's engine moves bytes over
 _counts = {
     "registered": 0,  # buffers registered with the engine (a pull's, a push's sources)
     "unregistered": 0,  # ... and unregistered again (the difference: the pool's buffers)
@@ -66,7 +80,7 @@ PULL_SLICE_BYTES = 64 << 20
 VERIFY_TIMEOUT_S = 60.0  # a push's wait for the unit's check, for a put without deadline
 
 
-def engine_environment() -> None:
+def engine_environment(mode: str = "auto") -> None:
     """Set what Mooncake reads from the environment, before it is first imported (unless the
     process set it itself): the TCP slice size above, and its logs. It logs to stderr from
     INFO up: a dozen lines per engine start, and one per connection and segment; errors
@@ -76,9 +90,45 @@ def engine_environment() -> None:
 
     A transfer that makes no progress fails after ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (30 s by
     default; checked here: a stopped peer, -1 after 30.0 s; a dead one, -1 at once), so a
-    pull never hangs a get for longer."""
+    pull never hangs a get for longer.
+
+    ``mode`` (the service's ``cross_node_transport``): "tcp" keeps the engine on TCP even
+    where the machine has an RDMA device (``MC_FORCE_TCP``), for clusters where some
+    nodes have none; "auto" lets it choose."""
     os.environ.setdefault("MC_TCP_SLICE_SIZE", str(TCP_SLICE_BYTES))
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    if mode == "tcp":
+        os.environ["MC_FORCE_TCP"] = "1"
+
+
+def transport_of(eng: Any) -> tuple[str, tuple[str, ...]]:
+    """What a started engine moves bytes over: ("rdma", its devices) when it found RDMA
+    devices with an active port (and TCP is not forced), else ("tcp", ()). Read from the
+    engine's own topology (``get_local_topology``: per CPU or GPU, the devices it
+    prefers and may use), the discovery its start made."""
+    if os.environ.get("MC_FORCE_TCP"):
+        return "tcp", ()
+    try:
+        topology = json.loads(eng.get_local_topology())
+        devices = {name for lists in topology.values() for group in lists for name in group}
+    except (ValueError, TypeError, AttributeError, RuntimeError) as e:
+        log.warning("cannot read Mooncake's topology (%s): taken as TCP", e)
+        return "tcp", ()
+    return ("rdma", tuple(sorted(devices))) if devices else ("tcp", ())
+
+
+def backend_name(protocol: str) -> str:
+    return MOONCAKE_RDMA if protocol == "rdma" else MOONCAKE_TCP
+
+
+def transport(host: str, mode: str = "auto") -> tuple[str, tuple[str, ...]]:
+    """What this process's engine moves bytes over (the engine started if need be)."""
+    global _transport
+    eng = engine(host, mode)
+    with _lock:
+        if _transport is None:
+            _transport = transport_of(eng)
+        return _transport
 
 
 def counters() -> dict[str, int]:
@@ -107,10 +157,25 @@ def register(eng: Any, addr: int, nbytes: int, what: str) -> None:
     _count("registered")
 
 
-def engine(host: str) -> Any:
-    """This process's engine (started on first call); RuntimeError saying why when there
-    is none (the package or its libibverbs missing, or the engine would not start): the
-    reason is kept, so a process tries once."""
+def start_engine(host: str, mode: str = "auto") -> Any:
+    """A new engine on ``host`` with the peer-to-peer handshake (no metadata server to run);
+    ImportError when the package (or the libibverbs it links) is missing, RuntimeError when
+    it would not start. The protocol passed is a formality: the engine picks its transport
+    (the module's docstring)."""
+    engine_environment(mode)
+    from mooncake.engine import TransferEngine
+
+    e = TransferEngine()
+    rc = e.initialize(host, "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}) returned {rc}")
+    return e
+
+
+def engine(host: str, mode: str = "auto") -> Any:
+    """This process's engine (started on first call, ``mode`` as ``engine_environment``
+    takes it); RuntimeError saying why when there is none (the package or its libibverbs
+    missing, or the engine would not start): the reason is kept, so a process tries once."""
     global _engine, _engine_error
     with _lock:
         if _engine is not None:
@@ -118,13 +183,7 @@ def engine(host: str) -> Any:
         if _engine_error is not None:
             raise RuntimeError(_engine_error)
         try:
-            engine_environment()
-            from mooncake.engine import TransferEngine
-
-            e = TransferEngine()
-            rc = e.initialize(host, "P2PHANDSHAKE", "tcp", "")
-            if rc != 0:
-                raise RuntimeError(f"TransferEngine.initialize({host!r}, tcp) returned {rc}")
+            e = start_engine(host, mode)
         except Exception as exc:  # noqa: BLE001 - ImportError, OSError (libibverbs), engine errors
             _engine_error = f"Mooncake unavailable in this process: {type(exc).__name__}: {exc}"
             raise RuntimeError(_engine_error) from None
@@ -216,16 +275,26 @@ class _Registered:
         _count("unregistered")
 
 
-def probe(offer: PayloadOffer, host: str) -> str | None:
-    """None when this process can pull from the unit that made ``offer`` (its probe bytes
-    arrive, CRC-32C checked), else why not."""
+def probe(offer: PayloadOffer, host: str, mode: str = "auto") -> str | None:
+    """None when this process can pull from the unit that made ``offer`` (both engines move
+    bytes over the same transport, and its probe bytes arrive, CRC-32C checked), else why
+    not."""
     why_not = checksum.missing()
     if why_not is not None:
         return f"this process cannot check what it pulls: {why_not}"
     try:
-        eng = engine(host)
+        mine, devices = transport(host, mode)
+        eng = engine(host, mode)
     except RuntimeError as e:
         return str(e)
+    if backend_name(mine) != offer.backend:
+        theirs = "RDMA" if offer.backend == MOONCAKE_RDMA else "TCP"
+        here = f"RDMA ({', '.join(devices)})" if mine == "rdma" else "TCP (no RDMA device)"
+        return (
+            f"the unit's engine moves bytes over {theirs}, this process's over {here}: "
+            "Mooncake's engine takes RDMA wherever it finds a device; cross_node_transport "
+            "'tcp' keeps every engine of the service on TCP"
+        )
     assert offer.probe is not None
     addr, nbytes, crc = offer.probe
     buf = np.zeros(nbytes, dtype=np.uint8)
@@ -241,13 +310,13 @@ def probe(offer: PayloadOffer, host: str) -> str | None:
     return None
 
 
-class MooncakeTcp(PayloadBackend):
-    """Pulls from one unit's engine (``session``: its ``ip:port``)."""
+class Mooncake(PayloadBackend):
+    """Pulls from one unit's engine (``session``: its ``ip:port``); ``name`` says what the
+    two engines move bytes over (``mooncake-tcp`` or ``mooncake-rdma``): the same calls
+    either way."""
 
-    name = MOONCAKE_TCP
-
-    def __init__(self, unit_index: int, session: str, host: str):
-        self.unit_index, self.session, self.host = unit_index, session, host
+    def __init__(self, unit_index: int, session: str, host: str, name: str = MOONCAKE_TCP):
+        self.unit_index, self.session, self.host, self.name = unit_index, session, host, name
 
     def read_call(self, unit, partition_id, sample_ids, fields, expect, token):
         return unit.read_remote.remote(
@@ -405,7 +474,7 @@ class MooncakePush:
     the stage is discarded; the put stages again through Ray under a new write id (while
     its deadline lasts), so it lands once or not at all."""
 
-    def __init__(self, backend: MooncakeTcp):
+    def __init__(self, backend: Mooncake):
         self.backend = backend
 
     def push(

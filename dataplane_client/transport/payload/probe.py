@@ -2,11 +2,12 @@
 decided once, at connect (or at the first read that needs it).
 
 Per unit: same node with shared memory -> ``shm`` (not a payload backend at all); another
-node -> Mooncake over TCP when (1) the service allows it (``cross_node_transport`` is
-``auto``), (2) the package imports here, (3) the unit's engine runs (its
-``payload_offer``), (4) this process's engine starts and (5) pulls the unit's probe bytes,
-CRC-32C checked (the peer is reachable); else Ray's object transfer, with the first reason
-that failed. Each choice is logged once per process and unit node, and shown in
+node -> Mooncake's engine (``mooncake-rdma`` where the unit's engine found an RDMA device,
+else ``mooncake-tcp``) when (1) the service allows it (``cross_node_transport`` is
+``auto`` or ``tcp``), (2) the package imports here, (3) the unit's engine runs (its
+``payload_offer``), (4) this process's engine starts, (5) moves bytes over the same
+transport as the unit's and (6) pulls the unit's probe bytes, CRC-32C checked (the peer
+is reachable); else Ray's object transfer, with the first reason that failed. Each choice is logged once per process and unit node, and shown in
 ``service_info().payload_paths``.
 """
 
@@ -20,7 +21,7 @@ from collections.abc import Callable
 import ray
 
 from dataplane_client.transport.payload import mooncake
-from dataplane_client.transport.payload.base import MOONCAKE_TCP, RAY, SHM
+from dataplane_client.transport.payload.base import MOONCAKE, RAY, SHM
 from dataplane_client.wire.messages import PayloadOffer, PayloadPath
 
 log = logging.getLogger(__name__)
@@ -87,12 +88,12 @@ def choose(
             offer, node_id = offers[u], nodes[u] or ""
             if isinstance(offer, str):
                 paths[u] = PayloadPath(u, node_id, RAY, offer)
-            elif offer.backend != MOONCAKE_TCP:
+            elif offer.backend not in MOONCAKE:
                 paths[u] = PayloadPath(u, node_id, RAY, offer.reason)
             else:
-                why_not = mooncake.probe(offer, me)
+                why_not = mooncake.probe(offer, me, mode)
                 paths[u] = (
-                    PayloadPath(u, node_id, MOONCAKE_TCP, offer.session)
+                    PayloadPath(u, node_id, offer.backend, offer.session)
                     if why_not is None
                     else PayloadPath(u, node_id, RAY, why_not)
                 )
