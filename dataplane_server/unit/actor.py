@@ -225,7 +225,8 @@ class StorageUnit:
     def recovery_view(self) -> UnitRecovery:
         return self.store.recovery_view()
 
-    def pin_checkpoint(self, checkpoint_id: str) -> None:
+    async def pin_checkpoint(self, checkpoint_id: str) -> None:
+        self._start_sweeper()  # it releases a pin whose controller died before the copy
         self.store.pin_checkpoint(checkpoint_id)
 
     async def write_checkpoint(
@@ -373,6 +374,7 @@ class StorageUnit:
             await asyncio.sleep(every_s)  # a periodic timer, not synchronisation
             try:
                 self.store.reclaim_expired()
+                self.store.release_unwritten_checkpoints()
                 watched = list(self.store.watched_owners() | self.payload.owners())
                 died = await asyncio.gather(*[_owner_died(o, every_s) for o in watched])
                 gone = {o for o, dead in zip(watched, died) if dead}

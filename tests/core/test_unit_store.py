@@ -26,6 +26,7 @@ from dataplane_client.wire import shm
 from dataplane_client.wire.encoded import EncodedField
 from dataplane_client.wire.errors import (
     CapacityExceeded,
+    CheckpointError,
     CorruptPayload,
     FieldNotProduced,
     InvalidBatch,
@@ -619,6 +620,51 @@ def test_an_incremental_checkpoint_writes_only_new_values_and_outlives_its_paren
     assert fresh.load(str(tmp_path / "b"), second.files) == 9
     got = _read(fresh, "p", cut["p"], "x")
     assert torch.equal(got, torch.cat([_rows(7, 4096), _rows(2, 4096, start=8)]))
+
+
+def test_a_cut_pinned_and_never_written_is_released_after_its_ttl(stores, tmp_path):
+    """A controller that dies between the pin and the write leaves the unit holding the
+    cut's blocks; the unit's sweeper lets them go once the pin is older than
+    ``UNWRITTEN_PIN_TTL_S`` and no copy of it started. A late write is then typed."""
+    store = stores()
+    _put(store, "p", "w1", _ids("s", 4), {"x": _rows(4, 4096)}, SampleMeta(1))
+    store.pin_checkpoint("c1")
+    pinned_at = time.monotonic()
+    store.clear("p", None)
+    assert store.used_bytes > 0  # held by the pin
+    pins = store.checkpoint_pins
+    assert pins.release_unwritten(store, now=pinned_at + 1) == []  # young: a write may come
+    ttl = unit_checkpoint.UNWRITTEN_PIN_TTL_S
+    assert pins.release_unwritten(store, now=pinned_at + ttl + 1) == ["c1"]
+    assert (pins.held, store.used_bytes) == (0, 0)
+    (tmp_path / "ck").mkdir()
+    with pytest.raises(CheckpointError, match="holds no cut of checkpoint c1"):
+        asyncio.run(store.write_checkpoint("c1", str(tmp_path / "ck"), {"p": _ids("s", 4)}))
+
+
+def test_a_cut_being_copied_is_never_released_as_stale(stores, tmp_path):
+    """The ttl counts only until the copy starts: a long, paced copy keeps its pin, and a
+    new checkpoint's pin leaves it alone too (the copy releases it when done)."""
+    store = stores()
+    _put(store, "p", "w1", _ids("s", 4), {"x": _rows(4, 4096)}, SampleMeta(1))
+    store.pin_checkpoint("c1")
+    (tmp_path / "ck").mkdir()
+    pins = store.checkpoint_pins
+
+    async def race():
+        copy = asyncio.create_task(
+            store.write_checkpoint("c1", str(tmp_path / "ck"), {"p": _ids("s", 4)})
+        )
+        await asyncio.sleep(0)  # one turn of the loop: the copy has started (it is awaited)
+        assert pins.release_unwritten(store, now=time.monotonic() + 1e6) == []
+        store.pin_checkpoint("c2")  # the next checkpoint pins while c1 is still copied
+        assert pins.held == 2
+        return await copy
+
+    dumped = asyncio.run(race())
+    assert dumped.samples == 4
+    assert pins.held == 1  # c1 released by its copy; c2 waits for its own write
+    assert stores().load(str(tmp_path / "ck"), dumped.files) == 4
 
 
 def test_a_paced_copy_rests_in_proportion_to_the_cpu_it_used():

@@ -139,21 +139,50 @@ class CopyPace:
             self._mark = self._cpu_clock()  # a rest's own CPU (little) is not the copy's
 
 
+# A cut's write is asked for as soon as every unit has pinned (milliseconds later): a pin
+# whose write has not started after this long belongs to a controller that died
+# mid-checkpoint (a restarted one never resumes a save; the caller's call failed and is
+# retried anew), and would otherwise hold its blocks until the next checkpoint.
+UNWRITTEN_PIN_TTL_S = 120.0
+
+
 class Pins:
     """A unit's pinned cuts, by checkpoint id, until their bytes are written."""
 
     def __init__(self) -> None:
         self._pinned: dict[str, Pinned] = {}
+        self._pinned_at: dict[str, float] = {}  # time.monotonic() of each pin
+        self._writing: set[str] = set()  # cuts being copied: theirs to release when done
         # Copies run in a thread of their own, never a shared pool's: it stays at the
         # lowest priority (raising it back would need a privilege).
         self._copier = ThreadPoolExecutor(1, "checkpoint-copy", initializer=_lowest_priority)
 
     def pin(self, store: StoreParts, checkpoint_id: str) -> None:
         """Pin the unit's rows now. A cut pinned before and never written (its controller
-        died mid-checkpoint) is released: the controller takes one checkpoint at a time."""
-        for stale in list(self._pinned):
-            release(store, self._pinned.pop(stale))
+        died mid-checkpoint) is released: the controller takes one checkpoint at a time.
+        One being copied is left to its copy, which releases it when done."""
+        for stale in [c for c in self._pinned if c not in self._writing]:
+            self._release(store, stale)
         self._pinned[checkpoint_id] = pin(store)
+        self._pinned_at[checkpoint_id] = time.monotonic()
+
+    def release_unwritten(
+        self, store: StoreParts, now: float | None = None, ttl_s: float = UNWRITTEN_PIN_TTL_S
+    ) -> list[str]:
+        """Release the cuts pinned more than ``ttl_s`` ago whose copy never started (the
+        unit's sweeper calls it); returns their ids. A later ``write`` of one is a
+        ``CheckpointError``, as for any cut the unit does not hold."""
+        now = time.monotonic() if now is None else now
+        stale = [
+            c for c, at in self._pinned_at.items() if c not in self._writing and now - at > ttl_s
+        ]
+        for c in stale:
+            self._release(store, c)
+        return stale
+
+    def _release(self, store: StoreParts, checkpoint_id: str) -> None:
+        release(store, self._pinned.pop(checkpoint_id))
+        self._pinned_at.pop(checkpoint_id, None)
 
     async def write(
         self,
@@ -170,6 +199,7 @@ class Pins:
         pinned = self._pinned.get(checkpoint_id)
         if pinned is None:
             raise CheckpointError(f"unit {store.index} holds no cut of checkpoint {checkpoint_id}")
+        self._writing.add(checkpoint_id)
         try:
             await failpoints.pause_if_armed(failpoints.CHECKPOINT_COPY)
             return await asyncio.get_running_loop().run_in_executor(
@@ -185,8 +215,9 @@ class Pins:
                 copy_share,
             )
         finally:
+            self._writing.discard(checkpoint_id)
             if self._pinned.get(checkpoint_id) is pinned:
-                release(store, self._pinned.pop(checkpoint_id))
+                self._release(store, checkpoint_id)
 
     @property
     def held(self) -> int:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import secrets
 import time
 import uuid
@@ -91,6 +92,8 @@ from dataplane_server.core.unit.partition import UnitPartition
 from dataplane_server.core.unit.row_log import RowLog
 from dataplane_server.core.unit.undo import Cells, PublishedWrite, PublishedWrites
 from dataplane_server.core.unit.warm_reserve import WarmReserve
+
+log = logging.getLogger(__name__)
 
 _EXPIRED_REMEMBERED = 4096  # write ids of reclaimed stages kept to explain a late publish
 _PUBLISHED_REMEMBERED = 65536  # write ids of published stages: a retried commit is a no-op
@@ -782,6 +785,18 @@ class UnitStore:
     def pin_checkpoint(self, checkpoint_id: str) -> None:
         """Hold this unit's rows and their blocks as they are now (the checkpoint's cut)."""
         self.checkpoint_pins.pin(self, checkpoint_id)
+
+    def release_unwritten_checkpoints(self) -> None:
+        """Let go of cuts pinned long ago whose copy never started (their controller died
+        mid-checkpoint): their blocks are freed as any unpinned block would be."""
+        for checkpoint_id in self.checkpoint_pins.release_unwritten(self):
+            log.warning(
+                "unit %d: released the cut of checkpoint %s, pinned %.0fs ago and never "
+                "written (its controller died mid-checkpoint?)",
+                self.index,
+                checkpoint_id,
+                unit_checkpoint.UNWRITTEN_PIN_TTL_S,
+            )
 
     async def write_checkpoint(
         self,
