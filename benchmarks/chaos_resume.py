@@ -95,9 +95,16 @@ class ChaosResult:
         }
 
 
-def chaos_run(workdir: str, kills: int = KILLS, steps: int = STEPS, seed: int = 0) -> ChaosResult:
-    """The reference run, then the chaos run in ``workdir`` (module docstring)."""
-    flags = [*WORKLOAD, "--steps", str(steps)]
+def chaos_run(
+    workdir: str,
+    kills: int = KILLS,
+    steps: int = STEPS,
+    seed: int = 0,
+    extra: tuple[str, ...] = (),
+) -> ChaosResult:
+    """The reference run, then the chaos run in ``workdir`` (module docstring); ``extra``:
+    more demo flags for both (``--partial-rollouts``)."""
+    flags = [*WORKLOAD, *extra, "--steps", str(steps)]
     rng = random.Random(seed)
     reference_dir = os.path.join(workdir, "reference")
     t0 = time.perf_counter()
@@ -267,12 +274,12 @@ def _tail(path: str) -> str:
 # ---- the benchmark section -------------------------------------------------------------
 
 
-def run(opts: Options) -> Section:
+def run(opts: Options, extra: tuple[str, ...] = ()) -> Section:
     """The harness's entry: one chaos run (``--quick``: fewer steps), its tables."""
     with tempfile.TemporaryDirectory(prefix="bench-chaos-") as tmp:
-        opts.log(f"chaos: dataplane demo {' '.join(WORKLOAD)}, {KILLS} kills")
+        opts.log(f"chaos: dataplane demo {' '.join((*WORKLOAD, *extra))}, {KILLS} kills")
         t0 = time.perf_counter()
-        result = chaos_run(tmp, steps=8 if opts.quick else STEPS)
+        result = chaos_run(tmp, steps=8 if opts.quick else STEPS, extra=extra)
         return report(result, time.perf_counter() - t0)
 
 
@@ -363,3 +370,18 @@ def report(result: ChaosResult, wall_s: float, kills: int = KILLS) -> Section:
         "on timing; the set over the run is)."
     )
     return section
+
+
+if __name__ == "__main__":
+    import argparse
+
+    from benchmarks.run import render
+
+    parser = argparse.ArgumentParser(description="the chaos run alone: tables on stdout")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--partial-rollouts", action="store_true", help="the demo keeps partial rollouts"
+    )
+    args = parser.parse_args()
+    extra = ("--partial-rollouts",) if args.partial_rollouts else ()
+    print(render(run(Options(quick=args.quick), extra)))

@@ -19,7 +19,11 @@ Resuming from ``step-n`` (the store already restored from its checkpoint):
 in a checkpoint taken at the mark; all claimed since, for a store that outlived its
 trainer), the samples of prompts the log says were trained are cleared (trained into
 the restored policy), the complete groups of the other prompts stay to be claimed,
-and the producers get the remaining prompts, in order. So each prompt is trained once
+and the producers get the remaining prompts, in order. With ``--partial-rollouts`` the
+store may hold rollouts a kill interrupted (started, or finished short of their
+rewards): their actors are gone, so their groups count as cut short, are cleared and
+generated again whole (their partial tokens are not resumed across a kill; they are
+across weight updates). So each prompt is trained once
 (the log and the mark agree on what the policy holds) and none is skipped (each one
 is in the log, in the store or handed out).
 """
@@ -85,30 +89,39 @@ def resume_partition(
     remaining = []
     for prompt in range(ledger.dataset):
         ids = group_sample_ids(partition_id, prompt, generations)
-        present = stored_ids(client, partition_id, ids)
+        whole, short = stored_ids(client, partition_id, ids)
         if prompt in trained:
-            gone = present  # trained into the restored policy
-        elif len(present) == len(ids):
+            gone = whole + short  # trained into the restored policy
+        elif len(whole) == len(ids):
             continue  # a whole group to claim
-        else:  # never written, or cut short: generated again, whole
-            gone = present
+        else:  # never written, or cut short (partial rollouts too): generated again, whole
+            gone = whole + short
             remaining.append(prompt)
         if gone:
             client.clear_samples(gone, partition_id)
     return remaining, handed_back
 
 
-def stored_ids(client: Any, partition_id: str, ids: list[str]) -> list[str]:
-    """Which of ``ids`` the partition holds (one read for a whole group, else one per id)."""
-    from dataplane_client.wire.errors import SamplesNotFound
+def stored_ids(client: Any, partition_id: str, ids: list[str]) -> tuple[list[str], list[str]]:
+    """Which of ``ids`` the partition holds whole (with rewards), and which it holds short
+    of them: partial rollouts a kill interrupted, in progress or finished and not yet
+    given their rewards (``RolloutActor.write_group`` writes them last). One read for a
+    whole group, else one per id."""
+    from dataplane_client.wire.errors import FieldNotProduced, SamplesNotFound
 
-    def held(some: list[str]) -> bool:
+    def state(some: list[str]) -> str:
         try:
             client.get_samples(some, partition_id, ["rewards"])
         except SamplesNotFound:
-            return False
-        return True
+            return "absent"
+        except FieldNotProduced:
+            return "short"
+        return "whole"
 
-    if held(ids):
-        return ids
-    return [i for i in ids if held([i])]
+    if state(ids) == "whole":
+        return ids, []
+    states = [state([i]) for i in ids]
+    return (
+        [i for i, st in zip(ids, states) if st == "whole"],
+        [i for i, st in zip(ids, states) if st == "short"],
+    )

@@ -381,10 +381,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--max-staleness needs --async (the synchronous demo is on-policy: 0)")
     if args.partial_rollouts and not args.async_mode:
         p.error("--partial-rollouts needs --async (no weight update interrupts a sync rollout)")
-    if args.partial_rollouts and (args.checkpoint_dir or args.resume):
-        # A checkpoint may hold rollouts in progress, whose actors a resumed run does not
-        # have: a resume would have to finish or clear them, and does neither yet.
-        p.error("--partial-rollouts does not checkpoint or resume yet")
     if args.checkpoint_every < 1:
         p.error("--checkpoint-every must be >= 1")
     return args

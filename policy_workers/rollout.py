@@ -218,9 +218,13 @@ class RolloutActor:
                 fields = await asyncio.to_thread(self._generate_group, prompt, rng)
         if tail is None:
             await self._put(ids, partition_id, fields, tags=tags, version=version)
-        else:  # the rest of the group's fields, then its last tokens make it claimable
-            await self._put(ids, partition_id, fields)
+        else:
+            # Its last tokens first (finished), then the rest of its fields: a trainer claims
+            # only samples with rewards, so the group becomes claimable with the put. And a
+            # group with rewards is then always whole, which a resumed run relies on to tell
+            # it from one a kill cut short (``async_resume.stored_ids``).
             await self.client.append_tokens_async(ids, partition_id, tail, version, finish=True)
+            await self._put(ids, partition_id, fields)
         self.groups_written += 1
 
     async def _put(self, ids: list[str], partition_id: str, fields: dict, **extras) -> None:

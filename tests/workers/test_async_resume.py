@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dataplane_client import StalenessSpec
 from dataplane_client.wire.errors import SamplesNotFound
 from dataplane_server.core.inprocess import InProcessDataPlaneClient
 from policy_workers.async_resume import AsyncLedger, resume_partition
@@ -70,3 +71,46 @@ def test_a_ledger_clears_trained_batches_only_once_a_save_is_complete():
     plain = AsyncLedger(dataset=2, checkpointing=False)  # no --checkpoint-dir: at once
     plain.finish_step(c, 1, c.claim_meta(PID, TASK, ["rewards"], G))
     assert not _held(c, 1)
+
+
+def test_partial_rollouts_a_kill_interrupted_are_cleared_and_generated_again():
+    """With --partial-rollouts a checkpoint may hold groups in progress (started by
+    ``append_tokens``), or finished and not yet given their rewards: their actors are gone,
+    so the resume clears them and hands their prompts to the producers; a whole group
+    (finished, rewarded) stays to be claimed. Before, the in-progress sample's missing
+    rewards made the resume raise FieldNotProduced."""
+    c = InProcessDataPlaneClient()
+    spec = StalenessSpec(max_staleness={TASK: 1})
+    c.register_partition(
+        PID, ["input_ids", "rewards"], None, [TASK], grpo_group_size=G, staleness=spec
+    )
+
+    def start(prompt: int) -> list[str]:
+        ids = group_sample_ids(PID, prompt, G)
+        tags = [{"group_id": f"prompt{prompt}", "prompt": prompt}] * G
+        tokens = {"input_ids": [torch.arange(4), torch.arange(3)]}
+        c.append_tokens(ids, PID, tokens, 0, tags=tags, start=True)
+        return ids
+
+    start(0)  # in progress at the kill
+    finished = start(1)  # finished, its rewards not yet put at the kill
+    c.append_tokens(
+        finished, PID, {"input_ids": [torch.arange(1), torch.arange(2)]}, 0, finish=True
+    )
+    whole = start(2)  # finished and rewarded: claimable
+    c.append_tokens(whole, PID, {"input_ids": [torch.arange(1), torch.arange(2)]}, 0, finish=True)
+    c.put_samples(whole, PID, {"rewards": torch.ones(G)})
+    assert c.describe_partition(PID).staleness.partial_in_progress == G
+
+    c.commit_step(PID, TASK, 1)  # the step-1 checkpoint, before any group was claimed
+    ledger = AsyncLedger(dataset=4, checkpointing=True)
+    remaining, _ = resume_partition(c, PID, TASK, 1, ledger, G)
+
+    assert remaining == [0, 1, 3]  # the two interrupted, and 3 never started
+    for prompt in (0, 1):
+        with pytest.raises(SamplesNotFound):
+            c.get_samples(group_sample_ids(PID, prompt, G)[:1], PID, ["input_ids"])
+    assert c.describe_partition(PID).staleness.partial_in_progress == 0  # admission room back
+    start(0)  # its ids start again cleanly, as the producers will
+    batch = c.claim_meta(PID, TASK, ["input_ids", "rewards"], 2 * G, blocking=False)
+    assert {t["prompt"] for t in batch.tags} == {2}
