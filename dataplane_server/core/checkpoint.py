@@ -8,19 +8,19 @@ A checkpoint is one directory holding a cut of the store at one position:
 - ``state.msgpack``: what only the controller knows (declarations,
   consumption and leases by sample id), as of the cut;
 - ``manifest.json``: format version, the checkpoint's id, the cut's position and
-  time, its parent, and every file with its size and SHA-256.
+  time, its parent, and every file with its size and checksum (``core/file_digest.py``:
+  "crc32c:<hex>"; format 2 named a bare SHA-256, read as such).
 
 Everything is written into ``<dir>.tmp-<random>`` and renamed to ``<dir>`` only
 once the manifest is complete and synced, so a crash mid-save leaves no
 directory of the final name, and a directory without a valid manifest never
 loads. A checkpoint of format 1 (one ``unit-<u>.bin`` each, no cut) is refused
-with a typed error naming its format.
+with a typed error naming its format; format 2 (SHA-256 checksums) loads.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 
@@ -28,9 +28,11 @@ import msgpack
 
 from dataplane_client.wire import atomic_dir
 from dataplane_client.wire.errors import CheckpointError, CorruptPayload, InvalidBatch
+from dataplane_server.core import file_digest
 from dataplane_server.core.recovery_messages import DumpedFile, DumpedUnit
 
-FORMAT = 2
+FORMAT = 3
+READS = (2, FORMAT)  # 2: the same files, each checked with a bare SHA-256
 MANIFEST = "manifest.json"
 STATE = "state.msgpack"
 
@@ -91,12 +93,12 @@ def finish(tmp: str, directory: str, units: list[DumpedUnit], state: dict, about
                 "unit": d.unit,
                 "samples": d.samples,
                 "files": [
-                    {"name": f.name, "nbytes": f.nbytes, "sha256": f.sha256} for f in d.files
+                    {"name": f.name, "nbytes": f.nbytes, "digest": f.digest} for f in d.files
                 ],
             }
             for d in units
         ],
-        "state": {"name": STATE, "nbytes": len(data), "sha256": hashlib.sha256(data).hexdigest()},
+        "state": {"name": STATE, "nbytes": len(data), "digest": file_digest.of(data)},
     }
     with open(os.path.join(tmp, MANIFEST), "w") as text:
         json.dump(manifest, text, indent=1)
@@ -117,17 +119,24 @@ def manifest(directory: str) -> dict:
     if got.get("format") == 1:
         raise InvalidBatch(
             f"{directory} is a checkpoint of format 1, which this version does not read (it "
-            f"reads format {FORMAT}); restore it with the version that saved it and save again"
+            f"reads formats {READS}); restore it with the version that saved it and save again"
         )
-    if got.get("format") != FORMAT:
+    if got.get("format") not in READS:
         raise CorruptPayload(f"{directory}: checkpoint format {got.get('format')!r} unknown")
     return got
+
+
+def _digest(entry: dict) -> str:
+    """A manifest entry's checksum (format 2 kept a bare SHA-256)."""
+    if "digest" in entry:
+        return entry["digest"]
+    return file_digest.legacy(entry["sha256"])
 
 
 def unit_files(got: dict) -> dict[int, list[DumpedFile]]:
     """Per unit of a manifest, its files (its index first)."""
     return {
-        u["unit"]: [DumpedFile(u["unit"], f["name"], f["nbytes"], f["sha256"]) for f in u["files"]]
+        u["unit"]: [DumpedFile(u["unit"], f["name"], f["nbytes"], _digest(f)) for f in u["files"]]
         for u in got["units"]
     }
 
@@ -142,7 +151,7 @@ def read(directory: str) -> tuple[list[DumpedFile], dict]:
             data = f.read()
     except OSError as e:
         raise CorruptPayload(f"{directory}: cannot read the checkpoint state ({e})") from None
-    if len(data) != st["nbytes"] or hashlib.sha256(data).hexdigest() != st["sha256"]:
+    if len(data) != st["nbytes"] or not file_digest.matches(_digest(st), data):
         raise CorruptPayload(f"{directory}: the checkpoint state does not match its manifest")
     files = [f for fs in unit_files(got).values() for f in fs]
     return files, msgpack.unpackb(data, raw=False)

@@ -57,7 +57,7 @@ class DumpedFile:
     unit: int
     name: str  # relative to the checkpoint directory
     nbytes: int
-    sha256: str
+    digest: str  # core/file_digest.py: "crc32c:<hex>" or "sha256:<hex>"
 
 
 @dataclass(frozen=True)

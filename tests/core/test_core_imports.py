@@ -38,6 +38,7 @@ CORE_MODULES = (
     "dataplane_server.core.claim_answers",
     "dataplane_server.core.unit.arena",
     "dataplane_server.core.checkpoint",
+    "dataplane_server.core.file_digest",
     "dataplane_server.core.recovery",
     "dataplane_server.core.recovery_messages",
     "dataplane_server.core.retention",

@@ -9,6 +9,7 @@ operator as one line with the gRPC code it maps to.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 
 import grpc
@@ -16,7 +17,7 @@ import pytest
 import torch
 from cli_run import run_dataplane
 
-from dataplane_client.wire.errors import UnknownPartition
+from dataplane_client.wire.errors import CorruptPayload, UnknownPartition
 from dataplane_server.admin_pb import admin_pb2, admin_pb2_grpc
 
 TOKEN = "ckpt-token"
@@ -112,6 +113,48 @@ def test_save_then_restore_into_a_fresh_service_bit_for_bit(services, tmp_path):
     assert torch.equal(back["mask"], fields["mask"])
     rest = dst.claim_meta(pid, "train", ["input_ids"], 100, blocking=False)
     assert sorted(rest.sample_ids) == sorted(set(ids) - set(taken))  # the cursor came along
+
+
+def _as_format_2(directory) -> None:
+    """Rewrite a checkpoint's manifest as the previous version wrote it: format 2, each
+    file with a bare SHA-256 (computed here, apart from the code under test)."""
+    path = directory / "manifest.json"
+    got = json.loads(path.read_text())
+    entries = [f for u in got["units"] for f in u["files"]] + [got["state"]]
+    for entry in entries:
+        del entry["digest"]
+        entry["sha256"] = hashlib.sha256((directory / entry["name"]).read_bytes()).hexdigest()
+    got["format"] = 2
+    path.write_text(json.dumps(got))
+
+
+def test_a_checkpoint_of_format_2_still_restores_and_is_checked(services, tmp_path):
+    """Checkpoints saved before CRC-32C (format 2, SHA-256 per file) restore bit for bit,
+    and a file that does not match its SHA-256 is refused before anything is stored."""
+    src_handle = services()
+    src = src_handle.client()
+    ids = [f"s{i}" for i in range(6)]
+    src.register_partition("rollouts", ["input_ids", "logprobs", "mask"], 6, ["train"])
+    fields = _fields(6)
+    src.put_samples(ids, "rollouts", fields)
+    saved = tmp_path / "old"
+    src.checkpoint(str(saved))
+    assert json.loads((saved / "manifest.json").read_text())["state"]["digest"].startswith(
+        "crc32c:"
+    )
+    _as_format_2(saved)
+    dst = services().client()
+    assert dst.restore(str(saved)) == 6
+    back = dst.get_samples(ids, "rollouts", ["input_ids"])["input_ids"]
+    assert all(torch.equal(r, f) for r, f in zip(back.unbind(), fields["input_ids"]))
+    dst.delete_partition("rollouts")
+    segment = next(saved.glob("unit-*-*.data"))
+    spoiled = bytearray(segment.read_bytes())
+    spoiled[0] ^= 0xFF
+    segment.write_bytes(bytes(spoiled))
+    with pytest.raises(CorruptPayload, match="does not match its manifest"):
+        dst.restore(str(saved))
+    assert dst.service_info().num_partitions == 0  # nothing stored
 
 
 def test_each_refusal_is_one_line_with_its_grpc_code(services, tmp_path):
@@ -212,7 +255,7 @@ def test_save_with_a_parent_and_status_names_the_last_checkpoint_and_its_positio
     assert d.last_checkpoint_at == pytest.approx(last.taken_at)
 
     manifest = full / "manifest.json"
-    manifest.write_text(manifest.read_text().replace('"format": 2', '"format": 1'))
+    manifest.write_text(manifest.read_text().replace('"format": 3', '"format": 1'))
     refused(
         dataplane("checkpoint", "restore", str(full), address=services().admin_address),
         1,

@@ -23,7 +23,8 @@ index names is the same bytes (a block id is never reused in a process, nor a
 region of a block), so it is referenced, not copied: the parent's segment file is
 hard-linked into the new directory (copied where the filesystem refuses a link),
 so deleting the parent never breaks the child. The manifest holds every file's
-size and sha256; a restore checks every file it reads before storing anything.
+size and checksum (``core/file_digest.py``: CRC-32C); a restore checks every file it
+reads before storing anything.
 
 Paced. The copy runs in a thread of its own at the lowest priority, and keeps its CPU
 time to at most ``copy_share`` of its wall time (``CopyPace``: after each batch it
@@ -40,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import hashlib
 import os
 import threading
 import time
@@ -59,6 +59,7 @@ from dataplane_client.wire.errors import (
     CorruptPayload,
     InvalidBatch,
 )
+from dataplane_server.core import file_digest
 from dataplane_server.core.recovery_messages import DumpedFile, DumpedUnit
 from dataplane_server.core.unit.partition import Column, UnitPartition
 from dataplane_server.core.unit.segment_file import SegmentWriter
@@ -335,7 +336,7 @@ def write(
     # Segment 0 is this checkpoint's own; the parent's keep their order after it.
     segments: list[DumpedFile | None] = [None, *(parent.segments if parent else [])]
     used = np.zeros(len(segments), dtype=bool)
-    digest, written = hashlib.sha256(), 0
+    digest, written = file_digest.Digest(), 0
     index_parts = {}
     out = SegmentWriter(os.path.join(directory, data_name))
     try:
@@ -394,7 +395,7 @@ def write(
         out.abandon()
         raise
     out.close()
-    segments[0] = DumpedFile(store.index, data_name, written, digest.hexdigest())
+    segments[0] = DumpedFile(store.index, data_name, written, digest.value())
     kept, linked, copied = _carry(directory, parent, segments, used, pace)
     index = {
         "format": FORMAT,
@@ -411,7 +412,7 @@ def write(
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    index_file = DumpedFile(store.index, index_name(store.index), len(data), _sha(data))
+    index_file = DumpedFile(store.index, index_name(store.index), len(data), file_digest.of(data))
     files = [index_file, *(segments[i] for i in kept)]
     return DumpedUnit(
         store.index,
@@ -515,10 +516,6 @@ def _renumbered(parts: dict, kept: list[int]) -> dict:
     return parts
 
 
-def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 # ---- restore ---------------------------------------------------------------------------
 def _read_index(directory: str, files: list[DumpedFile]) -> dict:
     """A unit's index, checked against its manifest entry (the first of ``files``)."""
@@ -526,7 +523,7 @@ def _read_index(directory: str, files: list[DumpedFile]) -> dict:
     path = os.path.join(directory, entry.name)
     with open(path, "rb") as f:
         data = f.read()
-    if len(data) != entry.nbytes or _sha(data) != entry.sha256:
+    if len(data) != entry.nbytes or not file_digest.matches(entry.digest, data):
         raise CorruptPayload(f"checkpoint file {path} does not match its manifest")
     return msgpack.unpackb(data, raw=False)
 
@@ -543,12 +540,12 @@ def _listed(directory: str, index: dict, files: list[DumpedFile]) -> list[Dumped
 def _segment(directory: str, entry: DumpedFile) -> np.ndarray:
     """A segment's bytes (mapped, not read), checked against its manifest entry."""
     path = os.path.join(directory, entry.name)
-    digest, size = hashlib.sha256(), 0
+    digest, size = file_digest.checker(entry.digest), 0
     with open(path, "rb") as f:
         while block := f.read(_HASH_BYTES):
             digest.update(block)
             size += len(block)
-    if size != entry.nbytes or digest.hexdigest() != entry.sha256:
+    if size != entry.nbytes or digest.value() != entry.digest:
         raise CorruptPayload(f"checkpoint file {path} does not match its manifest")
     if not size:
         return np.zeros(0, dtype=np.uint8)
