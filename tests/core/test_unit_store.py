@@ -682,10 +682,15 @@ def test_a_paced_copy_rests_in_proportion_to_the_cpu_it_used():
         pace.after_batch()
     assert rests == pytest.approx([0.06, 0.3])  # 3x each batch's CPU; none after an idle one
     assert (pace.busy_s, pace.rested_s) == pytest.approx((0.12, 0.36))
+    cpu[0] += 0.5  # bookkeeping between batches (keys, parent lookups): not the copy's
+    pace.start()
+    cpu[0] += 0.01
+    pace.after_batch()
+    assert rests[-1] == pytest.approx(0.03)  # only the batch's own CPU is paced
     full = unit_checkpoint.CopyPace(1.0, cpu_clock=lambda: cpu[0], rest=rest)
     cpu[0] += 5.0
     full.after_batch()
-    assert len(rests) == 2
+    assert len(rests) == 3  # share 1 added none
     for share in (0, -0.5, 1.5):
         with pytest.raises(InvalidBatch, match="copy share"):
             unit_checkpoint.CopyPace(share)
