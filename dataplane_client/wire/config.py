@@ -211,7 +211,7 @@ class DataPlaneConfig(BaseModel):
         "controller's process (slower claims).",
     )
     checkpoint_copy_share: float = Field(
-        0.05,
+        0.02,
         gt=0,
         le=1,
         description="The share of one core each unit's checkpoint copy keeps busy at most "

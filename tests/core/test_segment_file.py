@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from dataplane_server.core.unit.segment_file import ALIGN, SegmentWriter
+from dataplane_server.core.unit.segment_file import ALIGN, SegmentWriter, Staging
 
 SIZES = [0, 1, ALIGN - 1, ALIGN, ALIGN + 1, 3 * ALIGN + 17, (1 << 20) + 3]
 
@@ -69,3 +69,20 @@ def test_a_segment_is_never_written_over_an_existing_file(tmp_path):
     with pytest.raises(FileExistsError):
         SegmentWriter(str(path))
     assert path.read_bytes() == b"kept"
+
+
+def test_a_staging_buffer_serves_file_after_file_without_growing_again(tmp_path):
+    """The copy keeps one buffer from one checkpoint to the next (a fresh one is faulted in
+    page by page each time): the second file reuses it, and both hold their own bytes."""
+    staging = Staging()
+    first, second = os.urandom(3 * ALIGN + 5), os.urandom(2 * ALIGN + 1)
+    for name, data in (("a", first), ("b", second)):
+        out = SegmentWriter(str(tmp_path / name), staging)
+        out.reserve(len(data))[:] = np.frombuffer(data, dtype=np.uint8)
+        out.commit(len(data))
+        out.close()
+        if name == "a":
+            buffer = staging.buf
+    assert staging.buf is buffer, "not grown for a file that fits"
+    assert (tmp_path / "a").read_bytes() == first
+    assert (tmp_path / "b").read_bytes() == second

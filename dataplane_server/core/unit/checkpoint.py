@@ -62,7 +62,7 @@ from dataplane_client.wire.errors import (
 from dataplane_server.core import file_digest
 from dataplane_server.core.recovery_messages import DumpedFile, DumpedUnit
 from dataplane_server.core.unit.partition import Column, UnitPartition
-from dataplane_server.core.unit.segment_file import SegmentWriter
+from dataplane_server.core.unit.segment_file import SegmentWriter, Staging
 
 if TYPE_CHECKING:
     from dataplane_server.core.unit.arena import Arena
@@ -161,6 +161,7 @@ class Pins:
         self._pinned: dict[str, Pinned] = {}
         self._pinned_at: dict[str, float] = {}  # time.monotonic() of each pin
         self._writing: set[str] = set()  # cuts being copied: theirs to release when done
+        self._staging = Staging()  # the copy thread's buffer, kept from one checkpoint to the next
         # Copies run in a thread of their own, never a shared pool's: it stays at the
         # lowest priority (raising it back would need a privilege).
         self._copier = ThreadPoolExecutor(1, "checkpoint-copy", initializer=_lowest_priority)
@@ -221,8 +222,11 @@ class Pins:
                 parent_dir,
                 parent_files,
                 copy_share,
+                self._staging,
             )
         finally:
+            if len(self._staging.buf) > 2 * _BATCH_BYTES:  # one huge value: not kept for good
+                self._staging = Staging()
             self._writing.discard(checkpoint_id)
             if self._pinned.get(checkpoint_id) is pinned:
                 self._release(store, checkpoint_id)
@@ -330,6 +334,7 @@ def write(
     parent_dir: str | None = None,
     parent_files: list[DumpedFile] | None = None,
     copy_share: float = 1.0,
+    staging: Staging | None = None,
 ) -> DumpedUnit:
     """Write the rows of ``pinned`` the cut names (partition -> ids) into ``directory``,
     paced to ``copy_share`` (``CopyPace``), each file synced before it returns.
@@ -345,7 +350,7 @@ def write(
     used = np.zeros(len(segments), dtype=bool)
     digest, written = file_digest.Digest(), 0
     index_parts = {}
-    out = SegmentWriter(os.path.join(directory, data_name))
+    out = SegmentWriter(os.path.join(directory, data_name), staging)
     try:
         for pid, ids in cut.items():
             if not ids:
@@ -404,7 +409,7 @@ def write(
         raise
     out.close()
     segments[0] = DumpedFile(store.index, data_name, written, digest.value())
-    kept, linked, copied = _carry(directory, parent, segments, used, pace)
+    kept, linked, copied = _carry(directory, parent, segments, used, pace, staging)
     index = {
         "format": FORMAT,
         "unit": store.index,
@@ -477,7 +482,12 @@ def _ranges(
 
 
 def _carry(
-    directory: str, parent: _Parent | None, segments: list, used: np.ndarray, pace: CopyPace
+    directory: str,
+    parent: _Parent | None,
+    segments: list,
+    used: np.ndarray,
+    pace: CopyPace,
+    staging: Staging | None,
 ) -> tuple[list[int], int, int]:
     """Hard-link the parent segments still used into ``directory`` (copy where the filesystem
     refuses a link, paced as the rest); returns the kept segments' numbers, bytes linked
@@ -495,14 +505,14 @@ def _carry(
         except OSError as e:
             if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
                 raise
-            _copy_file(src, dst, pace)
+            _copy_file(src, dst, pace, staging)
             copied += seg.nbytes
         kept.append(i)
     return kept, linked, copied
 
 
-def _copy_file(src: str, dst: str, pace: CopyPace) -> None:
-    out = SegmentWriter(dst)
+def _copy_file(src: str, dst: str, pace: CopyPace, staging: Staging | None) -> None:
+    out = SegmentWriter(dst, staging)
     try:
         with open(src, "rb") as inp:
             while True:

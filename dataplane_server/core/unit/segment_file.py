@@ -11,6 +11,10 @@ plain writes of the same bytes.
 
 The caller fills ``reserve(n)`` (the buffer's next ``n`` bytes) and hands them over
 with ``commit(n)``: the bytes go to the file straight from where they were gathered.
+The buffer is a ``Staging`` the caller keeps from one file to the next: a fresh one
+would be faulted in, page by page, for every checkpoint (measured: 8 MiB of new
+buffer cost 15-20 ms of CPU against 3 ms for the whole gather, checksum and write
+with a reused one, and a paced copy rests 19 times that at its default share).
 """
 
 from __future__ import annotations
@@ -23,8 +27,26 @@ import numpy as np
 ALIGN = 4096  # the largest logical block size of common devices: every O_DIRECT write aligns to it
 
 
+class Staging:
+    """An aligned buffer kept across files (one per copying thread: not shared)."""
+
+    def __init__(self) -> None:
+        self.raw = np.empty(0, dtype=np.uint8)  # what owns the memory
+        self.buf = self.raw  # its aligned part, whole blocks
+
+    def grow(self, need: int, keep: int) -> None:
+        """At least ``need`` bytes, the first ``keep`` kept."""
+        # Over-allocate by ALIGN and start at the first aligned address: O_DIRECT needs it.
+        size = -(-need // ALIGN) * ALIGN  # whole blocks, so a padded last block fits
+        raw = np.empty(size + ALIGN, dtype=np.uint8)
+        start = -raw.ctypes.data % ALIGN
+        buf = raw[start : start + size]
+        buf[:keep] = self.buf[:keep]
+        self.raw, self.buf = raw, buf
+
+
 class SegmentWriter:
-    def __init__(self, path: str):
+    def __init__(self, path: str, staging: Staging | None = None):
         plain = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         direct = getattr(os, "O_DIRECT", 0)
         self.direct = bool(direct)
@@ -35,15 +57,14 @@ class SegmentWriter:
                 raise
             self.direct = False  # the filesystem refuses O_DIRECT
             self._fd = os.open(path, plain)
-        self._raw = np.empty(0, dtype=np.uint8)
-        self._buf = self._raw
+        self._staging = staging if staging is not None else Staging()
         self._fill = 0  # bytes held in the buffer, not yet written
         self.size = 0  # bytes committed in all
 
     def reserve(self, n: int) -> np.ndarray:
         """The buffer's next ``n`` bytes, for the caller to fill and ``commit``."""
         if self._fill + n > len(self._buf):
-            self._grow(self._fill + n)
+            self._staging.grow(self._fill + n, self._fill)
         return self._buf[self._fill : self._fill + n]
 
     def commit(self, n: int) -> None:
@@ -83,14 +104,9 @@ class SegmentWriter:
     def abandon(self) -> None:
         os.close(self._fd)
 
-    def _grow(self, need: int) -> None:
-        # Over-allocate by ALIGN and start at the first aligned address: O_DIRECT needs it.
-        size = -(-need // ALIGN) * ALIGN  # whole blocks, so a padded last block fits
-        raw = np.empty(size + ALIGN, dtype=np.uint8)
-        start = -raw.ctypes.data % ALIGN
-        buf = raw[start : start + size]
-        buf[: self._fill] = self._buf[: self._fill]
-        self._raw, self._buf = raw, buf
+    @property
+    def _buf(self) -> np.ndarray:
+        return self._staging.buf
 
     def _write(self, data: np.ndarray) -> None:
         view = memoryview(data.data)
