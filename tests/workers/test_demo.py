@@ -288,7 +288,6 @@ def test_small_flag_and_bad_flags():
         ["--max-staleness", "1"],  # without --async: the synchronous demo is on-policy
         ["--async", "--max-staleness", "-1"],
         ["--partial-rollouts"],  # without --async: no weight update interrupts a rollout
-        ["--async", "--partial-rollouts", "--checkpoint-dir", "d"],  # not resumable yet
         ["--minibatches", "3"],  # 16 samples do not split into 3 equal minibatches
         ["--small", "--learn"],
         ["--vocab-size", "4"],
