@@ -1,8 +1,10 @@
 """Directories that appear whole or not at all (store and policy checkpoints).
 
 Everything is written into ``<dir>.tmp-<random>`` beside the final name, every file
-is fsynced, and only then is the directory renamed to ``<dir>`` (and the rename synced): a crash mid-save
-leaves no directory of the final name, only a temporary one that nothing loads.
+is fsynced, and only then is the directory renamed to ``<dir>`` (and the rename
+synced): a crash mid-save leaves no directory of the final name, only a temporary one
+that nothing loads. Writers that sync their own files (a store checkpoint's units)
+call ``rename_into_place`` instead of ``publish``.
 """
 
 from __future__ import annotations
@@ -29,11 +31,25 @@ def publish(tmp: str, directory: str) -> str:
         if entry.is_file(follow_symlinks=False):
             with open(entry.path, "rb") as f:
                 os.fsync(f.fileno())
+    return rename_into_place(tmp, directory)
+
+
+def rename_into_place(tmp: str, directory: str) -> str:
+    """Rename ``tmp``, whose files are synced already, to ``directory``, with its entries
+    and the rename made durable; returns its absolute path."""
     sync_dir(tmp)
     directory = os.path.abspath(directory)
     os.rename(tmp, directory)
     sync_dir(os.path.dirname(directory))  # the rename itself
     return directory
+
+
+def write_synced(path: str, data: bytes) -> None:
+    """A new file holding ``data``, synced before it returns."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def sync_dir(path: str) -> None:

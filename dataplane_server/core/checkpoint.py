@@ -79,12 +79,12 @@ def save_failed(directory: str, e: OSError) -> CheckpointError:
 
 
 def finish(tmp: str, directory: str, units: list[DumpedUnit], state: dict, about: dict) -> None:
-    """Write state and manifest into ``tmp``, sync everything, rename it to ``directory``.
+    """Write state and manifest into ``tmp`` and sync them (each unit synced its own files),
+    then rename it to ``directory``.
 
     ``about``: the checkpoint's id, position, time and parent, kept in the manifest."""
     data = msgpack.packb(state, use_bin_type=True)
-    with open(os.path.join(tmp, STATE), "wb") as f:
-        f.write(data)
+    atomic_dir.write_synced(os.path.join(tmp, STATE), data)
     manifest = {
         "format": FORMAT,
         **about,
@@ -100,9 +100,8 @@ def finish(tmp: str, directory: str, units: list[DumpedUnit], state: dict, about
         ],
         "state": {"name": STATE, "nbytes": len(data), "digest": file_digest.of(data)},
     }
-    with open(os.path.join(tmp, MANIFEST), "w") as text:
-        json.dump(manifest, text, indent=1)
-    atomic_dir.publish(tmp, directory)
+    atomic_dir.write_synced(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1).encode())
+    atomic_dir.rename_into_place(tmp, directory)
 
 
 abandon = atomic_dir.abandon

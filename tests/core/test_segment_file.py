@@ -53,7 +53,9 @@ def test_a_segment_holds_exactly_the_bytes_committed_on_either_path(tmp_path, si
                 out.reserve(n)[:] = data[pos : pos + n]
                 out.commit(n)
                 pos += n
-            out.write(data[pos:].tobytes())  # the rest in one append, larger than the buffer
+            rest = size - pos  # the rest in one append, larger than the buffer
+            out.reserve(rest)[:] = data[pos:]
+            out.commit(rest)
             out.close()
             assert out.size == size
             with open(path, "rb") as f:

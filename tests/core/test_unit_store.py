@@ -11,6 +11,7 @@ can tell that a process died (``owners_died`` is what it calls then).
 
 import asyncio
 import dataclasses
+import errno
 import os
 import pickle
 import shutil
@@ -731,6 +732,34 @@ def test_a_paced_checkpoint_writes_the_same_bytes_as_one_at_full_speed(
     assert len(data[0]) == 20 << 20
     assert data[0] == data[1]
     assert stores().load(str(tmp_path / "paced"), dumped[0.5].files) == 20
+
+
+def test_a_parent_segment_is_copied_where_the_filesystem_refuses_a_link(
+    stores, tmp_path, monkeypatch
+):
+    """Across filesystems (EXDEV) the parent's segment is copied, not linked: the same
+    bytes, counted as copied, and the child restores whole with its parent deleted."""
+    store = stores()
+    _put(store, "p", "w1", _ids("s", 3), {"x": _rows(3, 5000)}, SampleMeta(1))
+    first = _checkpoint(store, tmp_path / "a", {"p": _ids("s", 3)})
+    _put(store, "p", "w2", ["t"], {"x": _rows(1, 5000, start=3)}, SampleMeta(2))
+
+    def no_link(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link", src)
+
+    monkeypatch.setattr(unit_checkpoint.os, "link", no_link)
+    cut = {"p": [*_ids("s", 3), "t"]}
+    second = _checkpoint(store, tmp_path / "b", cut, (tmp_path / "a", first), "c2")
+    assert second.linked == 0
+    inherited = second.files[2].name
+    assert (tmp_path / "b" / inherited).read_bytes() == (tmp_path / "a" / inherited).read_bytes()
+    assert second.written - second.files[0].nbytes == 5000 + 3 * 5000  # new, then copied
+    shutil.rmtree(tmp_path / "a")
+    fresh = stores()
+    assert fresh.load(str(tmp_path / "b"), second.files) == 4
+    assert torch.equal(
+        _read(fresh, "p", cut["p"], "x"), torch.cat([_rows(3, 5000), _rows(1, 5000, start=3)])
+    )
 
 
 def test_a_parent_from_another_process_of_the_unit_is_not_referenced(stores, tmp_path):

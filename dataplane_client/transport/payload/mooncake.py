@@ -1,7 +1,7 @@
-"""Mooncake's Transfer Engine (RDMA where it finds a device, else TCP): a get pulls a unit's bytes straight out of the
-unit's registered chunk memory into its own buffer, with no copy on the unit's side and
-nothing through Ray's object store (``dataplane_server/unit/payload.py`` is the unit's
-side).
+"""Mooncake's Transfer Engine (RDMA where it finds a device, else TCP): a get pulls a
+unit's bytes straight out of the unit's registered chunk memory into its own buffer, with
+no copy on the unit's side and nothing through Ray's object store
+(``dataplane_server/unit/payload.py`` is the unit's side).
 
 Peer-to-peer handshake (``P2PHANDSHAKE``): no metadata server to run; a peer is named by
 its engine's ``ip:port`` (its session). One engine per process, started on first use.
@@ -123,12 +123,9 @@ def backend_name(protocol: str) -> str:
 
 def transport(host: str, mode: str = "auto") -> tuple[str, tuple[str, ...]]:
     """What this process's engine moves bytes over (the engine started if need be)."""
-    global _transport
-    eng = engine(host, mode)
-    with _lock:
-        if _transport is None:
-            _transport = transport_of(eng)
-        return _transport
+    engine(host, mode)
+    assert _transport is not None  # set with the engine
+    return _transport
 
 
 def counters() -> dict[str, int]:
@@ -176,7 +173,7 @@ def engine(host: str, mode: str = "auto") -> Any:
     """This process's engine (started on first call, ``mode`` as ``engine_environment``
     takes it); RuntimeError saying why when there is none (the package or its libibverbs
     missing, or the engine would not start): the reason is kept, so a process tries once."""
-    global _engine, _engine_error
+    global _engine, _engine_error, _transport
     with _lock:
         if _engine is not None:
             return _engine
@@ -184,6 +181,7 @@ def engine(host: str, mode: str = "auto") -> Any:
             raise RuntimeError(_engine_error)
         try:
             e = start_engine(host, mode)
+            _transport = transport_of(e)
         except Exception as exc:  # noqa: BLE001 - ImportError, OSError (libibverbs), engine errors
             _engine_error = f"Mooncake unavailable in this process: {type(exc).__name__}: {exc}"
             raise RuntimeError(_engine_error) from None
@@ -283,10 +281,10 @@ def probe(offer: PayloadOffer, host: str, mode: str = "auto") -> str | None:
     if why_not is not None:
         return f"this process cannot check what it pulls: {why_not}"
     try:
-        mine, devices = transport(host, mode)
         eng = engine(host, mode)
     except RuntimeError as e:
         return str(e)
+    mine, devices = transport(host, mode)
     if backend_name(mine) != offer.backend:
         theirs = "RDMA" if offer.backend == MOONCAKE_RDMA else "TCP"
         here = f"RDMA ({', '.join(devices)})" if mine == "rdma" else "TCP (no RDMA device)"

@@ -7,7 +7,8 @@ else ``mooncake-tcp``) when (1) the service allows it (``cross_node_transport`` 
 ``auto`` or ``tcp``), (2) the package imports here, (3) the unit's engine runs (its
 ``payload_offer``), (4) this process's engine starts, (5) moves bytes over the same
 transport as the unit's and (6) pulls the unit's probe bytes, CRC-32C checked (the peer
-is reachable); else Ray's object transfer, with the first reason that failed. Each choice is logged once per process and unit node, and shown in
+is reachable); else Ray's object transfer, with the first reason that failed. Each
+choice is logged once per process and unit node, and shown in
 ``service_info().payload_paths``.
 """
 

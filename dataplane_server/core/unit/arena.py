@@ -271,13 +271,12 @@ class Arena:
         into: np.ndarray | None = None,
     ) -> np.ndarray:
         """Byte ranges [starts[i], ends[i]) of ``blocks[which[i]]``, back to back in one buffer:
-        the start of ``into`` where given and large enough (a copy loop reuses one buffer
-        rather than fault in fresh pages every time), else a new one."""
+        ``into`` where given (exactly their size: a copy loop reuses one buffer rather than
+        fault in fresh pages every time), else a new one."""
         total = int((ends - starts).sum())
-        if into is not None and len(into) >= total:
-            out = into[:total]
-        else:
-            out = np.empty(total, dtype=np.uint8)
+        if into is not None and len(into) != total:
+            raise ValueError(f"gather of {total} bytes into a buffer of {len(into)}")
+        out = np.empty(total, dtype=np.uint8) if into is None else into
         # Merge abutting ranges only inside one block: offset each block far from the others.
         key = which.astype(np.int64) << 48
         run_starts, run_ends = contiguous_runs(starts + key, ends + key)

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgpack
 import numpy as np
 
-from dataplane_client.wire import failpoints
+from dataplane_client.wire import atomic_dir, failpoints
 from dataplane_client.wire.encoded import contiguous_runs
 from dataplane_client.wire.errors import (
     CapacityExceeded,
@@ -421,10 +421,7 @@ def write(
         data = msgpack.packb(index, use_bin_type=True)
     except TypeError as e:
         raise InvalidBatch(f"unit {store.index} holds tags that cannot be saved ({e})") from None
-    with open(os.path.join(directory, index_name(store.index)), "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    atomic_dir.write_synced(os.path.join(directory, index_name(store.index)), data)
     index_file = DumpedFile(store.index, index_name(store.index), len(data), file_digest.of(data))
     files = [index_file, *(segments[i] for i in kept)]
     return DumpedUnit(
@@ -517,10 +514,10 @@ def _copy_file(src: str, dst: str, pace: CopyPace, staging: Staging | None) -> N
         with open(src, "rb") as inp:
             while True:
                 pace.start()
-                block = inp.read(_BATCH_BYTES)
-                if not block:
+                got = inp.readinto(out.reserve(_BATCH_BYTES).data)  # straight into the buffer
+                if not got:
                     break
-                out.write(block)
+                out.commit(got)
                 pace.after_batch()
     except BaseException:
         out.abandon()

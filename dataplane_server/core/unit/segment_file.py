@@ -78,12 +78,6 @@ class SegmentWriter:
             self._buf[:tail] = self._buf[whole : self._fill]
             self._fill = tail
 
-    def write(self, data) -> None:
-        """Append ``data`` (any buffer) through the aligned buffer."""
-        src = np.frombuffer(data, dtype=np.uint8)
-        self.reserve(len(src))[:] = src
-        self.commit(len(src))
-
     def close(self) -> None:
         """Write what is left (padded to a block under O_DIRECT, then cut back to the true
         length) and sync the file; the descriptor is closed even on failure."""
