@@ -11,16 +11,16 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import zlib
 
 import pytest
 import ray
 import torch
 from polling import wait_until
+from ray_writers import values, writer_class
 
 import dataplane_client.client as client_module
 from dataplane_client.wire.config import DataPlaneConfig
-from dataplane_client.wire.errors import ConfigError, DataPlaneError
+from dataplane_client.wire.errors import ConfigError
 from dataplane_server.core.unit import durable_layout
 
 WIDTH = 4096  # 16 KiB rows: same-node puts copy into the unit's files themselves
@@ -28,9 +28,7 @@ WIDTH = 4096  # 16 KiB rows: same-node puts copy into the unit's files themselve
 
 def _values(ids: list[str]) -> torch.Tensor:
     """Each sample's row is a pure function of its id, so any mix-up is visible."""
-    return torch.stack(
-        [torch.arange(WIDTH, dtype=torch.float32) + zlib.crc32(s.encode()) % 100_000 for s in ids]
-    )
+    return values(ids, WIDTH)
 
 
 @pytest.fixture
@@ -111,52 +109,12 @@ def test_a_unit_and_the_controller_restarted_in_either_order_lose_nothing(durabl
     _check_kept(c, ids, first, held)
 
 
-def _writer_class():
-    """Defined here so Ray ships it by value (the test module is not importable on workers)."""
-
-    @ray.remote
-    class Writer:
-        def __init__(self, name, namespace):
-            from dataplane_client.client import connect
-
-            self.c = connect(name, namespace)
-            self.done: list[str] = []
-
-        def write(self, batches: int, size: int) -> tuple[list[str], list[str]]:
-            """Put ``batches`` batches; a batch refused with a typed error is retried until
-            it goes in (what a trainer's rollout loop does); untyped errors are returned."""
-            untyped = []
-            for b in range(batches):
-                ids = [f"w{b}-{i}" for i in range(size)]
-                rows = torch.stack(
-                    [
-                        torch.arange(WIDTH, dtype=torch.float32) + zlib.crc32(s.encode()) % 100_000
-                        for s in ids
-                    ]
-                )
-                for _ in range(50):
-                    try:
-                        self.c.put_samples(ids, "p", {"x": rows})
-                        self.done.extend(ids)
-                        break
-                    except DataPlaneError:
-                        continue
-                    except Exception as e:  # noqa: BLE001 - exactly what the test looks for
-                        untyped.append(repr(e))
-            return self.done, untyped
-
-        def progress(self) -> int:
-            return len(self.done)
-
-    return Writer
-
-
 @pytest.mark.slow
 def test_a_unit_killed_under_writes_loses_no_committed_sample(durable):
     h = durable(num_storage_units=1)
     c, ids, first, held = _prepared(h)
-    writer = _writer_class().remote(h.config.name, h.config.namespace)
-    run = writer.write.remote(60, 8)
+    writer = writer_class().remote(h.config.name, h.config.namespace)
+    run = writer.write.remote("p", 60, 8, WIDTH, attempts=50)
     wait_until(lambda: ray.get(writer.progress.remote()) >= 80, 180, "writes under way")
     _sigkill_unit(h, 0)
     done, untyped = ray.get(run, timeout=600)

@@ -14,7 +14,6 @@ import functools
 import os
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import crc32c
@@ -22,6 +21,7 @@ import pytest
 import ray
 import torch
 from polling import wait_until
+from ray_writers import values, writer_class
 
 import dataplane_client.client as client_module
 from dataplane_client.wire import failpoints
@@ -40,9 +40,7 @@ DENSE_F32 = ("dense", "float32", ())
 
 def _values(ids: list[str]) -> torch.Tensor:
     """Each sample's row is a pure function of its id, so any mix-up is visible."""
-    return torch.stack(
-        [torch.arange(4, dtype=torch.float32) + zlib.crc32(s.encode()) % 100_000 for s in ids]
-    )
+    return values(ids, 4)
 
 
 @pytest.fixture
@@ -78,44 +76,6 @@ def test_a_typed_publish_refusal_reaches_the_caller_and_no_unit_is_lost(fresh, n
     assert c.get_samples(["ok"], "p", ["x"])["x"].tolist() == [1.0]
 
 
-def _writer_class():
-    """Defined here so Ray ships it by value (the test module is not importable on workers)."""
-
-    @ray.remote
-    class Writer:
-        def __init__(self, name, namespace):
-            from dataplane_client.client import connect
-
-            self.c = connect(name, namespace)
-            self.done: list[str] = []
-
-        def write(self, pid: str, batches: int, size: int) -> tuple[list[str], list[str]]:
-            import zlib
-
-            untyped = []
-            for b in range(batches):
-                ids = [f"w{b}-{i}" for i in range(size)]
-                rows = torch.stack(
-                    [
-                        torch.arange(4, dtype=torch.float32) + zlib.crc32(s.encode()) % 100_000
-                        for s in ids
-                    ]
-                )
-                try:
-                    self.c.put_samples(ids, pid, {"x": rows})
-                    self.done.extend(ids)
-                except DataPlaneError:
-                    pass
-                except Exception as e:  # noqa: BLE001 - exactly what the test looks for
-                    untyped.append(repr(e))
-            return self.done, untyped
-
-        def progress(self) -> int:
-            return len(self.done)
-
-    return Writer
-
-
 @pytest.mark.slow
 def test_controller_killed_during_writes_loses_nothing_committed_and_keeps_cursors(fresh):
     h = fresh(num_storage_units=2)
@@ -125,7 +85,7 @@ def test_controller_killed_during_writes_loses_nothing_committed_and_keeps_curso
     c.put_samples(["pre-0", "pre-1", "pre-2"], pid, {"x": _values(["pre-0", "pre-1", "pre-2"])})
     first = c.claim_meta(pid, "t", ["x"], 2)
     held = c.claim_meta(pid, "u", ["x"], 1)
-    writer = _writer_class().remote(h.config.name, h.config.namespace)
+    writer = writer_class().remote(h.config.name, h.config.namespace)
     run = writer.write.remote(pid, 60, 8)
     wait_until(lambda: ray.get(writer.progress.remote()) >= 80, 120, "writes under way")
     ray.kill(h.controller, no_restart=False)
